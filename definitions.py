@@ -1,0 +1,2 @@
+from dagster import Definitions
+defs = Definitions()

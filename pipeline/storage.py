@@ -1,0 +1,252 @@
+"""The storage layer: one root URL (``file://`` or ``s3://``) behind fsspec.
+
+Invariants every caller relies on:
+
+- **Atomic writes.** A reader sees an object whole or not at all. Locally a write goes to a
+  temporary name in the same directory and is renamed into place; on S3 the object is
+  uploaded with ``autocommit=False`` and committed only after the last byte was written
+  (fsspec's plain ``open("wb")`` would publish a partial object on error).
+- **Idempotent names.** Keys are chosen by callers from their inputs; writing the same key
+  twice with the same bytes leaves one identical object.
+- **Manifests last.** A dataset is a key prefix holding data files plus ``_manifest.json``
+  (see :mod:`pipeline.manifest`); the manifest is a single small PUT and is the commit
+  point of the dataset.
+
+Keys are ``/``-separated paths relative to the root. This module never reads the
+environment: credentials and endpoints arrive as ``storage_options``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import posixpath
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import fsspec
+
+_CHUNK = 1 << 20
+
+
+class StorageError(RuntimeError):
+    """A storage operation failed; the message names the URL."""
+
+
+@dataclass(frozen=True)
+class WrittenObject:
+    """What was written: the key, its size and the sha256 of its bytes."""
+
+    key: str
+    bytes: int
+    sha256: str
+
+
+class _HashingWriter:
+    """File-like wrapper that hashes and counts bytes on their way to ``inner``."""
+
+    def __init__(self, inner: BinaryIO):
+        self._inner = inner
+        self._sha = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data)
+        self._sha.update(view)
+        self.bytes += view.nbytes
+        self._inner.write(view)
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self.bytes
+
+    def flush(self) -> None:
+        self._inner.flush()
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+class Storage:
+    """A root URL and its fsspec filesystem; all keys are relative to the root."""
+
+    def __init__(self, root_url: str, storage_options: Mapping[str, Any] | None = None):
+        if "://" not in root_url:
+            root_url = Path(root_url).resolve().as_uri()
+        self.root_url = root_url.rstrip("/")
+        self.fs, root_path = fsspec.core.url_to_fs(self.root_url, **dict(storage_options or {}))
+        self._root = root_path.rstrip("/")
+        self.is_local = "file" in _protocols(self.fs)
+        if self.is_local:
+            os.makedirs(self._root, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"Storage({self.root_url!r})"
+
+    # -- naming -----------------------------------------------------------------------
+    def path(self, key: str) -> str:
+        """The filesystem path of ``key`` (what fsspec calls a path)."""
+        key = key.strip("/")
+        if not key:
+            return self._root
+        if any(part in ("", ".", "..") for part in key.split("/")):
+            raise StorageError(f"invalid storage key {key!r}")
+        return f"{self._root}/{key}"
+
+    def url(self, key: str = "") -> str:
+        """The full URL of ``key``: what lineage metadata records."""
+        key = key.strip("/")
+        return f"{self.root_url}/{key}" if key else self.root_url
+
+    def key_of(self, url: str) -> str:
+        """Inverse of :meth:`url` for URLs under this root."""
+        prefix = self.root_url + "/"
+        if not url.startswith(prefix):
+            raise StorageError(f"{url} is not under storage root {self.root_url}")
+        return url[len(prefix) :]
+
+    # -- writing ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def open_write(self, key: str) -> Iterator[_HashingWriter]:
+        """Atomically write ``key``: the object appears only if the block exits cleanly.
+
+        Yields a binary file-like object; after the block ``writer.bytes`` and
+        ``writer.hexdigest()`` describe what was published.
+        """
+        target = self.path(key)
+        if self.is_local:
+            with self._local_atomic(target) as raw:
+                writer = _HashingWriter(raw)
+                yield writer
+            return
+        try:
+            raw = self.fs.open(target, "wb", autocommit=False)
+        except OSError as e:
+            raise StorageError(f"cannot open {self.url(key)} for writing: {e}") from e
+        writer = _HashingWriter(raw)
+        try:
+            yield writer
+            raw.close()  # uploads the buffered tail as a part; nothing is visible yet
+            raw.commit()  # completes the multipart upload: the object appears whole
+        except BaseException:
+            raw.discard()  # aborts the multipart upload: nothing was published
+            raw.closed = True  # else fsspec's __del__ would flush and start a new upload
+            raise
+
+    @contextlib.contextmanager
+    def _local_atomic(self, target: str) -> Iterator[BinaryIO]:
+        directory = os.path.dirname(target)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(target)}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def write_bytes(self, key: str, data: bytes) -> WrittenObject:
+        """Write a small object; on S3 a single PUT (visible whole or not at all)."""
+        if self.is_local:
+            with self.open_write(key) as f:
+                f.write(data)
+        else:
+            self.fs.pipe_file(self.path(key), data)
+        return WrittenObject(key, len(data), hashlib.sha256(data).hexdigest())
+
+    def upload_file(self, local_path: str | Path, key: str) -> WrittenObject:
+        """Copy a local file to ``key`` atomically, hashing it on the way."""
+        with open(local_path, "rb") as src, self.open_write(key) as dst:
+            while chunk := src.read(_CHUNK):
+                dst.write(chunk)
+        return WrittenObject(key, dst.bytes, dst.hexdigest())
+
+    def upload_dir(self, local_dir: str | Path, prefix: str) -> list[WrittenObject]:
+        """Copy every file under ``local_dir`` to ``prefix/<relative path>``, sorted."""
+        local_dir = Path(local_dir)
+        files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+        return [self.upload_file(p, f"{prefix}/{p.relative_to(local_dir).as_posix()}") for p in files]
+
+    # -- reading ----------------------------------------------------------------------
+    def open_read(self, key: str) -> BinaryIO:
+        try:
+            return self.fs.open(self.path(key), "rb")
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{self.url(key)} does not exist") from e
+
+    def read_bytes(self, key: str) -> bytes:
+        with self.open_read(key) as f:
+            return f.read()
+
+    def sha256(self, key: str) -> tuple[int, str]:
+        """Size and sha256 of the stored object, streamed."""
+        sha = hashlib.sha256()
+        size = 0
+        with self.open_read(key) as f:
+            while chunk := f.read(_CHUNK):
+                sha.update(chunk)
+                size += len(chunk)
+        return size, sha.hexdigest()
+
+    def exists(self, key: str) -> bool:
+        return bool(self.fs.exists(self.path(key)))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys of all objects under ``prefix`` (recursive, sorted); temp files excluded."""
+        base = self.path(prefix)
+        self.fs.invalidate_cache(base)
+        try:
+            found = self.fs.find(base)
+        except FileNotFoundError:
+            return []
+        root = self._root + "/"
+        keys = [p[len(root) :] if p.startswith(root) else p for p in found]
+        return sorted(k for k in keys if not posixpath.basename(k).endswith(".tmp"))
+
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        """Names of the immediate sub-directories of ``prefix``."""
+        base = self.path(prefix)
+        self.fs.invalidate_cache(base)
+        try:
+            entries = self.fs.ls(base, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries
+                      if e["type"] == "directory")
+
+    def download_dir(self, prefix: str, local_dir: str | Path) -> Path:
+        """Copy every object under ``prefix`` into ``local_dir`` (which is returned)."""
+        local_dir = Path(local_dir)
+        for key in self.list(prefix):
+            dest = local_dir / key[len(prefix.strip("/")) + 1 :]
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with self.open_read(key) as src, open(dest, "wb") as dst:
+                while chunk := src.read(_CHUNK):
+                    dst.write(chunk)
+        return local_dir
+
+    def local_path(self, key: str) -> Path | None:
+        """The local filesystem path of ``key`` for ``file://`` roots, else None."""
+        return Path(self.path(key)) if self.is_local else None
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    proto = fs.protocol
+    return (proto,) if isinstance(proto, str) else tuple(proto)

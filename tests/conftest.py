@@ -1,0 +1,72 @@
+"""Shared fixtures: a real S3 API server (moto_server) on loopback, storages to test against."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline.storage import Storage
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Poll until something accepts connections on ``port`` (no fixed sleeps)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint(tmp_path_factory) -> str:
+    """A real S3 HTTP API on 127.0.0.1, stopped by PID at the end of the session."""
+    exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(port, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()
+
+
+def s3_options(endpoint: str) -> dict:
+    return {"key": "aerie-test", "secret": "aerie-test-secret", "endpoint_url": endpoint,
+            "skip_instance_cache": True}
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request, tmp_path) -> Storage:
+    """The same Storage contract over a local directory and over S3 (moto_server)."""
+    if request.param == "local":
+        return Storage(tmp_path.as_uri())
+    endpoint = request.getfixturevalue("moto_endpoint")
+    bucket = f"aerie-{uuid.uuid4().hex[:12]}"
+    opts = s3_options(endpoint)
+    probe = Storage(f"s3://{bucket}", opts)
+    probe.fs.mkdir(bucket)
+    return Storage(f"s3://{bucket}/root", opts)
