@@ -182,7 +182,8 @@ class Storage:
         """Copy every file under ``local_dir`` to ``prefix/<relative path>``, sorted."""
         local_dir = Path(local_dir)
         files = sorted(p for p in local_dir.rglob("*") if p.is_file())
-        return [self.upload_file(p, f"{prefix}/{p.relative_to(local_dir).as_posix()}") for p in files]
+        return [self.upload_file(p, f"{prefix}/{p.relative_to(local_dir).as_posix()}")
+                for p in files]
 
     # -- reading ----------------------------------------------------------------------
     def open_read(self, key: str) -> BinaryIO:

@@ -59,6 +59,9 @@ class Limits:
     max_id_chars: int = 512
 
 
+DEFAULT_LIMITS = Limits()
+
+
 class RecordError(ValueError):
     """A record violates the contract; ``field`` names the offending field."""
 
@@ -69,7 +72,7 @@ class RecordError(ValueError):
 
 
 def validate_record(raw: Mapping[str, Any], *, vocab_size: int, step: int | None = None,
-                    limits: Limits = Limits()) -> dict[str, Any]:
+                    limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
     """The normalised record, or :class:`RecordError` for the first violation found."""
     if not isinstance(raw, Mapping):
         raise RecordError("<record>", f"expected a mapping, got {type(raw).__name__}")

@@ -28,6 +28,7 @@ from pipeline.contracts import FileEntry, Manifest
 from pipeline.data.parquet import ParquetFileError, read_table, write_table
 from pipeline.data.policy_store import load_policy_ref, publish_policy, step_dir
 from pipeline.data.rollout_schema import (
+    DEFAULT_LIMITS,
     ROLLOUT_SCHEMA,
     ROLLOUT_SCHEMA_VERSION,
     Limits,
@@ -140,7 +141,7 @@ def _write_quarantine(storage: Storage, prefix: str, rejections: list[dict]) -> 
 class SnapshotWriter:
     """What an RL trainer calls once per step: records plus the policy checkpoint dir."""
 
-    def __init__(self, storage: Storage, *, limits: Limits = Limits(),
+    def __init__(self, storage: Storage, *, limits: Limits = DEFAULT_LIMITS,
                  rows_per_file: int = 4096):
         self.storage, self.limits, self.rows_per_file = storage, limits, rows_per_file
 
@@ -210,7 +211,7 @@ def completed_steps(storage: Storage) -> list[int]:
     return sorted(steps)
 
 
-def validate_snapshot(storage: Storage, step: int, *, limits: Limits = Limits(),
+def validate_snapshot(storage: Storage, step: int, *, limits: Limits = DEFAULT_LIMITS,
                       rows_per_file: int = 4096) -> SnapshotSummary:
     """Re-validate a written snapshot and publish the validated copy.
 

@@ -1,0 +1,141 @@
+"""``aerie``: the command line of the embedded default.
+
+``aerie demo`` plays both sides on one machine: the demo RL world (the user's RL trainer,
+writing snapshots through the writer API) and Aerie's Dagster jobs on a persistent sqlite
+instance under ``$AERIE_HOME/dagster``, so the runs can be inspected later with
+``aerie ui``. The sensor is ticked in-process, exactly as the daemon would tick it, and its
+run requests are executed; partitions that are already materialized are skipped.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+log = logging.getLogger("aerie")
+
+
+def _prepare_dagster_home() -> Path:
+    from resources.home import dagster_home
+
+    home = Path(os.environ.setdefault("DAGSTER_HOME", str(dagster_home())))
+    home.mkdir(parents=True, exist_ok=True)
+    config = home / "dagster.yaml"
+    if not config.exists():
+        config.write_text("telemetry:\n  enabled: false\n")
+    return home
+
+
+def generate_demo_world(force: bool = False) -> dict:
+    """Run the demo RL world once; its report is written last, so a crash re-runs it."""
+    from pipeline.demo.world import DemoConfig, generate_world
+
+    from pipeline.data.rollouts import SnapshotWriter
+    from resources.home import aerie_home
+    from resources.storage import storage_from_environment
+
+    work_dir = aerie_home() / "demo-world"
+    report_path = work_dir / "world.json"
+    if report_path.exists() and not force:
+        log.info("demo world already generated (%s)", report_path)
+        return json.loads(report_path.read_text())
+    writer = SnapshotWriter(storage_from_environment())
+
+    def publish(out) -> None:
+        writer.write_step(out.step, out.records, out.policy_dir, out.policy_version)
+
+    report = generate_world(DemoConfig(), work_dir, on_step=publish, progress=True)
+    data = asdict(report)
+    report_path.write_text(json.dumps(data, indent=2, default=str))
+    return data
+
+
+def run_pipeline() -> list[str]:
+    """Tick the snapshot sensor once and execute its run requests on the local instance."""
+    from dagster import DagsterInstance, build_sensor_context
+
+    from definitions import defs
+    from jobs.snapshots import snapshot_sensor
+
+    instance = DagsterInstance.get()
+    storage = defs.resources["storage"]
+    result = snapshot_sensor(build_sensor_context(instance=instance,
+                                                  resources={"storage": storage}))
+    requests = getattr(result, "run_requests", None) or []
+    for add in getattr(result, "dynamic_partitions_requests", None) or []:
+        instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys))
+    done = instance.get_materialized_partitions(_asset_key("rollout_snapshot"))
+    job = defs.resolve_job_def("ingest_snapshot")
+    ran = []
+    for request in requests:
+        if request.partition_key in done:
+            continue
+        outcome = job.execute_in_process(instance=instance, partition_key=request.partition_key,
+                                         tags=request.tags, raise_on_error=True)
+        log.info("%s: run %s %s", request.partition_key, outcome.run_id,
+                 "succeeded" if outcome.success else "FAILED")
+        ran.append(request.partition_key)
+    return ran
+
+
+def _asset_key(name: str):
+    from dagster import AssetKey
+
+    return AssetKey(name)
+
+
+def _print_drift(report: dict) -> None:
+    steps = report.get("steps") or []
+    if not steps:
+        return
+    cols = ["accuracy", "mean_response_tokens", "mean_reward", "kl_to_step0",
+            "top1_agreement_with_step0"]
+    print("step  " + "  ".join(f"{c:>24}" for c in cols))
+    for row in steps:
+        metrics = row.get("metrics", row)
+        print(f"{row.get('step', '?'):>4}  " + "  ".join(
+            f"{metrics.get(c, float('nan')):>24.4f}" for c in cols))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    _prepare_dagster_home()
+    t0 = time.perf_counter()
+    report = generate_demo_world(force=args.regenerate)
+    t1 = time.perf_counter()
+    _print_drift(report)
+    ran = run_pipeline()
+    t2 = time.perf_counter()
+    print(f"demo world: {t1 - t0:.1f}s; Dagster: {len(ran)} runs in {t2 - t1:.1f}s "
+          f"(DAGSTER_HOME={os.environ['DAGSTER_HOME']})")
+    return 0
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    _prepare_dagster_home()
+    exe = Path(sys.executable).with_name("dagster")
+    os.execv(str(exe), [str(exe), "dev", "-w", "workspace.yaml", "-h", "127.0.0.1",
+                        "-p", str(args.port)])
+    return 0  # unreachable
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="aerie", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="generate the demo RL world and run the pipeline on it")
+    demo.add_argument("--regenerate", action="store_true",
+                      help="generate the demo world again even if it exists")
+    demo.set_defaults(func=cmd_demo)
+    ui = sub.add_parser("ui", help="open the Dagster UI on the embedded default's instance")
+    ui.add_argument("--port", type=int, default=3000)
+    ui.set_defaults(func=cmd_ui)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The storage resource: turns configuration and environment into a :class:`Storage`."""
+
+
+import os
+
+from dagster import ConfigurableResource, EnvVar
+from pydantic import Field
+
+from pipeline.storage import Storage
+from resources.home import default_storage_url
+
+_ENV = {
+    "url": "AERIE_STORAGE_URL",
+    "endpoint_url": "AWS_ENDPOINT_URL",
+    "access_key_id": "AWS_ACCESS_KEY_ID",
+    "secret_access_key": "AWS_SECRET_ACCESS_KEY",
+}
+
+
+class StorageResource(ConfigurableResource):
+    """Root of all large data (rollouts, shards, checkpoints): ``file://`` or ``s3://``."""
+
+    url: str | None = Field(
+        default=None, description="fsspec root URL; unset: file://$AERIE_HOME/storage")
+    endpoint_url: str | None = Field(
+        default=None, description="S3 endpoint (e.g. MinIO, moto); unset: AWS default")
+    access_key_id: str | None = Field(default=None, description="S3 key id (via EnvVar)")
+    secret_access_key: str | None = Field(default=None, description="S3 secret (via EnvVar)")
+
+    def build(self) -> Storage:
+        url = self.url or default_storage_url()
+        options: dict = {}
+        if url.startswith("s3://"):
+            if self.endpoint_url:
+                options["endpoint_url"] = self.endpoint_url
+            if self.access_key_id:
+                options["key"] = self.access_key_id
+            if self.secret_access_key:
+                options["secret"] = self.secret_access_key
+        return Storage(url, options)
+
+
+def storage_from_env() -> StorageResource:
+    """A resource whose fields are ``EnvVar``s for the variables that are set.
+
+    Only the presence of variables is looked at here; Dagster resolves the values at run
+    time, so secrets never enter run config, logs or metadata.
+    """
+    return StorageResource(**{f: EnvVar(v) for f, v in _ENV.items() if v in os.environ})
+
+
+def storage_from_environment() -> Storage:
+    """The same storage, built outside Dagster (the CLI): values read from the environment."""
+    return StorageResource(**{f: os.environ[v] for f, v in _ENV.items()
+                              if v in os.environ}).build()

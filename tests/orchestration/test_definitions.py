@@ -1,0 +1,19 @@
+"""The definitions load, and renames of assets, checks, jobs or sensors fail loudly."""
+
+from __future__ import annotations
+
+from dagster import AssetKey
+
+from definitions import defs
+
+
+def test_definitions_load_and_names_are_stable():
+    repo = defs.get_repository_def()
+    assert {k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()} == {
+        "rollout_snapshot"}
+    assert {c.name for c in repo.asset_graph.asset_check_keys} == {"quarantine_ratio"}
+    assert {j.name for j in repo.get_all_jobs() if not j.name.startswith("__")} == {
+        "ingest_snapshot"}
+    assert {s.name for s in repo.sensor_defs} == {"snapshot_sensor"}
+    assert set(defs.resources) == {"storage"}
+    assert repo.asset_graph.get(AssetKey("rollout_snapshot")).partitions_def.name == "rl_steps"
