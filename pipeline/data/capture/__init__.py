@@ -1,0 +1,1 @@
+"""Hidden-state capture backends (``hf`` in-process, ``sglang`` over HTTP)."""
