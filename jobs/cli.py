@@ -13,7 +13,6 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 log = logging.getLogger("aerie")
@@ -30,8 +29,11 @@ def _prepare_dagster_home() -> Path:
     return home
 
 
-def generate_demo_world(force: bool = False) -> dict:
-    """Run the demo RL world once; its report is written last, so a crash re-runs it."""
+def generate_demo_world(force: bool = False, config=None) -> dict:
+    """Run the demo RL world once; its report is written last, so a crash re-runs it.
+
+    ``config`` is a :class:`pipeline.demo.world.DemoConfig` (default: the full demo world).
+    """
     from pipeline.demo.world import DemoConfig, generate_world
 
     from pipeline.data.rollouts import SnapshotWriter
@@ -48,10 +50,10 @@ def generate_demo_world(force: bool = False) -> dict:
     def publish(out) -> None:
         writer.write_step(out.step, out.records, out.policy_dir, out.policy_version)
 
-    report = generate_world(DemoConfig(), work_dir, on_step=publish, progress=True)
-    data = asdict(report)
-    report_path.write_text(json.dumps(data, indent=2, default=str))
-    return data
+    report = generate_world(config or DemoConfig(), work_dir, on_step=publish, progress=True)
+    text = report.to_json()
+    report_path.write_text(text)
+    return json.loads(text)
 
 
 def run_pipeline() -> list[str]:
