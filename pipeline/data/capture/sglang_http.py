@@ -1,0 +1,252 @@
+"""HTTP plumbing of the SGLang capture client: one JSON call with a hard deadline, the
+classification of every failure, and bounded retries with jittered exponential backoff
+across a pool of server URLs.
+
+Invariants:
+
+- Every failure is classified. :class:`TransientFailure` (connection refused/reset/dropped,
+  timeouts, HTTP 408/429/5xx, malformed JSON, and any response a validator flags as
+  possibly flaky) is retried; :class:`SGLangServerConfigError` (a misconfigured server)
+  and other HTTP 4xx answers are raised at once, because asking again cannot help.
+- Attempt ``k`` of request ``i`` goes to ``urls[(i + k) % len(urls)]``: requests spread
+  round-robin over the pool and a retry fails over to the next server.
+- A call never waits longer than ``timeout_s`` for the server to start answering, and
+  gives up on a body still arriving after ``timeout_s`` (checked between chunks).
+- Backoff is deterministic: the delay of attempt ``k`` of request ``i`` depends only on
+  ``(seed, i, k)``, not on thread timing.
+- Each thread owns its own :class:`requests.Session` (sessions are not thread-safe);
+  connections are kept alive between calls of the same thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import requests
+from requests.adapters import HTTPAdapter
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_CHUNK = 1 << 20
+_RETRYABLE_STATUS = frozenset({408, 429})
+_BAD_URL_ERRORS = (requests.exceptions.InvalidURL, requests.exceptions.InvalidSchema,
+                   requests.exceptions.MissingSchema)
+
+
+class SGLangError(RuntimeError):
+    """Base of every error the SGLang capture client raises."""
+
+
+class SGLangServerConfigError(SGLangError):
+    """A server is not launched the way capture needs (flags, mode, layer ids); never retried."""
+
+
+class SGLangRequestError(SGLangError):
+    """A request failed for good: a non-retryable HTTP error, or retries exhausted.
+
+    ``url`` is the server of the last attempt, ``samples`` the batch indices the request
+    carried and ``attempts`` one ``"URL: reason"`` line per try.
+    """
+
+    def __init__(self, message: str, *, url: str, samples: Sequence[int],
+                 attempts: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.url = url
+        self.samples = tuple(samples)
+        self.attempts = tuple(attempts)
+
+
+class TransientFailure(Exception):
+    """A failure worth retrying; ``sample`` is the batch index it concerns, when one does."""
+
+    def __init__(self, reason: str, *, sample: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.sample = sample
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """``max_retries`` extra attempts; delay ``min(cap, base·2^k)`` scaled by a jitter in
+    ``[0.5, 1.5)`` drawn from ``Random(seed, request, attempt)``."""
+
+    max_retries: int = 3
+    backoff_s: float = 0.5
+    backoff_max_s: float = 30.0
+    seed: int = 0
+
+    def delay(self, request_index: int, attempt: int) -> float:
+        jitter = random.Random(f"{self.seed}:{request_index}:{attempt}").random()
+        return min(self.backoff_max_s, self.backoff_s * 2**attempt) * (0.5 + jitter)
+
+
+@dataclass
+class CallStats:
+    """Counters a caller can log or test against (thread-safe through ``record``)."""
+
+    attempts: int = 0
+    retries: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    by_url: Counter[str] = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record(self, url: str, *, failed_reason: str | None = None, retry: bool = False) -> None:
+        with self._lock:
+            self.attempts += 1
+            self.by_url[url] += 1
+            if failed_reason is not None:
+                self.failures[failed_reason.split(":", 1)[0]] += 1
+            if retry:
+                self.retries += 1
+
+
+class JsonHttp:
+    """Thread-local keep-alive sessions; ``post_json``/``get_json`` with a hard deadline."""
+
+    def __init__(self, *, timeout_s: float, connect_timeout_s: float,
+                 api_key: str | None = None) -> None:
+        self.timeout_s = timeout_s
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.connect_timeout_s = connect_timeout_s
+        self._local = threading.local()
+        self._sessions: list[requests.Session] = []
+        self._lock = threading.Lock()
+
+    def _session(self) -> requests.Session:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = requests.Session()
+            # No transport-level retries: every retry goes through call_with_retries.
+            session.mount("http://", HTTPAdapter(max_retries=0))
+            session.mount("https://", HTTPAdapter(max_retries=0))
+            session.headers.update({"Content-Type": "application/json", **self._auth})
+            self._local.session = session
+            with self._lock:
+                self._sessions.append(session)
+        return session
+
+    def close(self) -> None:
+        with self._lock:
+            sessions, self._sessions = self._sessions, []
+        for session in sessions:
+            session.close()
+
+    def post_json(self, url: str, path: str, payload: Any) -> Any:
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        return self._call("POST", url, path, body)
+
+    def get_json(self, url: str, path: str) -> Any | None:
+        """The decoded body, or ``None`` when the server has no such endpoint (404)."""
+        return self._call("GET", url, path, None, missing_ok=True)
+
+    def _call(self, method: str, url: str, path: str, body: bytes | None, *,
+              missing_ok: bool = False) -> Any:
+        start = time.monotonic()
+        try:
+            resp = self._session().request(method, url + path, data=body, stream=True,
+                                           timeout=(self.connect_timeout_s, self.timeout_s))
+            try:
+                chunks = []
+                for chunk in resp.iter_content(_CHUNK):
+                    chunks.append(chunk)
+                    if time.monotonic() - start > self.timeout_s:
+                        raise TransientFailure(f"timeout: no full reply within "
+                                               f"{self.timeout_s:g}s")
+                content = b"".join(chunks)
+            finally:
+                resp.close()
+        except _BAD_URL_ERRORS as e:
+            raise SGLangServerConfigError(f"bad server URL {url!r}: {e}") from e
+        except requests.exceptions.Timeout as e:
+            raise TransientFailure(f"timeout: no reply within {self.timeout_s:g}s ({e})") from e
+        except requests.exceptions.RequestException as e:
+            reason = "timeout" if "timed out" in str(e).lower() else "connection"
+            raise TransientFailure(f"{reason}: {type(e).__name__}: {e}") from e
+        return self._decode(resp.status_code, content, url + path, missing_ok)
+
+    @staticmethod
+    def _decode(status: int, content: bytes, where: str, missing_ok: bool) -> Any:
+        if status == 404 and missing_ok:
+            return None
+        if status != 200:
+            message = _error_message(content)
+            if status >= 500 or status in _RETRYABLE_STATUS:
+                raise TransientFailure(f"HTTP {status}: {message}")
+            if "enable-return-hidden-states" in message:
+                raise SGLangServerConfigError(
+                    f"server at {where} was not started with --enable-return-hidden-states "
+                    f"(or --return-hidden-states-mode full); it answered HTTP {status}: {message}")
+            raise SGLangRequestError(f"{where} answered HTTP {status}: {message}",
+                                     url=where, samples=())
+        try:
+            return json.loads(content)
+        except ValueError as e:
+            raise TransientFailure(f"malformed JSON: {e} (first bytes {content[:60]!r})") from e
+
+
+def _error_message(content: bytes) -> str:
+    """SGLang answers errors as ``{"error": {"message": ...}}`` or FastAPI's ``{"message"}``."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return content[:300].decode(errors="replace")
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        for key in ("message", "detail", "error"):
+            if key in body:
+                return str(body[key])
+    return str(body)[:300]
+
+
+def call_with_retries(fn: Callable[[str], T], *, urls: Sequence[str], request_index: int,
+                      policy: RetryPolicy, stats: CallStats, what: str,
+                      samples: Sequence[int]) -> T:
+    """Run ``fn(url)`` until it returns, failing over along ``urls`` (see module invariants).
+
+    ``what`` and ``samples`` only make the final error readable: it names every URL tried,
+    the sample a validation failure concerned and each attempt's reason.
+    """
+    attempts: list[str] = []
+    for attempt in range(policy.max_retries + 1):
+        url = urls[(request_index + attempt) % len(urls)]
+        try:
+            result = fn(url)
+        except TransientFailure as failure:
+            where = "" if failure.sample is None else f" sample {failure.sample}:"
+            attempts.append(f"{url}:{where} {failure.reason}")
+            last = attempt == policy.max_retries
+            stats.record(url, failed_reason=failure.reason, retry=not last)
+            if last:
+                sample_txt = ("" if failure.sample is None
+                              else f"; the last failure concerned sample {failure.sample}")
+                raise SGLangRequestError(
+                    f"{what} for samples {list(samples)} failed after {len(attempts)} "
+                    f"attempt(s){sample_txt}; last server {url}: {failure.reason}\n  "
+                    + "\n  ".join(attempts),
+                    url=url, samples=samples, attempts=attempts) from failure
+            delay = policy.delay(request_index, attempt)
+            logger.warning("%s: attempt %d at %s failed (%s); retrying in %.2fs",
+                           what, attempt + 1, url, failure.reason, delay)
+            time.sleep(delay)
+        except SGLangServerConfigError:
+            stats.record(url, failed_reason="config")
+            raise
+        except SGLangRequestError as e:
+            stats.record(url, failed_reason="rejected")
+            raise SGLangRequestError(f"{what} for samples {list(samples)}: {e}", url=url,
+                                     samples=samples, attempts=[f"{url}: {e}"]) from e
+        else:
+            stats.record(url)
+            return result
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,1 @@
+"""A stand-in for SGLang's HTTP API (``server.py``) and the fixtures that start it."""

@@ -1,0 +1,379 @@
+"""Contract server: the part of SGLang 0.5.23's HTTP API that hidden-state capture uses,
+computed with a real HF Llama, with faults on demand. Binds 127.0.0.1 only.
+
+    python -m tests.sglang_contract.server --model DIR --mode final|aux --port P
+        [--aux-layer-ids 1 3 4] [--no-hidden-states] [--radix-cache]
+        [--chunked-prefill-size N] [--faults JSON] [--endpoint JSON ...]
+        [--wait-for-model SECONDS]
+
+Each ``--endpoint '{"port": P2, "mode": "aux", ...}'`` adds one more independent server
+(own port, flags, faults and counters; keys as the flags, defaults from them) to the same
+process, so that tests load the model once for several servers. ``--wait-for-model`` lets
+a test start the server (and its slow imports) before the model dir exists: the server
+polls until ``DIR`` appears (write it elsewhere and rename it into place).
+
+What it serves, as SGLang does (sources in docs/sglang.md):
+
+- ``POST /generate``: ``input_ids`` flat (answer: one object) or nested (answer: a list in
+  input order); each object ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
+  "prompt_tokens", "completion_tokens", "cached_tokens", "hidden_states"}}``.
+  ``hidden_states[0]`` has one row per input token; each further decode step appends one
+  row (``max_new_tokens`` - 1 of them; ``max_new_tokens: 0`` returns none). Rows: ``final``
+  mode = HF ``hidden_states[-1]`` (after the final norm in transformers 5; checked by the
+  tests), ``aux`` mode = ``cat(hidden_states[l + 1] for l in aux ids)``, the un-normalised
+  output of decoder layer ``l``. Next tokens are greedy.
+- Without the hidden-states flag (``--no-hidden-states``) a request asking for them gets
+  SGLang's HTTP 400 ``{"error": {"message": "The server is not configured to return the
+  hidden states. ..."}}``. ``--radix-cache`` reuses previously seen prefixes (rows only for
+  the uncached suffix, ``cached_tokens`` > 0); ``--chunked-prefill-size N`` keeps only the
+  rows of a prompt's last chunk: the two row-dropping misconfigurations.
+- ``GET /server_info`` (and ``/get_server_info``): the server-args keys SGLang reports.
+  ``GET|POST /flush_cache``, ``GET /health``, ``GET /health_generate``.
+
+Test controls: ``POST /_faults {"kind", "count": k (-1 = always), "every": n, "delay_s"}``
+faults the next k ``/generate`` requests (only every n-th). Kinds: ``http500``, ``drop``
+(close the socket without an answer), ``garbage`` (non-JSON 200), ``slow`` (answer after
+``delay_s`` or at ``/_reset``, whichever comes first), ``short`` (drop the last row),
+``nan`` (NaN token in a row), ``null`` (null in a row, as orjson writes NaN), ``omit_hidden``
+(no ``hidden_states``); content faults hit the request's first sample. ``POST /_reset``
+clears faults, counters and the prefix cache and releases slow replies; ``GET /_stats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("sglang_contract")
+
+VERSION = "0.5.23"
+NO_HIDDEN = ("The server is not configured to return the hidden states. "
+             "Please set `--enable-return-hidden-states` to enable this feature.")
+FAULT_KINDS = frozenset({"http500", "drop", "garbage", "slow", "short", "nan", "null",
+                         "omit_hidden"})
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: str
+    count: int = 1
+    every: int = 1
+    delay_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS or self.every < 1:
+            raise ValueError(f"bad fault spec {self}; kinds: {sorted(FAULT_KINDS)}")
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    port: int
+    mode: str = "final"
+    aux_layer_ids: tuple[int, ...] | None = None  # None: EAGLE-3 default, reported as null
+    hidden_states: bool = True
+    radix_cache: bool = False
+    chunked_prefill_size: int = -1
+    faults: FaultSpec | None = None
+
+
+class Model:
+    """The HF model shared by all endpoints; one forward at a time keeps CPU use bounded."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import LlamaForCausalLM
+
+        torch.set_num_threads(1)
+        self.path = path
+        self.model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.num_layers = self.model.config.num_hidden_layers
+        self._lock = threading.Lock()
+
+    def default_aux_ids(self) -> tuple[int, ...]:
+        n = self.num_layers
+        return (1, n // 2 - 1, n - 4)
+
+    def forward(self, ids: list[int], mode: str, aux_ids: tuple[int, ...]) -> tuple[torch.Tensor,
+                                                                                     int]:
+        """Rows ``[T, W]`` for every position, and the greedy next token."""
+        with self._lock, torch.no_grad():
+            out = self.model(torch.tensor([ids]), output_hidden_states=True)
+        hs = out.hidden_states
+        rows = hs[-1][0] if mode == "final" else torch.cat([hs[i + 1][0] for i in aux_ids], -1)
+        return rows, int(out.logits[0, -1].argmax())
+
+
+@dataclass
+class EndpointState:
+    config: EndpointConfig
+    faults: FaultSpec | None = None
+    fault_clock: int = 0
+    injected: int = 0
+    generate_requests: int = 0
+    samples: int = 0
+    prefixes: set[tuple[int, ...]] = field(default_factory=set)
+    release: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def next_fault(self) -> FaultSpec | None:
+        with self.lock:
+            self.generate_requests += 1
+            spec = self.faults
+            if spec is None:
+                return None
+            self.fault_clock += 1
+            if self.fault_clock % spec.every or (0 <= spec.count <= self.injected):
+                return None
+            self.injected += 1
+            return spec
+
+    def reset(self) -> None:
+        with self.lock:
+            self.faults, self.fault_clock, self.injected = None, 0, 0
+            self.generate_requests = self.samples = 0
+            self.prefixes.clear()
+            self.release.set()
+            self.release = threading.Event()
+
+    def cached_prefix(self, ids: list[int]) -> int:
+        """Radix-cache stand-in: longest seen prefix (at most T-1, as SGLang), then remember."""
+        with self.lock:
+            cached = max((k for k in range(1, len(ids)) if tuple(ids[:k]) in self.prefixes),
+                         default=0)
+            self.prefixes.update(tuple(ids[:k]) for k in range(1, len(ids) + 1))
+        return cached
+
+
+class ContractHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, config: EndpointConfig, model: Model) -> None:
+        self.state = EndpointState(config, faults=config.faults)
+        self.model = model
+        self.aux_ids = config.aux_layer_ids or model.default_aux_ids()
+        top = model.num_layers - 1  # HF hidden_states[N] is post-norm, not a layer output
+        if config.mode == "aux" and not all(0 <= i < top for i in self.aux_ids):
+            raise SystemExit(f"aux layer ids {self.aux_ids} must lie in [0, {top})")
+        super().__init__(("127.0.0.1", config.port), Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.debug("connection to %s ended badly", client_address, exc_info=True)
+
+    def server_info(self) -> dict[str, Any]:
+        c = self.state.config
+        aux = c.mode == "aux"
+        return {"model_path": self.model.path, "version": VERSION, "contract_server": True,
+                "enable_return_hidden_states": c.hidden_states,
+                "return_hidden_states_mode": "full" if c.hidden_states else None,
+                "disable_radix_cache": not c.radix_cache,
+                "chunked_prefill_size": c.chunked_prefill_size,
+                "speculative_algorithm": "EAGLE3" if aux else None,
+                "enable_return_aux_hidden_states": aux,
+                "return_aux_hidden_state_layer_ids": (list(c.aux_layer_ids) if aux and
+                                                      c.aux_layer_ids else None)}
+
+    def generate_one(self, ids: list[int], max_new: int) -> tuple[list[Any], list[int], int]:
+        """(hidden_states blocks, output ids, cached tokens) of one prompt."""
+        c = self.state.config
+        rows, token = self.model.forward(ids, c.mode, self.aux_ids)
+        cached = self.state.cached_prefix(ids) if c.radix_cache else 0
+        start = cached
+        if c.chunked_prefill_size > 0:
+            start = max(start, (len(ids) - 1) // c.chunked_prefill_size * c.chunked_prefill_size)
+        blocks: list[Any] = [rows[start:].tolist()]
+        out = [token] if max_new > 0 else []
+        seq = list(ids)
+        for _ in range(max_new - 1):
+            seq.append(out[-1])
+            step_rows, token = self.model.forward(seq, c.mode, self.aux_ids)
+            blocks.append(step_rows[-1].tolist())
+            out.append(token)
+        return (blocks if max_new > 0 else []), out, cached
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: ContractHTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib name)
+        logger.debug(format, *args)
+
+    def _send(self, status: int, body: Any, raw: bytes | None = None) -> None:
+        data = raw if raw is not None else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> Any:
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        return json.loads(raw) if raw else {}
+
+    def do_GET(self) -> None:  # noqa: N802 (stdlib name)
+        state = self.server.state
+        if self.path in ("/health", "/health_generate"):
+            self._send(200, None, raw=b"")
+        elif self.path in ("/server_info", "/get_server_info"):
+            self._send(200, self.server.server_info())
+        elif self.path == "/flush_cache":
+            self._flush()
+        elif self.path == "/_stats":
+            with state.lock:
+                self._send(200, {"generate_requests": state.generate_requests,
+                                 "samples": state.samples, "faults_injected": state.injected})
+        else:
+            self._send(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:  # noqa: N802 (stdlib name)
+        try:
+            body = self._body()
+        except ValueError as e:
+            self._send(400, {"error": {"message": f"invalid JSON: {e}"}})
+            return
+        state = self.server.state
+        if self.path == "/generate":
+            self._generate(body)
+        elif self.path == "/flush_cache":
+            self._flush()
+        elif self.path == "/_faults":
+            try:
+                spec = FaultSpec(**body)
+            except (TypeError, ValueError) as e:
+                self._send(400, {"error": {"message": str(e)}})
+                return
+            with state.lock:
+                state.faults, state.fault_clock, state.injected = spec, 0, 0
+            self._send(200, {"ok": True})
+        elif self.path == "/_reset":
+            state.reset()
+            self._send(200, {"ok": True})
+        else:
+            self._send(404, {"detail": "Not Found"})
+
+    def _flush(self) -> None:
+        with self.server.state.lock:
+            self.server.state.prefixes.clear()
+        self._send(200, None, raw=b"Cache flushed.\n")
+
+    def _generate(self, body: Any) -> None:
+        state = self.server.state
+        fault = state.next_fault()
+        kind = fault.kind if fault else None
+        if kind == "http500":
+            self._send(500, {"error": {"message": "injected fault: internal server error"}})
+            return
+        if kind == "drop":
+            self.close_connection = True
+            return
+        if kind == "garbage":
+            self._send(200, None, raw=b'{"meta_info": [truncated')
+            return
+        if kind == "slow":
+            state.release.wait(fault.delay_s)
+        ids = body.get("input_ids") if isinstance(body, dict) else None
+        single = isinstance(ids, list) and all(isinstance(t, int) for t in ids)
+        batch = [ids] if single else ids
+        if (not isinstance(batch, list) or not batch
+                or not all(isinstance(s, list) and s and all(isinstance(t, int) for t in s)
+                           for s in batch)):
+            self._send(400, {"error": {"message": "input_ids must be a non-empty list of ints "
+                                                  "or of such lists"}})
+            return
+        want = body.get("return_hidden_states", False)
+        want_hidden = any(want) if isinstance(want, list) else bool(want)
+        if want_hidden and not state.config.hidden_states:
+            self._send(400, {"error": {"message": NO_HIDDEN}})
+            return
+        params = body.get("sampling_params") or {}
+        max_new = int(params.get("max_new_tokens", 128))
+        outputs = []
+        for n, ids_i in enumerate(batch):
+            blocks, out_ids, cached = self.server.generate_one(ids_i, max_new)
+            meta: dict[str, Any] = {
+                "id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": max_new},
+                "prompt_tokens": len(ids_i), "completion_tokens": len(out_ids),
+                "cached_tokens": cached}
+            if want_hidden and blocks:
+                if n == 0:
+                    _content_fault(kind, blocks[0])
+                if not (n == 0 and kind == "omit_hidden"):
+                    meta["hidden_states"] = blocks
+            outputs.append({"text": "", "output_ids": out_ids, "meta_info": meta})
+        with state.lock:
+            state.samples += len(batch)
+        try:
+            self._send(200, outputs[0] if single else outputs)
+        except (BrokenPipeError, ConnectionResetError):
+            logger.debug("client left before the answer (slow reply)")
+
+
+def _content_fault(kind: str | None, prefill: list[list[float]]) -> None:
+    if kind == "short":
+        prefill.pop()
+    elif kind in ("nan", "null"):
+        prefill[len(prefill) // 2][0] = float("nan") if kind == "nan" else None
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[list[EndpointConfig], str, float]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF LlamaForCausalLM checkpoint dir")
+    p.add_argument("--mode", choices=("final", "aux"), default="final")
+    p.add_argument("--port", type=int, help="port of the first endpoint")
+    p.add_argument("--aux-layer-ids", type=int, nargs="+")
+    p.add_argument("--no-hidden-states", action="store_true")
+    p.add_argument("--radix-cache", action="store_true")
+    p.add_argument("--chunked-prefill-size", type=int, default=-1)
+    p.add_argument("--faults", type=json.loads, help="a FaultSpec as JSON")
+    p.add_argument("--endpoint", type=json.loads, action="append", default=[],
+                   help="one more endpoint as JSON (port, mode, aux_layer_ids, hidden_states, "
+                        "radix_cache, chunked_prefill_size, faults)")
+    p.add_argument("--wait-for-model", type=float, default=0.0, metavar="SECONDS",
+                   help="poll this long for the model dir to appear")
+    args = p.parse_args(argv)
+    base = EndpointConfig(
+        port=args.port or 0, mode=args.mode,
+        aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
+        hidden_states=not args.no_hidden_states, radix_cache=args.radix_cache,
+        chunked_prefill_size=args.chunked_prefill_size,
+        faults=FaultSpec(**args.faults) if args.faults else None)
+    configs = [base] if args.port else []
+    for extra in args.endpoint:
+        extra = dict(extra)
+        if extra.get("aux_layer_ids") is not None:
+            extra["aux_layer_ids"] = tuple(extra["aux_layer_ids"])
+        if extra.get("faults") is not None:
+            extra["faults"] = FaultSpec(**extra["faults"])
+        configs.append(replace(base, **extra))
+    if not configs or any(c.port <= 0 for c in configs):
+        p.error("give --port and/or --endpoint with a port")
+    return configs, args.model, args.wait_for_model
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configs, model_dir, wait_s = parse_args(argv)
+    import transformers  # noqa: F401 (the slow import, before waiting for the model)
+
+    deadline = time.monotonic() + wait_s
+    while not Path(model_dir).is_dir() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    model = Model(model_dir)
+    servers = [ContractHTTPServer(c, model) for c in configs]
+    for s in servers[1:]:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    logger.info("serving %s on 127.0.0.1", [(c.mode, c.port) for c in configs])
+    servers[0].serve_forever()
+
+
+if __name__ == "__main__":
+    main()
