@@ -2,13 +2,16 @@
 
 from dagster import Definitions
 
+from assets.shards import hidden_state_shards
 from assets.snapshots import rollout_snapshot
-from jobs.snapshots import ingest_snapshot, snapshot_sensor
+from assets.tokenized import tokenized_rollouts
+from jobs.snapshots import ingest_step, snapshot_sensor
+from resources.capture import CaptureResource
 from resources.storage import storage_from_env
 
 defs = Definitions(
-    assets=[rollout_snapshot],
-    jobs=[ingest_snapshot],
+    assets=[rollout_snapshot, tokenized_rollouts, hidden_state_shards],
+    jobs=[ingest_step],
     sensors=[snapshot_sensor],
-    resources={"storage": storage_from_env()},
+    resources={"storage": storage_from_env(), "capture": CaptureResource()},
 )

@@ -34,9 +34,8 @@ def generate_demo_world(force: bool = False, config=None) -> dict:
 
     ``config`` is a :class:`pipeline.demo.world.DemoConfig` (default: the full demo world).
     """
-    from pipeline.demo.world import DemoConfig, generate_world
-
     from pipeline.data.rollouts import SnapshotWriter
+    from pipeline.demo.world import DemoConfig, generate_world
     from resources.home import aerie_home
     from resources.storage import storage_from_environment
 
@@ -58,10 +57,10 @@ def generate_demo_world(force: bool = False, config=None) -> dict:
 
 def run_pipeline() -> list[str]:
     """Tick the snapshot sensor once and execute its run requests on the local instance."""
-    from dagster import DagsterInstance, build_sensor_context
+    from dagster import AssetKey, DagsterInstance, build_sensor_context
 
     from definitions import defs
-    from jobs.snapshots import snapshot_sensor
+    from jobs.snapshots import STEP_ASSETS, snapshot_sensor
 
     instance = DagsterInstance.get()
     storage = defs.resources["storage"]
@@ -70,8 +69,9 @@ def run_pipeline() -> list[str]:
     requests = getattr(result, "run_requests", None) or []
     for add in getattr(result, "dynamic_partitions_requests", None) or []:
         instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys))
-    done = instance.get_materialized_partitions(_asset_key("rollout_snapshot"))
-    job = defs.resolve_job_def("ingest_snapshot")
+    done = set.intersection(*(instance.get_materialized_partitions(AssetKey(name))
+                              for name in STEP_ASSETS))
+    job = defs.resolve_job_def("ingest_step")
     ran = []
     for request in requests:
         if request.partition_key in done:
@@ -82,12 +82,6 @@ def run_pipeline() -> list[str]:
                  "succeeded" if outcome.success else "FAILED")
         ran.append(request.partition_key)
     return ran
-
-
-def _asset_key(name: str):
-    from dagster import AssetKey
-
-    return AssetKey(name)
 
 
 def _print_drift(report: dict) -> None:

@@ -1,5 +1,4 @@
-"""Discovering RL steps: the ingest job and the cursor-based sensor that feeds it."""
-
+"""Discovering RL steps: the per-step data job and the cursor-based sensor that feeds it."""
 
 from dagster import (
     DefaultSensorStatus,
@@ -15,9 +14,12 @@ from assets.partitions import rl_steps, step_key
 from pipeline.data.rollouts import completed_steps
 from resources.storage import StorageResource
 
-ingest_snapshot = define_asset_job(
-    "ingest_snapshot", selection=["rollout_snapshot"],
-    description="Validate one RL step's rollout snapshot (partition = step).")
+STEP_ASSETS = ("rollout_snapshot", "tokenized_rollouts", "hidden_state_shards")
+
+ingest_step = define_asset_job(
+    "ingest_step", selection=list(STEP_ASSETS),
+    description="One RL step's data path: validate the snapshot, tokenize with loss masks, "
+                "capture hidden states into shards (partition = step).")
 
 
 def new_steps(storage: StorageResource, cursor: str | None) -> list[int]:
@@ -26,7 +28,7 @@ def new_steps(storage: StorageResource, cursor: str | None) -> list[int]:
     return [s for s in completed_steps(storage.build()) if s > last]
 
 
-@sensor(job=ingest_snapshot, minimum_interval_seconds=30,
+@sensor(job=ingest_step, minimum_interval_seconds=30,
         default_status=DefaultSensorStatus.STOPPED)
 def snapshot_sensor(context: SensorEvaluationContext, storage: StorageResource):
     """Adds a partition and requests one ingest run per newly completed snapshot step.

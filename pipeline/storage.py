@@ -185,6 +185,10 @@ class Storage:
         return [self.upload_file(p, f"{prefix}/{p.relative_to(local_dir).as_posix()}")
                 for p in files]
 
+    def delete(self, key: str) -> None:
+        """Remove one object (e.g. withdraw a manifest before rebuilding its dataset)."""
+        self.fs.rm(self.path(key))
+
     # -- reading ----------------------------------------------------------------------
     def open_read(self, key: str) -> BinaryIO:
         try:

@@ -25,6 +25,8 @@ def test_round_trip_and_listing(storage):
     assert storage.exists("ds/a.bin") and not storage.exists("ds/missing.bin")
     assert storage.url("ds/a.bin") == f"{storage.root_url}/ds/a.bin"
     assert storage.key_of(storage.url("ds/a.bin")) == "ds/a.bin"
+    storage.delete("ds/a.bin")
+    assert storage.list("ds") == ["ds/sub/b.bin"]
 
 
 @pytest.mark.parametrize("size", [10, 7 * 2**20])  # one PUT-sized and a multipart-sized body

@@ -1,0 +1,70 @@
+"""``hidden_state_shards``: EAGLE-3 target states of one RL step's tokenized samples."""
+
+
+from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
+from pydantic import Field
+
+from assets.partitions import rl_steps, step_of
+from pipeline.data.extraction import ExtractConfig, extract_step
+from pipeline.data.policy_store import load_policy_ref
+from resources.capture import CaptureResource
+from resources.storage import StorageResource
+
+_DEFAULTS = ExtractConfig()
+
+
+class ShardsConfig(Config):
+    """Run config of ``hidden_state_shards``; mirrors :class:`ExtractConfig` field by field.
+
+    Which backend captures the states is the ``capture`` resource's business.
+    """
+
+    token_budget: int = Field(default=_DEFAULTS.token_budget,
+                              description="max padded tokens (batch × longest) per forward")
+    max_batch_size: int = Field(default=_DEFAULTS.max_batch_size,
+                                description="max samples per forward")
+    shard_bytes: int = Field(default=_DEFAULTS.shard_bytes,
+                             description="bf16 state bytes per shard before compression")
+    row_group_bytes: int = Field(default=_DEFAULTS.row_group_bytes,
+                                 description="state bytes per Parquet row group (read unit)")
+    compression: str = Field(default=_DEFAULTS.compression,
+                             description="Parquet codec: zstd (smaller) or none (faster)")
+    sort_by_length: bool = Field(default=_DEFAULTS.sort_by_length,
+                                 description="batch a shard's samples longest first")
+
+    def to_core(self) -> ExtractConfig:
+        return ExtractConfig(
+            token_budget=self.token_budget, max_batch_size=self.max_batch_size,
+            shard_bytes=self.shard_bytes, row_group_bytes=self.row_group_bytes,
+            compression=self.compression, sort_by_length=self.sort_by_length)
+
+
+@asset(partitions_def=rl_steps, group_name="data", kinds={"parquet", "pytorch"},
+       deps=["tokenized_rollouts"])
+def hidden_state_shards(context: AssetExecutionContext, config: ShardsConfig,
+                        storage: StorageResource, capture: CaptureResource) -> MaterializeResult:
+    """Aux-layer and post-norm final states per token, captured with the step's own policy."""
+    store, step = storage.build(), step_of(context.partition_key)
+    policy = load_policy_ref(store, step)
+    with capture.open(store, step, config.token_budget) as backend:
+        s = extract_step(store, step, backend, config.to_core(), policy=policy)
+    context.log.info(f"step {step}: {s.shards} shards ({s.shards_reused} kept), "
+                     f"{s.backend_calls} backend calls, {s.seconds:.1f}s")
+    return MaterializeResult(metadata={
+        "uri": MetadataValue.path(s.url),
+        "samples": s.samples,
+        "tokens": s.tokens,
+        "loss_tokens": s.loss_tokens,
+        "padded_tokens": s.padded_tokens,
+        "shards": s.shards,
+        "shards_reused": s.shards_reused,
+        "bytes": s.bytes,
+        "bytes_per_token": round(s.bytes_per_token, 2),
+        "aux_layer_ids": MetadataValue.json(list(s.aux_layer_ids)),
+        "hidden_size": s.hidden_size,
+        "schema_version": s.schema_version,
+        "backend": capture.backend,
+        "policy_uri": MetadataValue.path(policy.uri),
+        "seconds": round(s.seconds, 3),
+        "dagster/row_count": s.samples,
+    })

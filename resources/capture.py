@@ -1,0 +1,35 @@
+"""The capture resource: which backend produces hidden states (``hf`` or ``sglang``)."""
+
+import contextlib
+from collections.abc import Iterator
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from pipeline.data.capture.base import CaptureBackend
+from pipeline.data.extraction import open_backend
+from pipeline.storage import Storage
+
+
+class CaptureResource(ConfigurableResource):
+    """Builds the capture backend for one RL step's policy checkpoint."""
+
+    backend: str = Field(default="hf", description="'hf': the step's policy checkpoint "
+                                                   "in-process; 'sglang': running servers")
+    aux_layer_ids: list[int] | None = Field(
+        default=None, description="decoder layers whose outputs are captured, low→mid→high; "
+                                  "unset: EAGLE-3's [1, N//2-1, N-4]")
+    hf_dtype: str = Field(default="float32", description="hf: compute dtype "
+                                                         "(float32 | bfloat16)")
+    sglang_aux_urls: list[str] = Field(default_factory=list,
+                                       description="sglang: aux-capture server URLs")
+    sglang_final_urls: list[str] = Field(default_factory=list,
+                                         description="sglang: final-state server URLs")
+
+    @contextlib.contextmanager
+    def open(self, storage: Storage, step: int, token_budget: int) -> Iterator[CaptureBackend]:
+        with open_backend(storage, step, self.backend, aux_layer_ids=self.aux_layer_ids,
+                          token_budget=token_budget, hf_dtype=self.hf_dtype,
+                          sglang_aux_urls=self.sglang_aux_urls,
+                          sglang_final_urls=self.sglang_final_urls) as backend:
+            yield backend

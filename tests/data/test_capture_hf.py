@@ -1,0 +1,179 @@
+"""The hf capture backend against transformers' own ``output_hidden_states`` (exact, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipeline.data.capture.base import default_aux_layer_ids
+from pipeline.data.capture.hf import HFCaptureBackend, hf_backend_for_step
+from pipeline.data.policy_store import publish_policy
+from pipeline.storage import Storage
+
+VOCAB = 128
+LENGTHS = (5, 17, 1, 9, 32, 2)
+
+
+def tiny_llama(layers: int = 6, hidden: int = 64, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def random_batch(lengths=LENGTHS, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def padded(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids (B, T) and attention mask (B, T), built independently of the backend."""
+    t = max(map(len, batch))
+    ids = torch.zeros((len(batch), t), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(batch):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def reference(model, batch):
+    ids, mask = padded(batch)
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return tiny_llama()
+
+
+def test_hf_last_hidden_state_is_post_norm(model):
+    """Verified, not assumed: in transformers 5 ``hidden_states[-1]`` is after the norm."""
+    captured = []
+    handle = model.model.layers[-1].register_forward_hook(
+        lambda _m, _a, out: captured.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        hs = reference(model, random_batch())
+    finally:
+        handle.remove()
+    pre_norm = captured[0]  # output of the last decoder layer, (B, T, H)
+    with torch.no_grad():
+        assert torch.equal(hs[-1], model.model.norm(pre_norm))
+    assert not torch.allclose(hs[-1], pre_norm)
+    assert len(hs) == model.config.num_hidden_layers + 1
+
+
+@pytest.mark.parametrize("aux_ids", [None, (0, 3, 4), (4, 1, 2)])
+def test_states_equal_output_hidden_states_exactly(model, aux_ids):
+    batch = random_batch()
+    backend = HFCaptureBackend(model, aux_layer_ids=aux_ids)
+    ids = aux_ids or default_aux_layer_ids(6)
+    assert backend.aux_layer_ids == tuple(ids) and backend.hidden_size == 64
+    states = backend.capture(batch)
+    hs = reference(model, batch)
+    assert len(states) == len(batch)
+    for i, (sample, st) in enumerate(zip(batch, states, strict=True)):
+        t = len(sample)
+        want_aux = torch.cat([hs[layer + 1][i, :t] for layer in ids], dim=-1)  # (T, 3H)
+        assert st.aux_hidden.shape == (t, 3 * 64) and st.final_hidden.shape == (t, 64)
+        assert st.aux_hidden.dtype == torch.float32
+        assert torch.equal(st.aux_hidden, want_aux)
+        assert torch.equal(st.final_hidden, hs[-1][i, :t])
+
+
+def test_last_layer_as_aux_id_is_its_raw_output_not_hfs_normed_entry(model):
+    """Id N-1 means the last layer's OUTPUT (as SGLang captures it); HF's entry N is tied to
+    the post-norm state, so there the ``hidden_states[id + 1]`` mapping does not hold."""
+    batch = random_batch()
+    captured = []
+    handle = model.model.layers[5].register_forward_hook(
+        lambda _m, _a, out: captured.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        hs = reference(model, batch)
+    finally:
+        handle.remove()
+    states = HFCaptureBackend(model, aux_layer_ids=(1, 5)).capture(batch)
+    for i, (sample, st) in enumerate(zip(batch, states, strict=True)):
+        t = len(sample)
+        assert torch.equal(st.aux_hidden[:, 64:], captured[0][i, :t])
+        assert not torch.equal(st.aux_hidden[:, 64:], hs[6][i, :t])  # the normed one
+
+
+def test_padding_does_not_leak_into_real_tokens(model):
+    """Each sample run alone, unpadded, gives the same states up to float reassociation."""
+    batch = random_batch()
+    states = HFCaptureBackend(model, aux_layer_ids=(0, 3, 4)).capture(batch)
+    for sample, st in zip(batch, states, strict=True):
+        hs = reference(model, [sample])
+        want = torch.cat([hs[i + 1][0] for i in (0, 3, 4)], dim=-1)
+        torch.testing.assert_close(st.aux_hidden, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(st.final_hidden, hs[-1][0], rtol=1e-5, atol=1e-5)
+
+
+def test_token_budget_splits_batches_and_each_split_is_exact(model):
+    batch = random_batch((4, 4, 8, 3, 8, 2))
+    calls = []
+    handle = model.model.embed_tokens.register_forward_hook(
+        lambda _m, args, _o: calls.append(tuple(args[0].shape)))
+    try:
+        states = HFCaptureBackend(model, token_budget=16).capture(batch)
+    finally:
+        handle.remove()
+    # consecutive groups with B * T_max <= 16: [4, 4] [8, 3] [8, 2]
+    assert calls == [(2, 4), (2, 8), (2, 8)]
+    start = 0
+    for b, _ in calls:
+        group = batch[start:start + b]
+        hs = reference(model, group)
+        for j, sample in enumerate(group):
+            assert torch.equal(states[start + j].final_hidden, hs[-1][j, : len(sample)])
+        start += b
+
+
+def test_lm_head_is_never_run(model):
+    calls = []
+    handle = model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        HFCaptureBackend(model).capture(random_batch())
+    finally:
+        handle.remove()
+    assert calls == []
+
+
+def test_bf16_output_is_the_rounded_fp32_state(model):
+    batch = random_batch()
+    full = HFCaptureBackend(model).capture(batch)
+    half = HFCaptureBackend(model, output_dtype=torch.bfloat16).capture(batch)
+    for a, b in zip(full, half, strict=True):
+        assert b.aux_hidden.dtype == torch.bfloat16
+        assert torch.equal(a.aux_hidden.to(torch.bfloat16), b.aux_hidden)
+        assert torch.equal(a.final_hidden.to(torch.bfloat16), b.final_hidden)
+
+
+def test_invalid_aux_layer_ids_are_refused(model):
+    with pytest.raises(ValueError, match="within"):
+        HFCaptureBackend(model, aux_layer_ids=(1, 2, 6))
+    with pytest.raises(ValueError, match="invalid for 3 layers"):
+        HFCaptureBackend(tiny_llama(layers=3))
+    with pytest.raises(ValueError, match="empty sequence"):
+        HFCaptureBackend(model).capture([[1, 2], []])
+
+
+def test_backend_for_a_step_loads_its_published_policy(model, tmp_path):
+    storage = Storage(str(tmp_path / "storage"))
+    model.save_pretrained(tmp_path / "policy")
+    publish_policy(storage, 7, tmp_path / "policy")
+    batch = random_batch()
+    want = HFCaptureBackend(model).capture(batch)
+    with hf_backend_for_step(storage, 7) as backend:
+        got = backend.capture(batch)
+        assert backend.describe()["model_dtype"] == "float32"
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a.aux_hidden, b.aux_hidden)
+        assert torch.equal(a.final_hidden, b.final_hidden)
+    with pytest.raises(FileNotFoundError):
+        with hf_backend_for_step(storage, 8):
+            pass

@@ -1,0 +1,327 @@
+"""extract_step with the hf backend: content, determinism, resume, bounded memory, the asset."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from dagster import AssetKey, instance_for_test, materialize
+
+from assets.shards import ShardsConfig, hidden_state_shards
+from pipeline.contracts import Manifest
+from pipeline.data.capture.base import CapturedStates
+from pipeline.data.capture.hf import HFCaptureBackend
+from pipeline.data.extraction import (
+    ExtractConfig,
+    ExtractionError,
+    extract_step,
+    open_backend,
+)
+from pipeline.data.parquet import write_table
+from pipeline.data.policy_store import load_policy_ref, publish_policy
+from pipeline.data.shards import iter_shard, iter_step, read_shards_manifest, shards_prefix
+from pipeline.data.tokenized_schema import TOKENIZED_KIND, TOKENIZED_SCHEMA, tokenized_prefix
+from pipeline.manifest import entry_for, read_manifest, verify_manifest, write_manifest
+from pipeline.storage import Storage
+from resources.capture import CaptureResource
+from resources.storage import StorageResource
+from tests.data.test_capture_hf import VOCAB, tiny_llama
+
+STEP = 3
+H = 64
+TOKEN_BYTES = 2 * 4 * H  # bf16 aux (3H) + final (H)
+# ~6 samples per shard, 2–3 per batch, 1–2 per row group
+CONFIG = ExtractConfig(token_budget=48, max_batch_size=4, shard_bytes=60 * TOKEN_BYTES,
+                       row_group_bytes=24 * TOKEN_BYTES)
+
+
+def write_tokenized(storage: Storage, step: int, lengths: Sequence[int], seed: int = 0,
+                    rows_per_part: int = 7) -> list[dict]:
+    """A tokenized dataset as the tokenizer stage commits it: parts, then the manifest."""
+    rng = np.random.default_rng(seed)
+    rows = [{"sample_id": f"r{step}-{i}", "step": step,
+             "input_ids": rng.integers(0, VOCAB, n).tolist(),
+             "loss_mask": (rng.random(n) < 0.6).astype(int).tolist()}
+            for i, n in enumerate(lengths)]
+    prefix = tokenized_prefix(step)
+    entries = []
+    for p in range(0, len(rows), rows_per_part):
+        table = pa.Table.from_pylist(rows[p:p + rows_per_part], schema=TOKENIZED_SCHEMA)
+        written = write_table(storage, f"{prefix}/part-{p // rows_per_part:05d}.parquet", table)
+        entries.append(entry_for(prefix, written, rows=table.num_rows))
+    write_manifest(storage, prefix, Manifest(kind=TOKENIZED_KIND, kind_version=1,
+                                             files=tuple(entries), meta={"step": step}))
+    return rows
+
+
+def lengths(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 17, n).tolist()
+
+
+class Recording:
+    """Wraps a backend: counts calls, can fail at call ``fail_at``, tracks live outputs."""
+
+    def __init__(self, inner, fail_at: int | None = None):
+        self.inner, self.fail_at = inner, fail_at
+        self.hidden_size, self.aux_layer_ids = inner.hidden_size, inner.aux_layer_ids
+        self.calls = 0
+        self.batch_sizes: list[int] = []
+        self._outputs: list[weakref.ref] = []
+        self.max_alive = 0  # returned samples still referenced when the next call starts
+
+    def describe(self):
+        return self.inner.describe()
+
+    def capture(self, batch: Sequence[Sequence[int]]) -> list[CapturedStates]:
+        alive = sum(r() is not None for r in self._outputs)
+        self.max_alive = max(self.max_alive, alive)
+        if self.fail_at is not None and self.calls == self.fail_at:
+            raise RuntimeError("injected crash")
+        self.calls += 1
+        self.batch_sizes.append(len(batch))
+        out = self.inner.capture(batch)
+        self._outputs = [r for r in self._outputs if r() is not None]
+        self._outputs += [weakref.ref(o.aux_hidden) for o in out]
+        return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(layers=6, hidden=H)
+
+
+def backend(model, **kw) -> Recording:
+    return Recording(HFCaptureBackend(model, output_dtype=torch.bfloat16, **kw))
+
+
+def shard_files(storage: Storage) -> list[tuple[str, int, str]]:
+    manifest = read_shards_manifest(storage, STEP)
+    return [(f.path, f.bytes, f.sha256) for f in manifest.files]
+
+
+def test_shards_hold_every_sample_with_its_states(tmp_path, model):
+    storage = Storage(tmp_path.as_uri())
+    rows = write_tokenized(storage, STEP, lengths(20))
+    summary = extract_step(storage, STEP, backend(model), CONFIG)
+    assert (summary.samples, summary.tokens) == (20, sum(len(r["input_ids"]) for r in rows))
+    assert summary.loss_tokens == sum(sum(r["loss_mask"]) for r in rows)
+    assert summary.shards > 2 and summary.shards_reused == 0
+    assert summary.aux_layer_ids == (1, 2, 2) and summary.hidden_size == H
+    manifest = read_manifest(storage, shards_prefix(STEP))
+    assert manifest.kind == "hidden_state_shards" and verify_manifest(
+        storage, shards_prefix(STEP), manifest) == []
+    assert manifest.meta["aux_layer_ids"] == [1, 2, 2] and manifest.meta["backend"] == "hf"
+    assert [s["rows"] for s in manifest.meta["shards"]] == [f.rows for f in manifest.files]
+
+    by_id = {r["sample_id"]: r for r in rows}
+    reference = HFCaptureBackend(model)  # fp32, each sample alone
+    got = list(iter_step(storage, STEP))
+    assert sorted(s.sample_id for s in got) == sorted(by_id)
+    for s in got:
+        row = by_id[s.sample_id]
+        assert s.input_ids.tolist() == row["input_ids"]
+        assert s.loss_mask.tolist() == [bool(m) for m in row["loss_mask"]]
+        (want,) = reference.capture([row["input_ids"]])
+        torch.testing.assert_close(s.aux_hidden.float(), want.aux_hidden, rtol=0.01, atol=1e-4)
+        torch.testing.assert_close(s.final_hidden.float(), want.final_hidden, rtol=0.01,
+                                   atol=1e-4)
+
+
+def test_shard_i_holds_a_fixed_window_of_tokenized_order_sorted_by_length(tmp_path, model):
+    storage = Storage(tmp_path.as_uri())
+    rows = write_tokenized(storage, STEP, lengths(20))
+    extract_step(storage, STEP, backend(model), CONFIG)
+    seen = []
+    for entry in read_shards_manifest(storage, STEP).files:
+        ids = [s.sample_id for s in iter_shard(storage, f"{shards_prefix(STEP)}/{entry.path}")]
+        position = {r["sample_id"]: i for i, r in enumerate(rows)}
+        window = sorted(position[i] for i in ids)
+        assert window == list(range(window[0], window[0] + len(ids)))  # contiguous window
+        lens = [len(rows[position[i]]["input_ids"]) for i in ids]
+        assert lens == sorted(lens, reverse=True)  # longest first inside the shard
+        seen += window
+    assert seen == list(range(20))
+
+
+def test_identical_inputs_give_identical_names_and_bytes(tmp_path, model):
+    results = []
+    for run in ("a", "b"):
+        storage = Storage((tmp_path / run).as_uri())
+        write_tokenized(storage, STEP, lengths(20))
+        extract_step(storage, STEP, backend(model), CONFIG)
+        results.append(shard_files(storage))
+    assert results[0] == results[1] and len(results[0]) > 2
+
+
+def test_resume_after_a_crash_keeps_finished_shards(tmp_path, model):
+    clean = Storage((tmp_path / "clean").as_uri())
+    write_tokenized(clean, STEP, lengths(20))
+    full = backend(model)
+    extract_step(clean, STEP, full, CONFIG)
+
+    storage = Storage((tmp_path / "crash").as_uri())
+    write_tokenized(storage, STEP, lengths(20))
+    crashed = Recording(full.inner, fail_at=5)  # mid-way: each shard takes 2–3 batches
+    with pytest.raises(RuntimeError, match="injected crash"):
+        extract_step(storage, STEP, crashed, CONFIG)
+    assert read_manifest(storage, shards_prefix(STEP)) is None  # nothing committed
+    done = [k for k in storage.list(shards_prefix(STEP)) if k.endswith(".parquet")]
+    assert 1 <= len(done) < len(shard_files(clean))
+
+    again = backend(model)
+    summary = extract_step(storage, STEP, again, CONFIG)
+    assert summary.shards_reused == len(done) and summary.backend_calls == again.calls
+    kept_rows = sum(s["rows"] for s in read_shards_manifest(storage, STEP).meta["shards"][
+        :len(done)])
+    kept_batches = int(np.searchsorted(np.cumsum(full.batch_sizes), kept_rows)) + 1
+    assert sum(full.batch_sizes[:kept_batches]) == kept_rows
+    assert again.calls == full.calls - kept_batches  # only the unfinished shards ran
+    assert shard_files(storage) == shard_files(clean)  # byte-identical result
+
+
+def test_a_committed_step_is_not_recomputed(tmp_path, model):
+    storage = Storage(tmp_path.as_uri())
+    write_tokenized(storage, STEP, lengths(8))
+    first = extract_step(storage, STEP, backend(model), CONFIG)
+    again = backend(model)
+    second = extract_step(storage, STEP, again, CONFIG)
+    assert again.calls == 0 and second.already_committed
+    assert (second.samples, second.bytes, second.shards) == (first.samples, first.bytes,
+                                                              first.shards)
+
+
+def test_another_configuration_rebuilds_and_recommits(tmp_path, model):
+    storage = Storage(tmp_path.as_uri())
+    write_tokenized(storage, STEP, lengths(8))
+    extract_step(storage, STEP, backend(model), CONFIG)
+    before = shard_files(storage)
+    other = backend(model, aux_layer_ids=(0, 3, 4))
+    summary = extract_step(storage, STEP, other, CONFIG)
+    assert other.calls > 0 and summary.shards_reused == 0
+    assert summary.aux_layer_ids == (0, 3, 4)
+    assert shard_files(storage) != before
+    assert read_shards_manifest(storage, STEP).meta["aux_layer_ids"] == [0, 3, 4]
+
+
+def test_leftovers_of_a_crash_are_checked_not_trusted(tmp_path, model):
+    clean = Storage((tmp_path / "clean").as_uri())
+    write_tokenized(clean, STEP, lengths(20))
+    extract_step(clean, STEP, backend(model), CONFIG)
+    storage = Storage((tmp_path / "crash").as_uri())
+    write_tokenized(storage, STEP, lengths(20))
+    with pytest.raises(RuntimeError):
+        extract_step(storage, STEP, Recording(backend(model).inner, fail_at=5), CONFIG)
+    prefix = shards_prefix(STEP)
+    shard0 = storage.local_path(f"{prefix}/shard-00000.parquet")
+    shard0.write_bytes(shard0.read_bytes()[:-1] + b"!")  # changed after its marker
+    storage.local_path(f"{prefix}/_progress/shard-00001.parquet.json").unlink()  # died
+    # between publishing shard 1 and its marker; and a hard kill left a temp file behind:
+    storage.local_path(f"{prefix}/.shard-00002.parquet.dead.tmp").write_bytes(b"partial")
+    summary = extract_step(storage, STEP, backend(model), CONFIG)
+    assert summary.shards_reused == 0
+    assert verify_manifest(storage, prefix, read_manifest(storage, prefix)) == []
+    assert shard_files(storage) == shard_files(clean)
+
+
+@pytest.mark.parametrize("scale", [1, 4])
+def test_memory_is_bounded_by_a_row_group_not_the_step(tmp_path, model, scale):
+    """Captured states held when the next batch starts: at most one row group's rows."""
+    storage = Storage(tmp_path.as_uri())
+    write_tokenized(storage, STEP, [8] * 12 * scale)
+    rec = backend(model)
+    extract_step(storage, STEP, rec, CONFIG)
+    rows_per_group = CONFIG.row_group_bytes // (8 * TOKEN_BYTES)  # 3
+    assert max(rec.batch_sizes) <= CONFIG.max_batch_size
+    assert 1 <= rec.max_alive <= rows_per_group
+    assert rec.calls >= 12 * scale // CONFIG.max_batch_size
+
+
+def test_broken_backend_output_is_refused(tmp_path, model):
+    storage = Storage(tmp_path.as_uri())
+    write_tokenized(storage, STEP, lengths(6))
+    inner = HFCaptureBackend(model)
+
+    class Broken(Recording):
+        def capture(self, batch):
+            out = inner.capture(batch)
+            aux = out[0].aux_hidden.clone()
+            aux[0, 0] = float("nan")
+            return [CapturedStates(aux, out[0].final_hidden), *out[1:]]
+
+    with pytest.raises(ExtractionError, match="non-finite"):
+        extract_step(storage, STEP, Broken(inner), CONFIG)
+
+    class Short(Recording):
+        def capture(self, batch):
+            return [CapturedStates(s.aux_hidden[:-1], s.final_hidden)
+                    for s in inner.capture(batch)]
+
+    with pytest.raises(ExtractionError, match="shape"):
+        extract_step(storage, STEP, Short(inner), CONFIG)
+    assert read_manifest(storage, shards_prefix(STEP)) is None
+
+
+def test_missing_or_corrupt_input_is_named(tmp_path, model):
+    storage = Storage(tmp_path.as_uri())
+    with pytest.raises(ExtractionError, match="no committed tokenized"):
+        extract_step(storage, STEP, backend(model), CONFIG)
+    write_tokenized(storage, STEP, lengths(6))
+    part = storage.local_path(f"{tokenized_prefix(STEP)}/part-00000.parquet")
+    part.write_bytes(part.read_bytes() + b"x")
+    with pytest.raises(ExtractionError, match="part-00000.parquet"):
+        extract_step(storage, STEP, backend(model), CONFIG)
+
+
+# -- the asset --------------------------------------------------------------------------
+def test_dagster_config_mirrors_the_core_config():
+    core = ShardsConfig().to_core()
+    assert core == ExtractConfig()
+    assert set(ExtractConfig.__dataclass_fields__) <= set(ShardsConfig.model_fields)
+
+
+def test_asset_materializes_a_step_with_its_own_policy(tmp_path, model):
+    url = (tmp_path / "storage").as_uri()
+    storage = Storage(url)
+    model.save_pretrained(tmp_path / "policy")
+    publish_policy(storage, STEP, tmp_path / "policy")
+    write_tokenized(storage, STEP, lengths(10))
+    run_config = {"ops": {"hidden_state_shards": {"config": {
+        "token_budget": 48, "shard_bytes": 60 * TOKEN_BYTES}}}}
+    resources = {"storage": StorageResource(url=url),
+                 "capture": CaptureResource(aux_layer_ids=[0, 2, 4])}
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_steps", ["step-000003"])
+        result = materialize([hidden_state_shards], partition_key="step-000003",
+                             instance=instance, resources=resources, run_config=run_config)
+        assert result.success
+        (event,) = result.get_asset_materialization_events()
+        meta = {k: v.value for k, v in event.materialization.metadata.items()}
+        assert instance.get_materialized_partitions(AssetKey("hidden_state_shards")) == {
+            "step-000003"}
+    manifest = read_shards_manifest(storage, STEP)
+    assert meta["uri"] == storage.url(shards_prefix(STEP))
+    assert (meta["samples"], meta["shards"], meta["bytes"]) == (
+        10, len(manifest.files), manifest.total_bytes)
+    assert meta["aux_layer_ids"] == [0, 2, 4] and meta["hidden_size"] == H
+    assert meta["backend"] == "hf" and meta["schema_version"] == 1
+    assert meta["bytes_per_token"] == pytest.approx(manifest.total_bytes / meta["tokens"], 0.01)
+    policy = load_policy_ref(storage, STEP)
+    assert manifest.meta["policy_sha256"] == policy.sha256
+    assert manifest.meta["policy_uri"] == policy.uri
+    assert manifest.meta["backend_config"]["model_dtype"] == "float32"
+
+
+def test_open_backend_refuses_unknown_kinds_and_builds_sglang_from_the_policy(tmp_path, model):
+    storage = Storage(tmp_path.as_uri())
+    model.save_pretrained(tmp_path / "policy")
+    publish_policy(storage, STEP, tmp_path / "policy")
+    with pytest.raises(ValueError, match="unknown capture backend"):
+        with open_backend(storage, STEP, "vllm"):
+            pass
+    with open_backend(storage, STEP, "sglang", sglang_aux_urls=["http://127.0.0.1:9"],
+                      sglang_final_urls=["http://127.0.0.1:9"]) as sglang:
+        assert sglang.hidden_size == H and sglang.aux_layer_ids == (1, 2, 2)
