@@ -1,0 +1,259 @@
+"""Drafter configuration: derived from the target's config, written as SGLang's config.json.
+
+:class:`DrafterConfig` is the one source of truth for the drafter's shapes. It is built from
+the target (an HF ``LlamaConfig``-like object or its ``config.json`` dict) and turned into
+the ``config.json`` SGLang's ``LlamaForCausalLMEagle3`` loads (DESIGN §5).
+
+Invariants:
+
+- Rope: transformers 5 keeps ``rope_theta`` and the scaling parameters under
+  ``rope_parameters``; older configs keep ``rope_theta``/``rope_scaling`` at the top level.
+  Both are read (``rope_parameters`` first). The written config.json carries them in BOTH
+  places, with the same values, because converters and older loaders read only the
+  top-level keys and silently fall back to ``rope_theta = 10000``.
+- ``aux_layer_ids`` default to ``[1, N//2 - 1, N - 4]`` for an N-layer target and are
+  recorded as ``eagle_config.eagle_aux_hidden_state_layer_ids``.
+- ``draft_vocab_size <= vocab_size`` (capped); ``target_hidden_size`` is written only when it
+  differs from ``hidden_size`` (SGLang then sizes ``fc`` from it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pipeline.data.capture.base import default_aux_layer_ids
+
+SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Shapes and hyper-parameters of a one-layer EAGLE-3 drafter."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int  # target vocab (embedding rows, t2d length)
+    draft_vocab_size: int  # lm_head rows, d2t length
+    target_hidden_size: int  # width of one aux state; fc takes len(aux_layer_ids) of them
+    aux_layer_ids: tuple[int, ...]
+    # rope scaling without rope_theta, e.g. {"rope_type": "llama3", "factor": 8.0, ...};
+    # None for plain RoPE.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.hidden_act != "silu":
+            raise ValueError(f"only SwiGLU (hidden_act 'silu') drafters are supported, got "
+                             f"{self.hidden_act!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} must be a "
+                             f"multiple of num_key_value_heads {self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in "
+                             f"[1, vocab_size={self.vocab_size}]")
+        if not self.aux_layer_ids:
+            raise ValueError("aux_layer_ids must not be empty")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope type {self.rope_type!r} is not supported "
+                             f"(supported: {SUPPORTED_ROPE_TYPES})")
+
+    @property
+    def rope_type(self) -> str:
+        return (self.rope_scaling or {}).get("rope_type", "default")
+
+    @property
+    def fc_in_features(self) -> int:
+        return self.target_hidden_size * len(self.aux_layer_ids)
+
+    @property
+    def rope_parameters(self) -> dict[str, Any]:
+        """transformers-5 style: ``rope_type``, ``rope_theta`` and any scaling fields."""
+        return {"rope_type": "default", **(self.rope_scaling or {}),
+                "rope_theta": float(self.rope_theta)}
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target: Any, *, draft_vocab_size: int = 32000,
+                    aux_layer_ids: Sequence[int] | None = None) -> DrafterConfig:
+        """The drafter of a Llama-style ``target`` config (object or config.json dict).
+
+        ``draft_vocab_size`` is capped by the target vocab; ``aux_layer_ids`` default to
+        EAGLE-3's ``[1, N//2 - 1, N - 4]``.
+        """
+        get = _getter(target)
+        hidden = int(get("hidden_size"))
+        heads = int(get("num_attention_heads"))
+        num_layers = int(get("num_hidden_layers"))
+        ids = (tuple(int(i) for i in aux_layer_ids) if aux_layer_ids is not None
+               else default_aux_layer_ids(num_layers))
+        if any(not 0 <= i < num_layers for i in ids):
+            raise ValueError(f"aux_layer_ids {ids} are outside [0, {num_layers})")
+        theta, scaling = read_rope(target)
+        vocab = int(get("vocab_size"))
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(get("intermediate_size")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(get("num_key_value_heads", heads) or heads),
+            head_dim=int(get("head_dim", None) or hidden // heads),
+            rms_norm_eps=float(get("rms_norm_eps")),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(get("max_position_embeddings")),
+            vocab_size=vocab,
+            draft_vocab_size=min(int(draft_vocab_size), vocab),
+            target_hidden_size=hidden,
+            aux_layer_ids=ids,
+            hidden_act=str(get("hidden_act", "silu")),
+        )
+
+    # -- SGLang config.json ------------------------------------------------------------
+    def to_sglang_config(self, dtype: str = "bfloat16") -> dict[str, Any]:
+        """The ``config.json`` dict SGLang's ``LlamaForCausalLMEagle3`` loads (DESIGN §5)."""
+        cfg: dict[str, Any] = {
+            "architectures": [SGLANG_ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            # Top level for SGLang / transformers 4 / converters; rope_parameters for
+            # transformers 5. Same values in both.
+            "rope_theta": float(self.rope_theta),
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "rope_parameters": self.rope_parameters,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": dtype,
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                "use_aux_hidden_state": True,
+            },
+        }
+        if self.target_hidden_size != self.hidden_size:
+            cfg["target_hidden_size"] = self.target_hidden_size
+        return cfg
+
+    @classmethod
+    def from_sglang_config(cls, cfg: Mapping[str, Any]) -> DrafterConfig:
+        """Inverse of :meth:`to_sglang_config` (also reads other EAGLE-3 config.json files)."""
+        if SGLANG_ARCHITECTURE not in (cfg.get("architectures") or []):
+            raise ValueError(f"config.json architectures {cfg.get('architectures')} do not "
+                             f"include {SGLANG_ARCHITECTURE}")
+        if int(cfg.get("num_hidden_layers", 1)) != 1:
+            raise ValueError("only one-layer drafters are supported")
+        eagle = cfg.get("eagle_config") or {}
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if ids is None:
+            raise ValueError("config.json lacks eagle_config.eagle_aux_hidden_state_layer_ids")
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        theta, scaling = read_rope(cfg)
+        vocab = int(cfg["vocab_size"])
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            vocab_size=vocab,
+            draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab),
+            target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
+            aux_layer_ids=tuple(int(i) for i in ids),
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DrafterConfig:
+        raw = json.loads(text)
+        raw["aux_layer_ids"] = tuple(raw["aux_layer_ids"])
+        return cls(**raw)
+
+
+_SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size",
+                 "target_hidden_size")
+
+
+def shapes_match(a: DrafterConfig, b: DrafterConfig) -> bool:
+    """True when every parameter and buffer of drafters ``a`` and ``b`` has the same shape.
+
+    (The number of aux layers sizes ``fc``; their ids do not.) A warm start or a hot swap
+    needs this; a hot swap also needs an identical ``d2t``.
+    """
+    return (all(getattr(a, f) == getattr(b, f) for f in _SHAPE_FIELDS)
+            and len(a.aux_layer_ids) == len(b.aux_layer_ids))
+
+
+def read_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` from a config object or dict.
+
+    ``rope_parameters`` (transformers 5) wins; otherwise top-level ``rope_theta`` and
+    ``rope_scaling`` (``type`` is accepted for ``rope_type``). ``rope_scaling`` is None for
+    plain RoPE, else a dict with ``rope_type`` and its parameters, never ``rope_theta``.
+    """
+    get = _getter(cfg)
+    params = get("rope_parameters", None)
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = get("rope_theta", None)
+        if theta is None:
+            raise ValueError("target config has neither rope_parameters.rope_theta nor "
+                             "rope_theta")
+        theta = float(theta)
+        scaling = dict(get("rope_scaling", None) or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.pop("type", None)
+    if not scaling or scaling == {"rope_type": "default"}:
+        return theta, None
+    return theta, dict(sorted(scaling.items()))
+
+
+_MISSING = object()
+
+
+def _getter(cfg: Any):
+    """``get(name, default)`` over a dict or an attribute object; required when no default."""
+
+    def get(name: str, default: Any = _MISSING) -> Any:
+        if isinstance(cfg, Mapping):
+            value = cfg.get(name, _MISSING)
+        else:
+            value = getattr(cfg, name, _MISSING)
+        if value is _MISSING:
+            if default is _MISSING:
+                raise ValueError(f"target config lacks {name!r}")
+            return default
+        return value
+
+    return get

@@ -1,0 +1,390 @@
+"""Training-time test (TTT): the parallel forward of a K-step draft chain and its loss.
+
+Training entry point: :func:`ttt_loss` ``(model, batch, depth=7) -> (loss, metrics)``.
+
+Alignment (sequence x_0..x_{T-1}; ``loss_mask`` m_t says x_t is trained on; aux features f_t
+see tokens ≤ t; teacher logits L_t = target_lm_head(final_hidden_t) predict x_{t+1}).
+The chain that starts at position t, at step i = 0..K-1:
+
+    hidden in   fc(f_t) for i = 0, else h^{i-1}_t (the draft's own un-normed output)
+    token in    x_{t+1+i}                      (tokens shifted by 1 + i)
+    RoPE pos    t + i
+    attends to  step-0 keys at positions 0..t (causal) + keys of steps 1..i at position t
+    predicts    x_{t+2+i}: soft target softmax(L_{t+1+i}[t2d]), teacher argmax a_{t+1+i}
+    counted iff m_{t+2+i} (the PREDICTED token is trained on) and t2d[a_{t+1+i}]
+                and t + 2 + i < T
+
+In tensors, step i uses positions t < n_i = T - 2 - i and pairs
+``logits_i[:, :n]`` with ``L[:, 1+i : T-1]``, ``a[:, 1+i : T-1]`` and ``m[:, 2+i : T]``.
+Gating by m_{t+2+i} rather than m_t (SpecForge/EAGLE) trains the first two response tokens:
+a response starting at r is predicted first at t = r - 2, step 0.
+
+Invariants:
+
+- The logits of step i at position t equal those of running the drafter autoregressively
+  with a KV cache for i steps from position t (:mod:`pipeline.eagle3.drafting`; tested).
+- Attention never materialises a (B, heads, T, T) score tensor: the causal prefix goes
+  through ``scaled_dot_product_attention`` (flash / memory-efficient kernels) and the ≤ K-1
+  chain keys at the same position are per-position dot products; the two softmax parts are
+  merged exactly (see :func:`prefix_and_chain_attention`).
+- Loss per step is the mean soft cross-entropy over its counted positions; the total is
+  ``Σ_i decay^i · loss_i`` (decay 0.8). Batches are right-padded; every sequence starts at
+  position 0 (no packing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.eagle3.model import Eagle3Drafter, repeat_kv
+
+DEFAULT_DEPTH = 7
+DEFAULT_DECAY = 0.8
+DEFAULT_TEACHER_CHUNK = 8192
+
+
+# -- the batch ---------------------------------------------------------------------------
+@dataclass(eq=False)
+class TTTBatch:
+    """One right-padded training batch; row t of every field belongs to input token t."""
+
+    input_ids: torch.Tensor  # (B, T) int64
+    aux_hidden: torch.Tensor  # (B, T, 3·Ht) target aux states (any float dtype)
+    target_logits_draft: torch.Tensor  # (B, T, Vd) teacher logits at t over the draft vocab
+    target_argmax: torch.Tensor  # (B, T) int64 teacher's FULL-vocab argmax at t (target id)
+    loss_mask: torch.Tensor  # (B, T) bool: token x_t is trained on
+    attention_mask: torch.Tensor | None = None  # (B, T) bool real tokens; None = all real
+
+    def to(self, device: torch.device | str) -> TTTBatch:
+        def move(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(device, non_blocking=True)
+
+        return TTTBatch(move(self.input_ids), move(self.aux_hidden),
+                        move(self.target_logits_draft), move(self.target_argmax),
+                        move(self.loss_mask), move(self.attention_mask))
+
+    @property
+    def real(self) -> torch.Tensor:
+        """(B, T) bool: real (non-padding) tokens."""
+        if self.attention_mask is None:
+            return torch.ones_like(self.loss_mask, dtype=torch.bool)
+        return self.attention_mask.to(torch.bool)
+
+    def validate(self, model: Eagle3Drafter) -> None:
+        """Raise ``ValueError`` on shapes, dtypes or padding the TTT cannot handle."""
+        cfg = model.config
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (B, T), got {tuple(self.input_ids.shape)}")
+        b, t = self.input_ids.shape
+        expect = {
+            "aux_hidden": (self.aux_hidden, (b, t, cfg.fc_in_features)),
+            "target_logits_draft": (self.target_logits_draft, (b, t, cfg.draft_vocab_size)),
+            "target_argmax": (self.target_argmax, (b, t)),
+            "loss_mask": (self.loss_mask, (b, t)),
+        }
+        if self.attention_mask is not None:
+            expect["attention_mask"] = (self.attention_mask, (b, t))
+        for name, (x, shape) in expect.items():
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {shape}")
+        if self.input_ids.dtype != torch.int64 or self.target_argmax.dtype != torch.int64:
+            raise ValueError("input_ids and target_argmax must be int64")
+        if self.loss_mask.dtype != torch.bool:
+            raise ValueError(f"loss_mask must be bool, got {self.loss_mask.dtype}")
+        if self.attention_mask is not None:
+            real = self.attention_mask.to(torch.bool)
+            # Right padding only: RoPE positions are 0..T-1 for every row.
+            if not torch.equal(real, real.cummin(dim=1).values):
+                raise ValueError("attention_mask must be right-padded (ones, then zeros)")
+
+
+class _Sample(Protocol):
+    input_ids: torch.Tensor  # (T,)
+    loss_mask: torch.Tensor  # (T,)
+    aux_hidden: torch.Tensor  # (T, 3H)
+    final_hidden: torch.Tensor  # (T, H)
+
+
+def collate(samples: Sequence[_Sample], lm_head_weight: torch.Tensor, t2d: torch.Tensor, *,
+            pad_token_id: int = 0, device: torch.device | str | None = None,
+            chunk_size: int = DEFAULT_TEACHER_CHUNK) -> TTTBatch:
+    """Right-pad shard samples (e.g. ``ShardSample``) into a :class:`TTTBatch`.
+
+    Teacher targets come from ``final_hidden`` and the target's ``lm_head_weight`` (V, H)
+    via :func:`teacher_targets`, computed on ``device`` (default: where the samples are).
+    """
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    lengths = [int(s.input_ids.shape[0]) for s in samples]
+    b, t = len(samples), max(lengths)
+    dev = torch.device(device) if device is not None else samples[0].input_ids.device
+    aux_dtype = samples[0].aux_hidden.dtype
+    input_ids = torch.full((b, t), pad_token_id, dtype=torch.int64, device=dev)
+    loss_mask = torch.zeros(b, t, dtype=torch.bool, device=dev)
+    attention_mask = torch.zeros(b, t, dtype=torch.bool, device=dev)
+    aux = torch.zeros(b, t, samples[0].aux_hidden.shape[-1], dtype=aux_dtype, device=dev)
+    for row, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+        input_ids[row, :n] = s.input_ids.to(dev, torch.int64)
+        loss_mask[row, :n] = s.loss_mask.to(dev, torch.bool)
+        attention_mask[row, :n] = True
+        aux[row, :n] = s.aux_hidden.to(dev)
+    # Teacher over the real tokens only (no lm_head work on padding).
+    final = torch.cat([s.final_hidden.to(dev) for s in samples])  # (Σ T_b, H)
+    logits, argmax = teacher_targets(final, lm_head_weight.to(dev), t2d.to(dev),
+                                     chunk_size=chunk_size)
+    target_logits = torch.zeros(b, t, logits.shape[-1], dtype=logits.dtype, device=dev)
+    target_argmax = torch.zeros(b, t, dtype=torch.int64, device=dev)
+    start = 0
+    for row, n in enumerate(lengths):
+        target_logits[row, :n] = logits[start:start + n]
+        target_argmax[row, :n] = argmax[start:start + n]
+        start += n
+    return TTTBatch(input_ids, aux, target_logits, target_argmax, loss_mask, attention_mask)
+
+
+@torch.no_grad()
+def teacher_targets(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                    t2d: torch.Tensor, *, chunk_size: int = DEFAULT_TEACHER_CHUNK
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher logits restricted to the draft vocab and the full-vocab argmax, in fp32.
+
+    ``final_hidden`` (…, H) post-norm target states, ``lm_head_weight`` (V, H), ``t2d`` (V,)
+    bool. Returns ``(logits (…, Vd) fp32, argmax (…) int64)``, where column j of ``logits`` is
+    target id ``t2d.nonzero()[j]`` (draft order). One pass over V in chunks of
+    ``chunk_size`` rows bounds memory at (N, chunk) instead of (N, V); ties in the argmax go
+    to the smallest id, as with ``torch.argmax`` over the full row.
+    """
+    lead, hdim = final_hidden.shape[:-1], final_hidden.shape[-1]
+    vocab = lm_head_weight.shape[0]
+    if lm_head_weight.shape[1] != hdim or t2d.shape != (vocab,):
+        raise ValueError(f"lm_head {tuple(lm_head_weight.shape)} and t2d {tuple(t2d.shape)} "
+                         f"do not fit hidden size {hdim}")
+    h = final_hidden.reshape(-1, hdim).float()  # (N, H)
+    n = h.shape[0]
+    draft_vocab = int(t2d.sum())
+    out = torch.empty(n, draft_vocab, dtype=torch.float32, device=h.device)
+    best = torch.full((n,), float("-inf"), device=h.device)
+    arg = torch.zeros(n, dtype=torch.int64, device=h.device)
+    col = 0
+    for c0 in range(0, vocab, chunk_size):
+        logits = h @ lm_head_weight[c0:c0 + chunk_size].float().T  # (N, C)
+        value, index = logits.max(dim=-1)
+        better = value > best  # strict: an earlier chunk keeps a tie
+        best = torch.where(better, value, best)
+        arg = torch.where(better, index + c0, arg)
+        keep = t2d[c0:c0 + chunk_size]
+        k = int(keep.sum())
+        out[:, col:col + k] = logits[:, keep]
+        col += k
+    return out.view(*lead, draft_vocab), arg.view(*lead)
+
+
+# -- the parallel chain ------------------------------------------------------------------
+def prefix_and_chain_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
+                               chain_k: Sequence[torch.Tensor], chain_v: Sequence[torch.Tensor],
+                               scale: float, *,
+                               sink_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+                               ) -> torch.Tensor:
+    """Attention of draft step i ≥ 1: query t sees prefix keys 0..t and chain keys at t.
+
+    Shapes: ``q`` (B, h, T, d); ``prefix_k``/``prefix_v`` (B, h, T, d), the step-0 keys;
+    ``chain_k``/``chain_v``: i tensors (B, h, T, d), the keys of steps 1..i (position t's
+    chain key only ever meets query t). Returns (B, h, T, d).
+
+    The chain part is i per-position dot products: scores c (B, h, T, i), its log-sum-exp
+    lse_c and output o_c = softmax(c) · v. The prefix part goes through a single causal
+    ``scaled_dot_product_attention`` with one extra "sink" key in front that every query sees,
+    whose score for query t is exactly lse_c[t] and whose value is a unit vector in an extra
+    channel. That kernel then returns, for each t, the prefix output already weighted by
+    Z_prefix / (Z_prefix + Z_chain) in channels :d, and Z_chain / (Z_prefix + Z_chain) in
+    channel d; adding (channel d) · o_c gives the exact softmax over prefix ∪ chain keys,
+    differentiable throughout, without a (T, T) tensor. Layout (D = d + 2 rounded up to 8):
+
+        query row 0       dummy zeros (lets the sink sit at key 0 under is_causal)
+        query row t + 1   [q_t, lse_c[t]/scale split hi+lo, 0…]
+        key row 0         [0…0, 1, 1, 0…]   (the sink; scale·q·k = lse_c)
+        key row s + 1     [k_s, 0, 0, 0…]
+        value row 0       [0…0, 1, 0…]
+        value row s + 1   [v_s, 0, 0…]
+
+    The hi/lo split keeps lse_c exact to ~16 bits in bf16 (lo is 0 in fp32).
+    ``sink_prefix``: the key/value rows above, built once by :func:`prefix_with_sink` and
+    reused across steps (otherwise built here).
+    """
+    b, nh, t, d = q.shape
+    dtype = q.dtype
+    # chain part, fp32: (B, h, T, i)
+    scores = torch.stack([(q.float() * k.float()).sum(-1) for k in chain_k], dim=-1) * scale
+    lse_c = torch.logsumexp(scores, dim=-1)  # (B, h, T)
+    weights = torch.exp(scores - lse_c[..., None])  # (B, h, T, i)
+    o_c = sum(weights[..., j, None] * v.float() for j, v in enumerate(chain_v))  # (B,h,T,d)
+
+    width = _sink_width(d)
+    x = lse_c / scale
+    x_hi = x.to(dtype)
+    x_lo = (x - x_hi.float()).to(dtype)
+    q_aug = q.new_zeros(b, nh, t + 1, width)
+    q_aug[:, :, 1:, :d] = q
+    q_aug[:, :, 1:, d] = x_hi
+    q_aug[:, :, 1:, d + 1] = x_lo
+    k_aug, v_aug = sink_prefix if sink_prefix is not None else prefix_with_sink(prefix_k,
+                                                                                prefix_v)
+    out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, is_causal=True, scale=scale)
+    out = out[:, :, 1:]  # (B, h, T, width): drop the dummy query
+    return (out[..., :d].float() + out[..., d:d + 1].float() * o_c).to(dtype)
+
+
+def _sink_width(d: int) -> int:
+    return -(-(d + 2) // 8) * 8  # d + 2 channels, rounded up to a multiple of 8 for kernels
+
+
+def prefix_with_sink(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, h, T, d) prefix keys/values -> (B, h, T+1, width) with the sink at row 0."""
+    b, nh, t, d = k.shape
+    width = _sink_width(d)
+    k_aug = k.new_zeros(b, nh, t + 1, width)
+    k_aug[:, :, 0, d:d + 2] = 1.0
+    k_aug[:, :, 1:, :d] = k
+    v_aug = v.new_zeros(b, nh, t + 1, width)
+    v_aug[:, :, 0, d] = 1.0
+    v_aug[:, :, 1:, :d] = v
+    return k_aug, v_aug
+
+
+class ChainAttention:
+    """The attention pattern of the parallel chain; call once per step, in order.
+
+    Step 0 is causal over its own keys (the real prefix) and keeps them; step i ≥ 1 adds its
+    keys to the chain and attends with :func:`prefix_and_chain_attention`.
+    """
+
+    def __init__(self, n_rep: int, scale: float):
+        self.n_rep = n_rep
+        self.scale = scale
+        self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.sink_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.chain_k: list[torch.Tensor] = []
+        self.chain_v: list[torch.Tensor] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)  # (B, h, T, d)
+        if self.prefix is None:
+            self.prefix = (k, v)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        if self.sink_prefix is None:
+            self.sink_prefix = prefix_with_sink(*self.prefix)
+        self.chain_k.append(k)
+        self.chain_v.append(v)
+        return prefix_and_chain_attention(q, *self.prefix, self.chain_k, self.chain_v,
+                                          self.scale, sink_prefix=self.sink_prefix)
+
+
+def shift_left(x: torch.Tensor, s: int, fill: int) -> torch.Tensor:
+    """(B, T) -> (B, T) with ``y[:, t] = x[:, t + s]``, ``fill`` where ``t + s >= T``."""
+    y = torch.full_like(x, fill)
+    if s < x.shape[1]:
+        y[:, :x.shape[1] - s] = x[:, s:]
+    return y
+
+
+def ttt_hidden_states(model: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
+                      depth: int = DEFAULT_DEPTH, *, pad_token_id: int = 0
+                      ) -> Iterator[torch.Tensor]:
+    """Yield h^i (B, T, H), the un-normed output of step i = 0..depth-1 at every position.
+
+    ``input_ids`` (B, T) are the sequence tokens x_t (unshifted); ``aux_hidden`` (B, T, 3·Ht)
+    the features f_t. Step i feeds token x_{t+1+i} (``pad_token_id`` past the end) at RoPE
+    position t + i, with hidden fc(f_t) for i = 0 and h^{i-1}_t after.
+    """
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    b, t = input_ids.shape
+    positions = torch.arange(t, device=input_ids.device).expand(b, t)  # (B, T)
+    cfg = model.config
+    attend = ChainAttention(cfg.num_attention_heads // cfg.num_key_value_heads, model.scale)
+    hidden = model.project(aux_hidden)  # (B, T, H)
+    for i in range(depth):
+        tokens = shift_left(input_ids, 1 + i, pad_token_id)  # (B, T): x_{t+1+i}
+        hidden = model.step(tokens, hidden, positions + i, attend)
+        yield hidden
+
+
+def ttt_logits(model: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
+               depth: int = DEFAULT_DEPTH, *, pad_token_id: int = 0) -> list[torch.Tensor]:
+    """Draft logits (B, T, Vd) of every step (for tests and evaluation)."""
+    return [model.compute_logits(h) for h in
+            ttt_hidden_states(model, input_ids, aux_hidden, depth, pad_token_id=pad_token_id)]
+
+
+# -- the loss ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TTTMetrics:
+    """Per-step statistics of one batch (floats, detached)."""
+
+    loss: float  # the weighted total
+    step_loss: list[float] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)  # over counted positions
+    count: list[int] = field(default_factory=list)  # counted positions per step
+    sim_accept_length: float = 0.0  # Σ_k Π_{j≤k} accuracy_j
+
+    def as_dict(self, prefix: str = "") -> dict[str, float]:
+        out = {f"{prefix}loss": self.loss, f"{prefix}sim_accept_length": self.sim_accept_length}
+        for i, (lo, acc, n) in enumerate(zip(self.step_loss, self.accuracy, self.count,
+                                             strict=True)):
+            out[f"{prefix}loss_{i}"] = lo
+            out[f"{prefix}acc_{i}"] = acc
+            out[f"{prefix}count_{i}"] = float(n)
+        return out
+
+
+def simulated_accept_length(accuracy: Sequence[float]) -> float:
+    """Σ_k Π_{j≤k} acc_j: expected accepted drafts if step k is right w.p. acc_k."""
+    total, run = 0.0, 1.0
+    for acc in accuracy:
+        run *= acc
+        total += run
+    return total
+
+
+def ttt_loss(model: Eagle3Drafter, batch: TTTBatch, depth: int = DEFAULT_DEPTH, *,
+             decay: float = DEFAULT_DECAY, pad_token_id: int = 0
+             ) -> tuple[torch.Tensor, TTTMetrics]:
+    """The TTT training loss ``Σ_i decay^i · loss_i`` and its metrics (see module docstring)."""
+    batch.validate(model)
+    _, t = batch.input_ids.shape
+    with torch.no_grad():
+        target_p = torch.softmax(batch.target_logits_draft.float(), dim=-1)  # (B, T, Vd)
+        draftable = model.t2d[batch.target_argmax]  # (B, T): teacher argmax in draft vocab
+        trained = batch.loss_mask & batch.real  # (B, T): x_t is a trained, real token
+    total = batch.aux_hidden.new_zeros((), dtype=torch.float32)
+    step_losses, sums, counts = [], [], []
+    steps = ttt_hidden_states(model, batch.input_ids, batch.aux_hidden, depth,
+                              pad_token_id=pad_token_id)
+    for i, hidden in enumerate(steps):
+        n = max(t - 2 - i, 0)  # positions t whose predicted token x_{t+2+i} exists
+        logits = model.compute_logits(hidden[:, :n]).float()  # (B, n, Vd) -> x_{t+2+i}
+        p = target_p[:, 1 + i:1 + i + n]  # (B, n, Vd)  teacher at t+1+i
+        argmax = batch.target_argmax[:, 1 + i:1 + i + n]  # (B, n)
+        gate = trained[:, 2 + i:2 + i + n] & draftable[:, 1 + i:1 + i + n]  # (B, n)
+        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # (B, n)
+        count = gate.sum()
+        loss_i = (ce * gate).sum() / count.clamp(min=1)
+        total = total + decay ** i * loss_i
+        with torch.no_grad():
+            correct = (model.to_target_ids(logits.argmax(-1)) == argmax) & gate
+            step_losses.append(loss_i.detach())
+            sums.append(correct.sum())
+            counts.append(count)
+    counts_l = torch.stack(counts).tolist()
+    correct_l = torch.stack(sums).tolist()
+    accuracy = [c / n if n else 0.0 for c, n in zip(correct_l, counts_l, strict=True)]
+    metrics = TTTMetrics(loss=float(total.detach()),
+                         step_loss=torch.stack(step_losses).tolist(), accuracy=accuracy,
+                         count=[int(c) for c in counts_l],
+                         sim_accept_length=simulated_accept_length(accuracy))
+    return total, metrics

@@ -1,0 +1,71 @@
+"""Tiny random drafters and batches for the EAGLE-3 tests (fp32, seeded)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig
+
+from pipeline.eagle3.config import DrafterConfig
+from pipeline.eagle3.model import Eagle3Drafter
+from pipeline.eagle3.ttt import TTTBatch
+from pipeline.eagle3.vocab import build_vocab_mapping
+
+TARGET_VOCAB = 48
+DRAFT_VOCAB = 24
+
+
+def tiny_target_config(**overrides) -> LlamaConfig:
+    kwargs = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=8,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=TARGET_VOCAB,
+                  max_position_embeddings=256, rms_norm_eps=1e-6)
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def tiny_drafter(seed: int = 0, *, target: LlamaConfig | None = None,
+                 draft_vocab_size: int = DRAFT_VOCAB) -> Eagle3Drafter:
+    """A drafter whose weights are large enough that attention is far from uniform.
+
+    With Llama's 0.02 init every attention is nearly uniform, and a wrong mask or position
+    barely moves the output; these weights make such bugs show up at O(1).
+    """
+    target = target or tiny_target_config()
+    cfg = DrafterConfig.from_target(target, draft_vocab_size=draft_vocab_size)
+    g = torch.Generator().manual_seed(seed)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    model = Eagle3Drafter(cfg, embed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.5 * torch.rand(p.shape, generator=g))
+            else:
+                fan_in = p.shape[1]
+                p.copy_(torch.randn(p.shape, generator=g) * (1.5 / fan_in ** 0.5))
+    counts = torch.randint(0, 20, (cfg.vocab_size,), generator=g)
+    mapping = build_vocab_mapping(counts, cfg.draft_vocab_size)
+    model.set_vocab(mapping.d2t, mapping.t2d)
+    return model
+
+
+def random_batch(model: Eagle3Drafter, lengths: list[int], seed: int = 1, *,
+                 response_start: int | None = None) -> TTTBatch:
+    """Right-padded batch; loss mask random (or on from ``response_start``), off on padding.
+
+    Teacher argmaxes are drawn so that about a quarter fall outside the draft vocab.
+    """
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    b, t = len(lengths), max(lengths)
+    real = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]  # (B, T)
+    input_ids = torch.randint(0, cfg.vocab_size, (b, t), generator=g) * real
+    aux = torch.randn(b, t, cfg.fc_in_features, generator=g)
+    logits = 2.0 * torch.randn(b, t, cfg.draft_vocab_size, generator=g)
+    draft_targets = model.to_target_ids(logits.argmax(-1))
+    outside = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
+    argmax = torch.where(torch.rand(b, t, generator=g) < 0.75, draft_targets, outside)
+    if response_start is None:
+        loss_mask = torch.rand(b, t, generator=g) < 0.7
+    else:
+        loss_mask = torch.arange(t)[None, :].expand(b, t) >= response_start
+    return TTTBatch(input_ids=input_ids, aux_hidden=aux, target_logits_draft=logits,
+                    target_argmax=argmax, loss_mask=loss_mask & real, attention_mask=real)

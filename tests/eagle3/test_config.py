@@ -1,0 +1,120 @@
+"""DrafterConfig from target configs (transformers 5 and 4 styles) and SGLang's config.json."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from transformers import LlamaConfig
+
+from pipeline.eagle3.config import DrafterConfig, read_rope, shapes_match
+from tests.eagle3.helpers import tiny_target_config
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
+
+SGLANG_KEYS = {
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "num_hidden_layers", "hidden_act", "rms_norm_eps",
+    "max_position_embeddings", "vocab_size", "draft_vocab_size", "rope_theta", "rope_scaling",
+    "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings", "torch_dtype",
+    "eagle_config",
+}
+
+
+def test_from_transformers5_target():
+    target = tiny_target_config(num_hidden_layers=12, head_dim=16,
+                                rope_parameters={**LLAMA3, "rope_theta": 500000.0})
+    cfg = DrafterConfig.from_target(target, draft_vocab_size=20)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim) == (32, 48, 4, 2, 16)
+    assert cfg.aux_layer_ids == (1, 5, 8)  # [1, N//2 - 1, N - 4]
+    assert cfg.rope_theta == 500000.0
+    assert cfg.rope_scaling == LLAMA3 and cfg.rope_type == "llama3"
+    assert (cfg.vocab_size, cfg.draft_vocab_size, cfg.target_hidden_size) == (48, 20, 32)
+    assert cfg.max_position_embeddings == 256 and cfg.rms_norm_eps == 1e-6
+
+
+def test_from_transformers4_style_dict_and_caps_the_draft_vocab():
+    target = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+              "num_attention_heads": 8, "vocab_size": 100, "max_position_embeddings": 512,
+              "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+              "rope_scaling": {"type": "linear", "factor": 2.0}}
+    cfg = DrafterConfig.from_target(target, aux_layer_ids=[0, 2, 7])
+    assert cfg.num_key_value_heads == 8 and cfg.head_dim == 8
+    assert cfg.rope_theta == 1e6
+    assert cfg.rope_scaling == {"factor": 2.0, "rope_type": "linear"}
+    assert cfg.draft_vocab_size == 100  # 32000 capped by the target vocab
+    assert cfg.aux_layer_ids == (0, 2, 7)
+    with pytest.raises(ValueError, match="outside"):
+        DrafterConfig.from_target(target, aux_layer_ids=[0, 8])
+
+
+def test_read_rope_prefers_rope_parameters_and_drops_default_scaling():
+    assert read_rope({"rope_parameters": {"rope_type": "default", "rope_theta": 3.0},
+                      "rope_theta": 7.0}) == (3.0, None)
+    assert read_rope({"rope_theta": 7.0, "rope_scaling": None}) == (7.0, None)
+    with pytest.raises(ValueError, match="rope_theta"):
+        read_rope({"hidden_size": 4})
+
+
+def test_sglang_config_json():
+    cfg = DrafterConfig.from_target(tiny_target_config(
+        rope_parameters={**LLAMA3, "rope_theta": 500000.0}), draft_vocab_size=20)
+    out = cfg.to_sglang_config()
+    assert set(out) == SGLANG_KEYS
+    assert out["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert out["model_type"] == "llama" and out["num_hidden_layers"] == 1
+    assert out["tie_word_embeddings"] is False and out["torch_dtype"] == "bfloat16"
+    assert out["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+                                   "use_aux_hidden_state": True}
+    assert out["rope_theta"] == 500000.0  # top level, for loaders that read only that
+    assert out["rope_scaling"] == LLAMA3
+    assert out["rope_parameters"] == {**LLAMA3, "rope_theta": 500000.0}
+    assert (out["vocab_size"], out["draft_vocab_size"]) == (48, 20)
+    assert "target_hidden_size" not in out
+    wide = replace(cfg, target_hidden_size=64)
+    assert wide.to_sglang_config()["target_hidden_size"] == 64
+    assert wide.fc_in_features == 192
+
+
+def test_plain_rope_writes_null_scaling():
+    out = DrafterConfig.from_target(tiny_target_config()).to_sglang_config()
+    assert out["rope_theta"] == 10000.0 and out["rope_scaling"] is None
+
+
+def test_transformers5_reads_the_written_config_identically():
+    cfg = DrafterConfig.from_target(tiny_target_config(
+        rope_parameters={**LLAMA3, "rope_theta": 500000.0}))
+    hf = LlamaConfig.from_dict(cfg.to_sglang_config())
+    assert hf.rope_parameters == cfg.rope_parameters
+    assert hf.head_dim == cfg.head_dim and hf.num_hidden_layers == 1
+
+
+def test_round_trips():
+    cfg = DrafterConfig.from_target(tiny_target_config(
+        rope_parameters={**LLAMA3, "rope_theta": 500000.0}), draft_vocab_size=20)
+    assert DrafterConfig.from_sglang_config(cfg.to_sglang_config()) == cfg
+    assert DrafterConfig.from_json(cfg.to_json()) == cfg
+    wide = replace(cfg, target_hidden_size=64)
+    assert DrafterConfig.from_sglang_config(wide.to_sglang_config()) == wide
+    with pytest.raises(ValueError, match="architectures"):
+        DrafterConfig.from_sglang_config({**cfg.to_sglang_config(), "architectures": ["X"]})
+
+
+def test_shapes_match():
+    cfg = DrafterConfig.from_target(tiny_target_config(), draft_vocab_size=20)
+    assert shapes_match(cfg, replace(cfg, aux_layer_ids=(0, 1, 2), rope_theta=5.0))
+    assert not shapes_match(cfg, replace(cfg, draft_vocab_size=21))
+    assert not shapes_match(cfg, replace(cfg, aux_layer_ids=(1, 2)))
+    assert not shapes_match(cfg, replace(cfg, intermediate_size=64))
+
+
+def test_validation():
+    cfg = DrafterConfig.from_target(tiny_target_config())
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        replace(cfg, draft_vocab_size=cfg.vocab_size + 1)
+    with pytest.raises(ValueError, match="rope type"):
+        replace(cfg, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="multiple"):
+        replace(cfg, num_key_value_heads=3)
