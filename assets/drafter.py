@@ -1,0 +1,119 @@
+"""``vocab_mapping`` and ``drafter_checkpoint``: a refresh step's draft vocab and drafter.
+
+Partition = the refresh step s; both assets read the window s-K+1..s from storage (the vocab
+stage decides K and the draft vocab size; training follows its pointer) and fail naming any
+step of the window that is missing.
+"""
+
+from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
+from pydantic import Field
+
+from assets.partitions import rl_steps, step_of
+from pipeline.eagle3.vocab import DEFAULT_DRAFT_VOCAB_SIZE
+from pipeline.training.config import TrainConfig
+from pipeline.training.metrics import depth_table
+from pipeline.training.vocab_stage import build_window_vocab
+from resources.storage import StorageResource
+from resources.trainer import TrainerResource
+
+_T = TrainConfig()
+
+
+class VocabRunConfig(Config):
+    """Run config of ``vocab_mapping``: the training window and the draft vocab size."""
+
+    window: int = Field(default=4, description="train on RL steps s-window+1 .. s")
+    draft_vocab_size: int = Field(default=DEFAULT_DRAFT_VOCAB_SIZE,
+                                  description="draft vocab size (capped by the target vocab)")
+
+
+class DrafterRunConfig(Config):
+    """Run config of ``drafter_checkpoint``: mirrors :class:`TrainConfig` minus the execution
+    fields the trainer resource owns (world_size, zero_stage, dtype, device, threads)."""
+
+    lr: float = Field(default=_T.lr, description="peak AdamW learning rate")
+    min_lr: float = Field(default=_T.min_lr, description="learning rate at the end (cosine)")
+    weight_decay: float = Field(default=_T.weight_decay, description="AdamW weight decay")
+    adam_beta1: float = Field(default=_T.adam_beta1, description="AdamW beta1")
+    adam_beta2: float = Field(default=_T.adam_beta2, description="AdamW beta2")
+    adam_eps: float = Field(default=_T.adam_eps, description="AdamW eps")
+    warmup_ratio: float = Field(default=_T.warmup_ratio, description="linear warmup share")
+    grad_clip: float = Field(default=_T.grad_clip, description="max gradient norm")
+    ttt_depth: int = Field(default=_T.ttt_depth, description="TTT draft steps")
+    ttt_decay: float = Field(default=_T.ttt_decay, description="loss weight decay per step")
+    max_length: int = Field(default=_T.max_length, description="tokens per sample (cut)")
+    micro_batch_size: int = Field(default=_T.micro_batch_size,
+                                  description="samples per micro batch per rank")
+    grad_accum: int = Field(default=_T.grad_accum, description="micro batches per step per "
+                                                               "rank")
+    epochs: int = Field(default=_T.epochs, description="passes over the window")
+    max_steps: int = Field(default=_T.max_steps, description="> 0: exactly this many steps")
+    shuffle_buffer: int = Field(default=_T.shuffle_buffer,
+                                description="samples the reader shuffles within")
+    seed: int = Field(default=_T.seed, description="init and data-order seed")
+    checkpoint_every: int = Field(default=_T.checkpoint_every,
+                                  description="optimizer steps between resume checkpoints")
+    keep_checkpoints: int = Field(default=_T.keep_checkpoints, description="kept on disk")
+    log_every: int = Field(default=_T.log_every, description="steps between log lines")
+    export_dtype: str = Field(default=_T.export_dtype, description="exported weight dtype")
+    warm_start: str = Field(default="auto", description="auto (previous drafter) | none | a "
+                                                        "storage prefix or local drafter dir")
+
+    def to_core(self) -> TrainConfig:
+        fields = {k: v for k, v in self.model_dump().items() if k != "warm_start"}
+        return TrainConfig(**fields)
+
+
+def _md_table(rows: list[dict]) -> MetadataValue:
+    lines = ["| depth | loss | accuracy | accept length | count |", "|---|---|---|---|---|"]
+    lines += [f"| {r['depth']} | {r['loss']:.4f} | {r['accuracy']:.4f} | "
+              f"{r['accept_length']:.3f} | {r['count']} |" for r in rows]
+    return MetadataValue.md("\n".join(lines))
+
+
+@asset(partitions_def=rl_steps, group_name="drafter", kinds={"pytorch", "safetensors"},
+       deps=["hidden_state_shards"])
+def vocab_mapping(context: AssetExecutionContext, config: VocabRunConfig,
+                  storage: StorageResource) -> MaterializeResult:
+    """Draft vocab (d2t / t2d) of the training window, counted under the loss mask; cached."""
+    v = build_window_vocab(storage.build(), step_of(context.partition_key), config.window,
+                           config.draft_vocab_size)
+    s = v.summary()
+    context.log.info(f"window {list(v.window_steps)}: coverage {v.mapping.coverage:.4f}, "
+                     f"cache {'hit' if v.cache_hit else 'miss'}")
+    return MaterializeResult(metadata={
+        "uri": MetadataValue.path(v.uri), "cache_key": v.cache_key, "cache_hit": v.cache_hit,
+        "window_steps": MetadataValue.json(list(v.window_steps)),
+        "coverage": s["coverage"], "draft_vocab_size": s["draft_vocab_size"],
+        "target_vocab_size": s["target_vocab_size"], "masked_tokens": s["masked_tokens"],
+        "distinct_tokens": s["distinct_tokens"], "seconds": round(v.seconds, 3)})
+
+
+@asset(partitions_def=rl_steps, group_name="drafter", kinds={"pytorch", "deepspeed"},
+       deps=["vocab_mapping"])
+def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
+                       storage: StorageResource, trainer: TrainerResource) -> MaterializeResult:
+    """EAGLE-3 drafter trained on the window (DeepSpeed, resumable), in SGLang's format."""
+    r = trainer.refresh(storage.build(), step_of(context.partition_key), config.to_core(),
+                        warm_start=config.warm_start, on_line=context.log.info)
+    res, meta = r.result, r.manifest.meta
+    context.log.info(f"{r.uri}: {res.steps} steps, loss {res.final['loss']:.4f}, simulated "
+                     f"acceptance {res.final['sim_accept_length']:.3f}"
+                     + (" (already committed)" if r.reused else ""))
+    return MaterializeResult(metadata={
+        "uri": MetadataValue.path(r.uri), "reused": r.reused,
+        "window_steps": MetadataValue.json(meta["window_steps"]),
+        "vocab_cache_key": meta["vocab_cache_key"], "coverage": meta["coverage"],
+        "draft_vocab_size": meta["draft_vocab_size"],
+        "aux_layer_ids": MetadataValue.json(meta["aux_layer_ids"]),
+        "warm_start": res.warm_start["mode"],
+        "warm_start_source": res.warm_start["source"] or "none",
+        "warm_start_reason": res.warm_start["reason"],
+        "per_depth": _md_table(depth_table(res.final)),
+        "loss": res.final["loss"], "sim_accept_length": res.final["sim_accept_length"],
+        "first_loss": res.first["loss"], "steps": res.steps, "epochs": round(res.epochs, 3),
+        "resumed_from_step": res.resumed_from_step if res.resumed_from_step is not None
+        else -1,
+        "world_size": res.world_size, "zero_stage": res.zero_stage, "dtype": res.dtype,
+        "tokens_per_s": round(res.tokens_per_s, 1), "seconds": round(res.seconds, 3),
+        "fingerprint": meta["fingerprint"]})

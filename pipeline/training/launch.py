@@ -1,0 +1,156 @@
+"""Starting training processes from a parent that must not hold a process group (Dagster).
+
+``launch(spec)`` writes the spec next to the run, starts ``pipeline.training.run`` as a child
+— plain ``python`` for one process, ``torchrun`` or the ``deepspeed`` launcher for N — streams
+its output to ``<work_dir>/train.log`` (forwarding Aerie's own log lines), and returns the
+:class:`TrainResult` that rank 0 wrote. The same path is used for 1 and N processes.
+
+Invariants:
+
+- The child gets the parent's environment plus: ``DS_ACCELERATOR=cpu`` on CPU,
+  ``OMP_NUM_THREADS`` when threads are fixed, storage options as JSON in
+  ``AERIE_TRAIN_STORAGE_OPTIONS`` (never in the spec file).
+- A failed child raises :class:`TrainingFailed` with the log's tail. The child leads its own
+  session; a parent interrupted while waiting kills that process group (the launcher and its
+  ranks) before re-raising, so no orphan keeps training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pipeline.training.distributed import free_port
+from pipeline.training.loop import RESULT_NAME
+from pipeline.training.run import STORAGE_OPTIONS_ENV
+from pipeline.training.spec import TrainResult, TrainSpec
+
+log = logging.getLogger(__name__)
+LAUNCHERS = ("auto", "python", "torchrun", "deepspeed")
+SPEC_NAME = "spec.json"
+LOG_NAME = "train.log"
+
+
+class TrainingFailed(RuntimeError):
+    """The training process exited with an error; the message holds its last log lines."""
+
+
+def training_command(spec_path: Path, world_size: int, launcher: str = "auto",
+                     python: str = sys.executable) -> list[str]:
+    """The command line that runs ``spec_path`` with ``world_size`` processes."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+    if launcher == "auto":
+        launcher = "python" if world_size == 1 else "torchrun"
+    entry = ["pipeline.training.run", "--spec", str(spec_path)]
+    if launcher == "python":
+        if world_size != 1:
+            raise ValueError("the plain python launcher runs one process; use torchrun or "
+                             "deepspeed for world_size > 1")
+        return [python, "-m", *entry]
+    port = str(free_port())
+    if launcher == "torchrun":
+        return [python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
+                str(world_size), "--master_addr", "127.0.0.1", "--master_port", port,
+                "-m", *entry]
+    return [python, "-m", "deepspeed.launcher.runner", "--num_accelerators", str(world_size),
+            "--master_addr", "127.0.0.1", "--master_port", port, "--module", *entry]
+
+
+def child_environment(spec: TrainSpec, storage_options: Mapping[str, Any] | None
+                      ) -> dict[str, str]:
+    env = dict(os.environ)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)  # a parent's own group must not leak into the child's
+    if spec.config.device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    if spec.config.threads:
+        env["OMP_NUM_THREADS"] = str(spec.config.threads)
+    env[STORAGE_OPTIONS_ENV] = json.dumps(dict(storage_options or {}))
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+class TrainingProcess:
+    """A started training run; :meth:`wait` streams its log and returns its result."""
+
+    def __init__(self, spec: TrainSpec, *, launcher: str = "auto",
+                 storage_options: Mapping[str, Any] | None = None,
+                 on_line: Callable[[str], None] | None = None):
+        self.spec = spec
+        self.work_dir = Path(spec.work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        spec_path = self.work_dir / SPEC_NAME
+        spec_path.write_text(spec.to_json())
+        (self.work_dir / RESULT_NAME).unlink(missing_ok=True)
+        self.command = training_command(spec_path, spec.config.world_size, launcher)
+        self.on_line = on_line
+        self.log_path = self.work_dir / LOG_NAME
+        self.tail: deque[str] = deque(maxlen=60)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     env=child_environment(spec, storage_options),
+                                     cwd=str(self.work_dir), start_new_session=True)
+        # Drained from the start, so a full pipe never blocks the child, even if nobody waits.
+        self._pump = threading.Thread(target=self._drain, daemon=True)
+        self._pump.start()
+        log.info("started training (pid %d): %s", self.proc.pid, " ".join(self.command))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        with open(self.log_path, "a", encoding="utf-8") as f:
+            for line in self.proc.stdout:
+                f.write(line)
+                f.flush()
+                self.tail.append(line.rstrip())
+                if " pipeline.training" in line:
+                    self._lines.put(line.rstrip())
+        self._lines.put(None)
+
+    def wait(self) -> TrainResult:
+        """Forward Aerie's log lines (on this thread) until the run ends; its result."""
+        try:
+            while (line := self._lines.get()) is not None:
+                (self.on_line or log.info)(line)
+            code = self.proc.wait()
+            self._pump.join()
+        except BaseException:
+            self.kill()
+            raise
+        result_path = self.work_dir / RESULT_NAME
+        if code != 0 or not result_path.is_file():
+            raise TrainingFailed(f"training exited with {code} (log: {self.log_path}):\n"
+                                 + "\n".join(self.tail))
+        return TrainResult.from_json(result_path.read_text())
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the run's process group (the launcher and every rank it started;
+        the child leads its own session, so the group is exactly this run)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait()
+        self._pump.join(timeout=30)
+
+
+def launch(spec: TrainSpec, *, launcher: str = "auto",
+           storage_options: Mapping[str, Any] | None = None,
+           on_line: Callable[[str], None] | None = None) -> TrainResult:
+    """Run ``spec`` to completion in child process(es); resumes from its work dir."""
+    return TrainingProcess(spec, launcher=launcher, storage_options=storage_options,
+                           on_line=on_line).wait()

@@ -1,0 +1,96 @@
+"""The records that cross the process boundary of a training run: spec in, result out.
+
+A :class:`TrainSpec` is everything a training process needs (written as JSON next to the run;
+never secrets: storage credentials travel in the child's environment), a :class:`TrainResult`
+what it reports back. Both are plain JSON-serialisable dataclasses with a schema version.
+
+Invariant: ``TrainSpec.fingerprint()`` covers every input that changes the trained weights
+(config, window data identity, vocab, teacher policy, warm-start source) and none of the paths,
+so the same inputs map to the same run directory (and resume) and the same published drafter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pipeline.training.config import TrainConfig
+
+SPEC_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What to train: config, data window, vocab, teacher, warm start, where to write."""
+
+    config: TrainConfig
+    storage_url: str
+    step: int  # the refresh step: its policy is the teacher, its name the drafter's
+    window_steps: tuple[int, ...]
+    shard_manifest_sha256: dict[str, str]  # step -> sha256 of its shard manifest bytes
+    vocab_key: str  # cache key of the vocab mapping (``vocab/<key>/``)
+    policy_sha256: str
+    work_dir: str  # checkpoints, result.json, train.log
+    out_dir: str  # the exported SGLang drafter
+    warm_start_dir: str | None = None  # a local drafter directory, or None (scratch)
+    warm_start_source: str | None = None  # what it is (URI) and its content hash, for lineage
+    schema_version: int = SPEC_SCHEMA_VERSION
+
+    def fingerprint(self) -> str:
+        payload = {"config": self.config.fingerprint(), "step": self.step,
+                   "window": list(self.window_steps), "shards": self.shard_manifest_sha256,
+                   "vocab": self.vocab_key, "policy": self.policy_sha256,
+                   "warm_start": self.warm_start_source, "schema": self.schema_version}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainSpec:
+        raw = json.loads(text)
+        if raw.get("schema_version") != SPEC_SCHEMA_VERSION:
+            raise ValueError(f"train spec schema {raw.get('schema_version')} is not "
+                             f"{SPEC_SCHEMA_VERSION}")
+        raw["config"] = TrainConfig.from_dict(raw["config"])
+        raw["window_steps"] = tuple(raw["window_steps"])
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished run reports (rank 0 writes it as ``result.json``)."""
+
+    fingerprint: str
+    steps: int
+    steps_per_epoch: int
+    epochs: float
+    samples: int  # in the window
+    tokens_trained: int  # real tokens through the drafter, all ranks, this process lifetime
+    seconds: float  # training loop wall time of this process lifetime
+    tokens_per_s: float
+    samples_per_s: float
+    resumed_from_step: int | None
+    world_size: int
+    zero_stage: int
+    dtype: str
+    final: dict[str, Any]  # MetricSums.summary() over the last quarter of the run (≤ 1 epoch)
+    first: dict[str, Any]  # the same over the first quarter (the trend)
+    history: list[dict[str, Any]] = field(default_factory=list)  # per logged step
+    warm_start: dict[str, Any] = field(default_factory=dict)
+    drafter_config: dict[str, Any] = field(default_factory=dict)  # SGLang config.json
+    out_dir: str = ""
+    schema_version: int = SPEC_SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainResult:
+        raw = json.loads(text)
+        if raw.get("schema_version") != SPEC_SCHEMA_VERSION:
+            raise ValueError(f"train result schema {raw.get('schema_version')} is not "
+                             f"{SPEC_SCHEMA_VERSION}")
+        return cls(**raw)

@@ -1,0 +1,148 @@
+"""The ``vocab_mapping`` stage: the draft vocabulary of a refresh step's training window.
+
+Counts target token ids under the loss mask over the window's tokenized samples (the same
+samples the shards hold; ids and masks only, so ~30× fewer bytes than the shards), chooses
+the top ``draft_vocab_size`` with :func:`pipeline.eagle3.vocab.build_vocab_mapping` and stores
+it content-addressed:
+
+- ``vocab/<cache_key>/vocab_mapping.safetensors`` + ``_manifest.json`` — ``cache_key`` =
+  :func:`vocab_cache_key` of the tokenized files' sha256 and both vocab sizes; present → reused
+  without reading any data (a cache hit);
+- ``vocab/step=NNNNNN/_manifest.json`` — which mapping (and which window) refresh step
+  ``NNNNNN`` uses; the drafter stage reads this pointer, so window and draft vocab size are
+  decided once.
+
+Counting is vectorised per Arrow record batch (one boolean gather + ``bincount``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from pipeline.contracts import Manifest
+from pipeline.data.policy_store import load_policy_ref, step_dir
+from pipeline.data.shards import open_parquet, read_shards_manifest
+from pipeline.data.tokenized_schema import TOKENIZED_KIND, tokenized_prefix
+from pipeline.eagle3.vocab import (
+    TokenCounter,
+    VocabMapping,
+    build_vocab_mapping,
+    manifest_digests,
+    vocab_cache_key,
+    vocab_mapping_from_bytes,
+    vocab_mapping_to_bytes,
+)
+from pipeline.manifest import entry_for, read_manifest, write_manifest
+from pipeline.storage import Storage
+from pipeline.training.window import WindowError, read_window, window_steps
+
+VOCAB_KIND = "vocab_mapping"
+VOCAB_POINTER_KIND = "vocab_window"
+MAPPING_FILE = "vocab_mapping.safetensors"
+
+
+def mapping_prefix(cache_key: str) -> str:
+    return f"vocab/{cache_key}"
+
+
+def pointer_prefix(step: int) -> str:
+    return f"vocab/{step_dir(step)}"
+
+
+@dataclass(frozen=True, eq=False)
+class WindowVocab:
+    """The draft vocab of refresh step ``step`` and how it was obtained."""
+
+    step: int
+    window_steps: tuple[int, ...]
+    mapping: VocabMapping
+    cache_key: str
+    cache_hit: bool
+    uri: str
+    seconds: float
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.mapping.summary(), "window_steps": list(self.window_steps),
+                "cache_hit": self.cache_hit, "uri": self.uri, "seconds": self.seconds}
+
+
+def read_tokenized_manifest(storage: Storage, step: int) -> Manifest:
+    prefix = tokenized_prefix(step)
+    manifest = read_manifest(storage, prefix)
+    if manifest is None:
+        raise FileNotFoundError(f"{storage.url(prefix)}: no committed tokenized rollouts")
+    if manifest.kind != TOKENIZED_KIND:
+        raise ValueError(f"{storage.url(prefix)}: {manifest.kind} is not {TOKENIZED_KIND}")
+    return manifest
+
+
+def build_window_vocab(storage: Storage, step: int, window: int, draft_vocab_size: int, *,
+                       target_vocab_size: int | None = None) -> WindowVocab:
+    """The draft vocab of the window ``step-window+1 .. step``; cached by content.
+
+    ``target_vocab_size`` defaults to the vocab of the policy checkpoint of ``step``. Raises
+    :class:`WindowError` naming the steps whose tokenized data or shards are missing.
+    """
+    started = time.perf_counter()
+    steps = window_steps(step, window)
+    tokenized = read_window(storage, steps, read_tokenized_manifest, "tokenized rollouts")
+    read_window(storage, steps, read_shards_manifest, "hidden-state shards")
+    vocab = target_vocab_size or load_policy_ref(storage, step).vocab_size
+    key = vocab_cache_key(manifest_digests(tokenized[s] for s in steps), vocab,
+                          draft_vocab_size)
+    prefix = mapping_prefix(key)
+    cached = read_manifest(storage, prefix)
+    if cached is not None:
+        mapping = vocab_mapping_from_bytes(storage.read_bytes(f"{prefix}/{MAPPING_FILE}"))
+        hit = True
+    else:
+        counter = TokenCounter(vocab)
+        for s in steps:
+            _count_step(storage, s, tokenized[s], counter)
+        mapping = build_vocab_mapping(counter.counts(), draft_vocab_size, cache_key=key)
+        written = storage.write_bytes(f"{prefix}/{MAPPING_FILE}", vocab_mapping_to_bytes(mapping))
+        write_manifest(storage, prefix, Manifest(
+            kind=VOCAB_KIND, kind_version=1, files=(entry_for(prefix, written),),
+            meta={**mapping.summary(), "window_steps": steps,
+                  "inputs": {str(s): [[f.path, f.sha256] for f in tokenized[s].files]
+                             for s in steps}}))
+        hit = False
+    result = WindowVocab(step=step, window_steps=tuple(steps), mapping=mapping, cache_key=key,
+                         cache_hit=hit, uri=storage.url(prefix),
+                         seconds=time.perf_counter() - started)
+    write_manifest(storage, pointer_prefix(step), Manifest(
+        kind=VOCAB_POINTER_KIND, kind_version=1, files=(),
+        meta={"step": step, "window": window, "window_steps": steps, "cache_key": key,
+              "uri": result.uri, "draft_vocab_size": mapping.draft_vocab_size,
+              "target_vocab_size": mapping.target_vocab_size, "coverage": mapping.coverage}))
+    return result
+
+
+def load_window_vocab(storage: Storage, step: int) -> tuple[tuple[int, ...], VocabMapping]:
+    """``(window_steps, mapping)`` chosen for refresh step ``step`` by the vocab stage."""
+    pointer = read_manifest(storage, pointer_prefix(step))
+    if pointer is None or pointer.kind != VOCAB_POINTER_KIND:
+        raise WindowError(f"{storage.url(pointer_prefix(step))}: no vocab mapping for step "
+                          f"{step}; materialize vocab_mapping for this partition first")
+    key = pointer.meta["cache_key"]
+    data = storage.read_bytes(f"{mapping_prefix(key)}/{MAPPING_FILE}")
+    return tuple(pointer.meta["window_steps"]), vocab_mapping_from_bytes(data)
+
+
+def _count_step(storage: Storage, step: int, manifest: Manifest, counter: TokenCounter) -> None:
+    prefix = tokenized_prefix(step)
+    for entry in manifest.files:
+        with open_parquet(storage, f"{prefix}/{entry.path}") as pf:
+            for batch in pf.iter_batches(columns=["input_ids", "loss_mask"]):
+                ids, mask = (_flat(batch.column(c)) for c in ("input_ids", "loss_mask"))
+                counter.update(ids, mask.to(torch.bool))
+
+
+def _flat(column: pa.Array) -> torch.Tensor:
+    """The values of a list column (slicing honoured) as a tensor (one copy, writable)."""
+    return torch.from_numpy(column.flatten().to_numpy(zero_copy_only=False, writable=True))

@@ -1,0 +1,61 @@
+"""The trainer resource: where and how drafter training runs (processes, precision, device).
+
+Hyper-parameters live in the ``drafter_checkpoint`` run config; this resource owns the
+execution fields of :class:`~pipeline.training.config.TrainConfig` (``world_size``,
+``zero_stage``, ``dtype``, ``device``, ``threads``) plus the launcher and the work directory
+where resumable runs live.
+"""
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from pipeline.storage import Storage
+from pipeline.training.config import TrainConfig
+from pipeline.training.refresh import DrafterRefresh, refresh_drafter
+from resources.home import aerie_home
+
+EXECUTION_FIELDS = ("world_size", "zero_stage", "dtype", "device", "threads")
+
+
+class TrainerResource(ConfigurableResource):
+    """Builds and runs the core trainer (:func:`pipeline.training.refresh.refresh_drafter`)."""
+
+    world_size: int = Field(default=1, description="training processes (ranks)")
+    launcher: str = Field(default="auto", description="auto | python | torchrun | deepspeed "
+                                                      "(auto: python for 1 rank, else torchrun)")
+    zero_stage: int = Field(default=2, description="DeepSpeed ZeRO stage: 0, 1 or 2")
+    dtype: str = Field(default="auto", description="fp32 | bf16 | auto (bf16 on CUDA, else "
+                                                   "fp32; bf16 needs ZeRO 1 or 2)")
+    device: str = Field(default="auto", description="cpu | cuda | auto (cuda when available)")
+    threads: int = Field(default=0, description="torch threads per rank; 0 = torch default")
+    work_dir: str | None = Field(default=None, description="resumable runs (checkpoints, "
+                                                           "logs); unset: $AERIE_HOME/training")
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def apply(self, config: TrainConfig) -> TrainConfig:
+        """``config`` with this resource's execution fields."""
+        device = self.resolved_device()
+        dtype = self.dtype if self.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+        return replace(config, world_size=self.world_size, zero_stage=self.zero_stage,
+                       dtype=dtype, device=device, threads=self.threads)
+
+    def work_root(self) -> Path:
+        return Path(self.work_dir) if self.work_dir else aerie_home() / "training"
+
+    def refresh(self, storage: Storage, step: int, config: TrainConfig, *,
+                warm_start: str = "auto",
+                on_line: Callable[[str], None] | None = None) -> DrafterRefresh:
+        """Train, export and publish the drafter of refresh step ``step``."""
+        return refresh_drafter(storage, step, self.apply(config), work_root=self.work_root(),
+                               warm_start=warm_start, launcher=self.launcher,
+                               storage_options=dict(storage.fs.storage_options),
+                               on_line=on_line)

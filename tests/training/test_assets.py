@@ -1,0 +1,89 @@
+"""``vocab_mapping`` and ``drafter_checkpoint`` materialized in-process on a test instance."""
+
+from __future__ import annotations
+
+import pytest
+from dagster import AssetKey, instance_for_test, materialize
+
+from assets.drafter import drafter_checkpoint, vocab_mapping
+from jobs.drafter import DRAFTER_ASSETS, train_drafter
+from pipeline.eagle3.export import read_drafter_config
+from pipeline.manifest import read_manifest, verify_manifest
+from pipeline.training.refresh import drafter_prefix
+from resources.storage import StorageResource
+from resources.trainer import TrainerResource
+
+from .conftest import FAST
+
+TRAIN = {k: v for k, v in FAST.to_dict().items()
+         if k not in ("world_size", "zero_stage", "dtype", "device", "threads")}
+
+
+def run(instance, storage, tmp_path, step: int, assets, **vocab):
+    key = f"step-{step:06d}"
+    instance.add_dynamic_partitions("rl_steps", [key])
+    config = {"vocab_mapping": {"config": {"window": 2, "draft_vocab_size": 64, **vocab}},
+              "drafter_checkpoint": {"config": {**TRAIN, "max_steps": 6}}}
+    return materialize(
+        assets, partition_key=key, instance=instance, raise_on_error=False,
+        resources={"storage": StorageResource(url=storage.root_url),
+                   "trainer": TrainerResource(work_dir=str(tmp_path / "work"), threads=1,
+                                              zero_stage=0)},
+        run_config={"ops": {a.key.path[-1]: config[a.key.path[-1]] for a in assets}})
+
+
+def metadata(result, name: str) -> dict:
+    (event,) = [e for e in result.get_asset_materialization_events()
+                if e.asset_key == AssetKey(name)]
+    return {k: v.value for k, v in event.materialization.metadata.items()}
+
+
+@pytest.mark.slow
+def test_two_refreshes_train_publish_and_warm_start_with_lineage(storage, tmp_path):
+    with instance_for_test() as instance:
+        first = run(instance, storage, tmp_path, 2, [vocab_mapping, drafter_checkpoint])
+        assert first.success
+        second = run(instance, storage, tmp_path, 3, [vocab_mapping, drafter_checkpoint])
+        assert second.success
+        again = run(instance, storage, tmp_path, 3, [vocab_mapping])
+        assert instance.get_materialized_partitions(AssetKey("drafter_checkpoint")) == {
+            "step-000002", "step-000003"}
+    v2, d2 = metadata(first, "vocab_mapping"), metadata(first, "drafter_checkpoint")
+    v3, d3 = metadata(second, "vocab_mapping"), metadata(second, "drafter_checkpoint")
+    assert v2["window_steps"] == [1, 2] and v3["window_steps"] == [2, 3]
+    assert not v3["cache_hit"] and metadata(again, "vocab_mapping")["cache_hit"]
+    assert v3["draft_vocab_size"] == 64 and 0.5 < v3["coverage"] <= 1.0
+    assert d2["warm_start"] == "scratch" and d2["warm_start_source"] == "none"
+    assert d3["warm_start"] == "warm"
+    assert "drafters/step=000002" in d3["warm_start_source"]
+    assert d3["uri"] == storage.url(drafter_prefix(3)) and d3["window_steps"] == [2, 3]
+    assert d3["vocab_cache_key"] == v3["cache_key"] and d3["coverage"] == v3["coverage"]
+    assert d3["steps"] == 6 and d3["tokens_per_s"] > 0 and d3["seconds"] > 0
+    assert d3["zero_stage"] == 0 and d3["world_size"] == 1 and d3["dtype"] == "fp32"
+    assert "| 2 |" in d3["per_depth"] and "accept length" in d3["per_depth"]
+    manifest = read_manifest(storage, drafter_prefix(3))
+    assert not verify_manifest(storage, drafter_prefix(3), manifest)
+    assert {f.path for f in manifest.files} == {"config.json", "model.safetensors"}
+    assert manifest.meta["warm_start"]["mode"] == "warm"
+    assert set(manifest.meta["shard_manifest_sha256"]) == {"2", "3"}
+    local = storage.local_path(drafter_prefix(3))
+    assert read_drafter_config(local).draft_vocab_size == 64
+
+
+def test_missing_inputs_fail_the_assets_with_named_steps(storage, tmp_path):
+    with instance_for_test() as instance:
+        result = run(instance, storage, tmp_path, 3, [vocab_mapping], window=5)
+        assert not result.success
+        (failure,) = result.get_step_failure_events()
+        assert "step(s) [0]" in failure.event_specific_data.error.to_string()
+        result = run(instance, storage, tmp_path, 2, [drafter_checkpoint])
+        assert not result.success
+        (failure,) = result.get_step_failure_events()
+        assert "materialize vocab_mapping" in failure.event_specific_data.error.to_string()
+
+
+def test_the_job_selects_both_assets():
+    assert train_drafter.name == "train_drafter"
+    assert DRAFTER_ASSETS == ("vocab_mapping", "drafter_checkpoint")
+    assert vocab_mapping.partitions_def.name == drafter_checkpoint.partitions_def.name == \
+        "rl_steps"

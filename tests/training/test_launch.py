@@ -1,0 +1,58 @@
+"""How training processes are started: command lines, the child's environment, failures."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pipeline.training.launch import (
+    TrainingFailed,
+    child_environment,
+    launch,
+    training_command,
+)
+from pipeline.training.refresh import plan
+from pipeline.training.run import STORAGE_OPTIONS_ENV
+
+from .conftest import FAST, STEP
+
+
+def test_one_process_runs_plainly_and_n_go_through_a_launcher(tmp_path):
+    spec = tmp_path / "spec.json"
+    assert training_command(spec, 1) == [sys.executable, "-m", "pipeline.training.run",
+                                         "--spec", str(spec)]
+    torchrun = training_command(spec, 2)
+    assert torchrun[1:3] == ["-m", "torch.distributed.run"]
+    assert torchrun[torchrun.index("--nproc_per_node") + 1] == "2"
+    assert torchrun[-4:] == ["-m", "pipeline.training.run", "--spec", str(spec)]
+    ds = training_command(spec, 4, "deepspeed")
+    assert ds[1:3] == ["-m", "deepspeed.launcher.runner"]
+    assert ds[ds.index("--num_accelerators") + 1] == "4" and "--module" in ds
+    with pytest.raises(ValueError, match="one process"):
+        training_command(spec, 2, "python")
+    with pytest.raises(ValueError, match="launcher"):
+        training_command(spec, 1, "mpirun")
+
+
+def test_the_child_environment_carries_secrets_outside_the_spec(vocab_storage, tmp_path,
+                                                                monkeypatch):
+    monkeypatch.setenv("RANK", "3")  # a parent's own process group must not leak
+    spec = plan(vocab_storage, STEP, FAST, tmp_path, "none")
+    env = child_environment(spec, {"key": "id", "secret": "s3cr3t"})
+    assert env["DS_ACCELERATOR"] == "cpu" and env["OMP_NUM_THREADS"] == "1"
+    assert json.loads(env[STORAGE_OPTIONS_ENV]) == {"key": "id", "secret": "s3cr3t"}
+    assert "RANK" not in env
+    assert "s3cr3t" not in spec.to_json()
+    assert str(Path(__file__).resolve().parents[2]) in env["PYTHONPATH"].split(":")
+
+
+def test_a_failing_run_raises_with_its_log(vocab_storage, tmp_path):
+    spec = replace(plan(vocab_storage, STEP, FAST, tmp_path, "none"), vocab_key="0" * 64)
+    with pytest.raises(TrainingFailed, match="exited with 1") as info:
+        launch(spec)
+    assert "vocab/" + "0" * 64 in str(info.value)  # the child's error, from its log
+    assert (Path(spec.work_dir) / "train.log").is_file()

@@ -1,0 +1,116 @@
+"""Warm start decisions, planning (lineage, fingerprints), learning on the toy, the export."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.contracts import Manifest
+from pipeline.eagle3.config import DrafterConfig
+from pipeline.eagle3.export import load_drafter, save_drafter
+from pipeline.eagle3.model import Eagle3Drafter
+from pipeline.manifest import entry_for, write_manifest
+from pipeline.training.loop import build_drafter
+from pipeline.training.refresh import DRAFTER_KIND, drafter_prefix, plan
+from pipeline.training.warmstart import apply_warm_start
+
+from .conftest import FAST, STEP
+
+
+def other_drafter(model: Eagle3Drafter, seed: int, **changes) -> Eagle3Drafter:
+    config = replace(model.config, **changes)
+    torch.manual_seed(seed)
+    embed = torch.randn(config.vocab_size, config.hidden_size)
+    return Eagle3Drafter(config, embed)
+
+
+def test_a_fitting_drafter_warm_starts_and_is_recorded(vocab_storage, tmp_path):
+    model = build_drafter(plan(vocab_storage, STEP, FAST, tmp_path, "none"), vocab_storage)[0]
+    source = other_drafter(model, 5)
+    save_drafter(source, source.config, tmp_path / "old", dtype=torch.float32)
+    info = apply_warm_start(model, tmp_path / "old", "s3://x/drafters/step=000002")
+    assert info["mode"] == "warm" and info["source"] == "s3://x/drafters/step=000002"
+    assert torch.equal(model.fc.weight, source.fc.weight)
+    assert torch.equal(model.midlayer.mlp.up_proj.weight, source.midlayer.mlp.up_proj.weight)
+    # lm_head rows follow target ids: identity vocab of the source vs the window's vocab
+    both = model.t2d & source.t2d
+    assert info["lm_head_rows_carried"] == int(both.sum()) > 0
+    assert not torch.equal(model.embed_tokens.weight, source.embed_tokens.weight)  # kept
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(intermediate_size=48), "shapes differ"),
+    (dict(draft_vocab_size=32), "shapes differ"),
+    (dict(aux_layer_ids=(0, 1, 2)), "aux layer ids differ")])
+def test_a_misfitting_drafter_means_scratch_with_the_reason(vocab_storage, tmp_path, change,
+                                                           reason):
+    model = build_drafter(plan(vocab_storage, STEP, FAST, tmp_path, "none"), vocab_storage)[0]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    source = other_drafter(model, 5, **change)
+    save_drafter(source, source.config, tmp_path / "old")
+    info = apply_warm_start(model, tmp_path / "old")
+    assert info["mode"] == "scratch" and reason in info["reason"]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert apply_warm_start(model, None)["mode"] == "scratch"
+
+
+def publish_fake_drafter(storage, step: int, model: Eagle3Drafter, tmp_path: Path) -> None:
+    local = save_drafter(model, model.config, tmp_path / f"d{step}")
+    prefix = drafter_prefix(step)
+    written = storage.upload_dir(local, prefix)
+    write_manifest(storage, prefix, Manifest(kind=DRAFTER_KIND, kind_version=1,
+                                             files=tuple(entry_for(prefix, w) for w in written)))
+
+
+def test_auto_warm_start_takes_the_previous_refresh_and_enters_the_fingerprint(vocab_storage,
+                                                                              tmp_path):
+    none = plan(vocab_storage, STEP, FAST, tmp_path, "none")
+    assert plan(vocab_storage, STEP, FAST, tmp_path, "auto").warm_start_dir is None
+    model = build_drafter(none, vocab_storage)[0]
+    publish_fake_drafter(vocab_storage, 1, model, tmp_path)
+    publish_fake_drafter(vocab_storage, 2, model, tmp_path)
+    publish_fake_drafter(vocab_storage, 3, model, tmp_path)  # the step itself: not a source
+    auto = plan(vocab_storage, STEP, FAST, tmp_path, "auto")
+    assert "drafters/step=000002#" in auto.warm_start_source
+    assert (Path(auto.warm_start_dir) / "model.safetensors").is_file()
+    assert auto.fingerprint() != none.fingerprint() and auto.work_dir != none.work_dir
+    explicit = plan(vocab_storage, STEP, FAST, tmp_path, str(tmp_path / "d1"))
+    assert explicit.warm_start_source.startswith((tmp_path / "d1").as_uri())
+    with pytest.raises(FileNotFoundError, match="neither a committed drafter"):
+        plan(vocab_storage, STEP, FAST, tmp_path, "drafters/step=000009")
+
+
+def test_plan_pins_the_data_and_names_the_run_by_content(vocab_storage, tmp_path):
+    a = plan(vocab_storage, STEP, FAST, tmp_path, "none")
+    assert a.window_steps == (1, 2, 3) and set(a.shard_manifest_sha256) == {"1", "2", "3"}
+    assert a == plan(vocab_storage, STEP, FAST, tmp_path, "none")
+    assert plan(vocab_storage, STEP, replace(FAST, lr=5e-4), tmp_path, "none").work_dir != \
+        a.work_dir
+    assert Path(a.work_dir).name.startswith("step=000003-")
+
+
+def test_loss_falls_and_acceptance_rises_on_the_toy(reference_run):
+    first, final = reference_run.first, reference_run.final
+    assert final["loss"] < 0.95 * first["loss"]
+    assert final["depth_loss"][0] < first["depth_loss"][0]
+    assert final["sim_accept_length"] > first["sim_accept_length"]
+    assert len(final["depth_accuracy"]) == FAST.ttt_depth
+    assert reference_run.history[-1]["step"] == reference_run.steps == 36
+    assert reference_run.tokens_per_s > 0 and reference_run.warm_start["mode"] == "scratch"
+
+
+def test_the_export_is_an_sglang_drafter_with_the_window_vocab(reference_run, shared_storage):
+    from pipeline.training.vocab_stage import load_window_vocab
+    from pipeline.training.window import load_target
+
+    out = Path(reference_run.out_dir)
+    drafter = load_drafter(out, load_target(shared_storage, STEP).embed)
+    _, mapping = load_window_vocab(shared_storage, STEP)
+    assert torch.equal(drafter.d2t, mapping.d2t) and torch.equal(drafter.t2d, mapping.t2d)
+    config = DrafterConfig.from_sglang_config(reference_run.drafter_config)
+    assert config == drafter.config and config.aux_layer_ids == (1, 1, 0)
+    assert drafter.fc.weight.dtype == torch.float32  # export_dtype of the test config

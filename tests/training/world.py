@@ -1,0 +1,86 @@
+"""A tiny RL world in storage for the training tests: policy, tokenized rollouts, shards.
+
+A random 4-layer Llama (H=32, V=300, a deliberately peaky lm_head so the teacher has
+something to teach) is published as the policy of every step; each step gets tokenized
+samples (prompt unmasked, response masked) and hidden-state shards captured by the real hf
+backend through ``extract_step`` — the production path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipeline.contracts import Manifest
+from pipeline.data.capture.hf import HFCaptureBackend
+from pipeline.data.extraction import ExtractConfig, extract_step
+from pipeline.data.parquet import write_table
+from pipeline.data.policy_store import load_policy_ref, publish_policy
+from pipeline.data.tokenized_schema import TOKENIZED_KIND, TOKENIZED_SCHEMA, tokenized_prefix
+from pipeline.manifest import entry_for, write_manifest
+from pipeline.storage import Storage
+
+VOCAB = 300
+HIDDEN = 32
+LAYERS = 4
+STATE_BYTES = 2 * 4 * HIDDEN  # bf16 aux (3H) + final (H) per token
+# a few row groups per shard, a few shards per step
+EXTRACT = ExtractConfig(token_budget=256, max_batch_size=8, shard_bytes=400 * STATE_BYTES,
+                        row_group_bytes=120 * STATE_BYTES)
+
+
+def tiny_target(seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
+                         num_hidden_layers=LAYERS, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=tie)
+    model = LlamaForCausalLM(config).eval()
+    if not tie:
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, 0.5)  # confident teacher: logits std ~3
+    return model
+
+
+def write_tokenized(storage: Storage, step: int, n: int, seed: int,
+                    lengths: tuple[int, int] = (16, 48), rows_per_part: int = 16) -> list[dict]:
+    """``n`` samples: random ids from a skewed distribution, mask on from a random start."""
+    rng = np.random.default_rng(seed)
+    probs = 1.0 / np.arange(1, VOCAB + 1) ** 1.1  # Zipf-like: a few ids dominate
+    probs /= probs.sum()
+    rows = []
+    for i in range(n):
+        t = int(rng.integers(lengths[0], lengths[1] + 1))
+        ids = rng.choice(VOCAB, size=t, p=probs)
+        start = int(rng.integers(2, t // 2))
+        rows.append({"sample_id": f"s{step}-{i}", "step": step, "input_ids": ids.tolist(),
+                     "loss_mask": [int(j >= start) for j in range(t)]})
+    prefix = tokenized_prefix(step)
+    entries = []
+    for p in range(0, n, rows_per_part):
+        table = pa.Table.from_pylist(rows[p:p + rows_per_part], schema=TOKENIZED_SCHEMA)
+        written = write_table(storage, f"{prefix}/part-{p // rows_per_part:05d}.parquet", table)
+        entries.append(entry_for(prefix, written, rows=table.num_rows))
+    write_manifest(storage, prefix, Manifest(kind=TOKENIZED_KIND, kind_version=1,
+                                             files=tuple(entries), meta={"step": step}))
+    return rows
+
+
+def build_world(root: Path, steps: Sequence[int] = (1, 2, 3), samples: int = 32,
+                model: LlamaForCausalLM | None = None) -> Storage:
+    """Policy + tokenized + shards for ``steps`` under ``root`` (a file:// storage)."""
+    storage = Storage(root.as_uri())
+    model = model or tiny_target()
+    policy_dir = root.parent / f"{root.name}-policy"
+    model.save_pretrained(policy_dir)
+    backend = HFCaptureBackend(model, token_budget=EXTRACT.token_budget)
+    for step in steps:
+        publish_policy(storage, step, policy_dir)
+        write_tokenized(storage, step, samples, seed=step)
+        extract_step(storage, step, backend, EXTRACT, policy=load_policy_ref(storage, step))
+    return storage
