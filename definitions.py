@@ -2,16 +2,21 @@
 
 from dagster import Definitions
 
+from assets.drafter import drafter_checkpoint, vocab_mapping
 from assets.shards import hidden_state_shards
 from assets.snapshots import rollout_snapshot
 from assets.tokenized import tokenized_rollouts
+from jobs.drafter import train_drafter
 from jobs.snapshots import ingest_step, snapshot_sensor
 from resources.capture import CaptureResource
 from resources.storage import storage_from_env
+from resources.trainer import TrainerResource
 
 defs = Definitions(
-    assets=[rollout_snapshot, tokenized_rollouts, hidden_state_shards],
-    jobs=[ingest_step],
+    assets=[rollout_snapshot, tokenized_rollouts, hidden_state_shards, vocab_mapping,
+            drafter_checkpoint],
+    jobs=[ingest_step, train_drafter],
     sensors=[snapshot_sensor],
-    resources={"storage": storage_from_env(), "capture": CaptureResource()},
+    resources={"storage": storage_from_env(), "capture": CaptureResource(),
+               "trainer": TrainerResource()},
 )

@@ -41,5 +41,10 @@ def test_demo_world_flows_through_dagster(aerie_home):
         assert table.num_rows == per_step  # the demo trainer writes only valid records
         assert set(table.column("trainer_step").to_pylist()) == {step}
 
+    assert cli.train_newest() == "step-000002"
+    assert instance.get_materialized_partitions(AssetKey("drafter_checkpoint")) == {
+        "step-000002"}
+    assert storage.exists("drafters/step=000002/_manifest.json")
+
     assert cli.run_pipeline() == []  # a second run finds nothing new
     assert cli.generate_demo_world(config=config) == report  # and reuses the world

@@ -10,11 +10,13 @@ from definitions import defs
 def test_definitions_load_and_names_are_stable():
     repo = defs.get_repository_def()
     assert {k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()} == {
-        "rollout_snapshot", "tokenized_rollouts", "hidden_state_shards"}
+        "rollout_snapshot", "tokenized_rollouts", "hidden_state_shards", "vocab_mapping",
+        "drafter_checkpoint"}
     assert {c.name for c in repo.asset_graph.asset_check_keys} == {"quarantine_ratio"}
     assert {j.name for j in repo.get_all_jobs() if not j.name.startswith("__")} == {
-        "ingest_step"}
+        "ingest_step", "train_drafter"}
     assert {s.name for s in repo.sensor_defs} == {"snapshot_sensor"}
-    assert set(defs.resources) == {"storage", "capture"}
-    for key in ("rollout_snapshot", "tokenized_rollouts", "hidden_state_shards"):
+    assert set(defs.resources) == {"storage", "capture", "trainer"}
+    for key in ("rollout_snapshot", "tokenized_rollouts", "hidden_state_shards",
+                "vocab_mapping", "drafter_checkpoint"):
         assert repo.asset_graph.get(AssetKey(key)).partitions_def.name == "rl_steps"
