@@ -79,7 +79,7 @@ def build_policy(tokenizer: PreTrainedTokenizerBase, shape: ModelShape,
 
 def pretrain(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, *, steps: int,
              batch_size: int, lr: float, seed: int, long_prob: float, min_digits: int,
-             max_digits: int, warmup: int = 20, progress: bool = True) -> list[float]:
+             max_digits: int, warmup: int = 50, progress: bool = True) -> list[float]:
     """Supervised pretraining on sampled answers (loss on the assistant turn only).
 
     AdamW with linear warmup and cosine decay to 10% of ``lr``. Returns per-step losses.
