@@ -515,6 +515,10 @@ def run_shape(shape: Shape, threads: int, data_dir: Path, reps: int, warmup: int
     return res
 
 
+def _num(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def markdown(results: list[dict]) -> str:
     lines = ["| shape | thr | Aerie best / median s | SpecForge (compile) best / median s | "
              "Aerie tok/s best | SpecForge tok/s best | SF/Aerie: median of per-rep ratios "
@@ -528,7 +532,7 @@ def markdown(results: list[dict]) -> str:
             lines.append(
                 f"| {r['shape']} | {r['threads']} | {a['best']:.3f} / {a['median']:.3f} | "
                 f"({name.split('-')[1]}) {s['best']:.3f} / {s['median']:.3f} | "
-                f"{a['tokens_per_s_best']:.3g} | {s['tokens_per_s_best']:.3g} | "
+                f"{_num(a['tokens_per_s_best'])} | {_num(s['tokens_per_s_best'])} | "
                 f"**{s['ratio_median']:.2f}×** ({s['ratio_best']:.2f}×) | "
                 f"{r['load_start'][0]:.2f} → {r['load_end'][0]:.2f} |")
     lines += ["", "Median phase seconds (teacher / fwd+loss / bwd / clip+AdamW):", "",
