@@ -20,7 +20,7 @@ class DemoConfig:
     # task
     min_digits: int = 2
     max_digits: int = 3  # also the width answers are padded to
-    long_prob: float = 0.6  # corpus probability of the long option at each choice point
+    long_prob: float = 0.55  # corpus probability of the long option at each choice point
     length_penalty: float = 0.03  # reward = correct - length_penalty * response tokens
     # tokenizer
     vocab_size: int = 1536

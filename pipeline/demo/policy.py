@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from pipeline.demo import corpus, task
 from pipeline.demo.generation import generate
@@ -163,6 +164,8 @@ def save_checkpoint(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase,
     """
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one bar per tiny checkpoint is noise
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         save_tokenizer(tokenizer, str(tmp))
@@ -172,3 +175,6 @@ def save_checkpoint(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()

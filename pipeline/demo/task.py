@@ -6,15 +6,16 @@ An answer has a fixed skeleton: the operands restated zero-padded to the problem
 ``width`` (so column k of both numbers sits at the same place), one line per column from
 right to left, each ending with the result digits so far (the last one with its carry, so
 it is the sum up to leading zeros), then ``Answer: <sum>``. The padding and the running
-result keep every step a local lookup or a copy, which a tiny
-causal model learns quickly (a digit cannot see how far it is from the end of its number,
-but in a fixed-width field its place from the left says the same).
+result keep every step a local lookup or a copy, which a tiny causal model learns quickly
+(a digit cannot see how far it is from the end of its number, but in a fixed-width field
+its place from the left says the same).
 
 Around the skeleton sit many independent *style choice points* (wording, spacing, optional
 carry notes, closing lines), each with a long and a short option. The pretraining corpus
-takes the long one with probability ``long_prob`` (0.6 by default), so the pretrained policy
-puts real mass on both. The RL reward charges every response token, so RL flips the
-brevity-favoured choices: the token distribution drifts while the arithmetic stays right.
+takes the long one with probability ``long_prob`` (0.55 in the demo config), so the
+pretrained policy prefers it but puts real mass on both. The RL reward charges every
+response token, so RL flips the brevity-favoured choices: the token distribution drifts
+while the arithmetic stays right.
 
 Invariants: rendering is a pure function of (problem, choices); every rendered answer is
 well-formed and correct under :func:`score_response`; all text is ASCII (byte offsets equal

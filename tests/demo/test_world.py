@@ -104,7 +104,8 @@ def test_reward_matches_the_task_score(world) -> None:
     for rec in outputs[0].records:
         user = rec["messages"][-2]["content"]
         a, b = (int(x) for x in user.rstrip("?.").split()[-3::2])
-        score = task.score_response(task.Problem(a=a, b=b), rec["messages"][-1]["content"],
+        problem = task.Problem(a=a, b=b, width=CONFIG.max_digits)
+        score = task.score_response(problem, rec["messages"][-1]["content"],
                                     num_tokens=len(rec["response_token_ids"]),
                                     stopped=rec["finish_reason"] == "stop",
                                     length_penalty=CONFIG.length_penalty)
