@@ -228,10 +228,12 @@ class AerieTrainer:
     def make_batch(self):
         import torch
 
-        from pipeline.eagle3.ttt import TTTBatch, teacher_targets
+        from pipeline.eagle3.ttt import TTTBatch, teacher_batch, teacher_rows
 
-        with torch.no_grad():
-            logits, argmax = teacher_targets(self.final_hidden, self.lm_head_w, self.model.t2d)
+        with torch.no_grad():  # as ``collate`` does: the rows the loss reads
+            rows = teacher_rows(self.loss_mask & self.attention_mask)
+            logits, argmax = teacher_batch(self.final_hidden, self.lm_head_w, self.model.t2d,
+                                           rows)
         return TTTBatch(self.input_ids, self.aux_hidden, logits, argmax, self.loss_mask,
                         self.attention_mask)
 

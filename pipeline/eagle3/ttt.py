@@ -116,7 +116,8 @@ def collate(samples: Sequence[_Sample], lm_head_weight: torch.Tensor, t2d: torch
     """Right-pad shard samples (e.g. ``ShardSample``) into a :class:`TTTBatch`.
 
     Teacher targets come from ``final_hidden`` and the target's ``lm_head_weight`` (V, H)
-    via :func:`teacher_targets`, computed on ``device`` (default: where the samples are).
+    via :func:`teacher_targets`, computed on ``device`` (default: where the samples are), for
+    the rows the loss reads (:func:`teacher_rows`) only; the other rows hold zeros.
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
@@ -133,18 +134,43 @@ def collate(samples: Sequence[_Sample], lm_head_weight: torch.Tensor, t2d: torch
         loss_mask[row, :n] = s.loss_mask.to(dev, torch.bool)
         attention_mask[row, :n] = True
         aux[row, :n] = s.aux_hidden.to(dev)
-    # Teacher over the real tokens only (no lm_head work on padding).
-    final = torch.cat([s.final_hidden.to(dev) for s in samples])  # (Σ T_b, H)
-    logits, argmax = teacher_targets(final, lm_head_weight.to(dev), t2d.to(dev),
-                                     chunk_size=chunk_size)
-    target_logits = torch.zeros(b, t, logits.shape[-1], dtype=logits.dtype, device=dev)
-    target_argmax = torch.zeros(b, t, dtype=torch.int64, device=dev)
-    start = 0
-    for row, n in enumerate(lengths):
-        target_logits[row, :n] = logits[start:start + n]
-        target_argmax[row, :n] = argmax[start:start + n]
-        start += n
+    final = torch.zeros(b, t, samples[0].final_hidden.shape[-1],
+                        dtype=samples[0].final_hidden.dtype, device=dev)
+    for row, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+        final[row, :n] = s.final_hidden.to(dev)
+    rows = teacher_rows(loss_mask & attention_mask)
+    target_logits, target_argmax = teacher_batch(final, lm_head_weight.to(dev), t2d.to(dev),
+                                                 rows, chunk_size=chunk_size)
     return TTTBatch(input_ids, aux, target_logits, target_argmax, loss_mask, attention_mask)
+
+
+def teacher_rows(trained: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the teacher rows the loss can read, given ``trained`` (B, T) = real tokens
+    under the loss mask.
+
+    The teacher at row r predicts x_{r+1}; every step that uses row r predicts x_{r+1} (step
+    i at position r-1-i), so the row matters iff x_{r+1} is trained. Row 0 never does (no
+    step predicts x_1).
+    """
+    rows = torch.zeros_like(trained)
+    rows[:, 1:-1] = trained[:, 2:]
+    return rows
+
+
+@torch.no_grad()
+def teacher_batch(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor,
+                  rows: torch.Tensor, *, chunk_size: int = DEFAULT_TEACHER_CHUNK
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`teacher_targets` for the ``rows`` (B, T) of ``final_hidden`` (B, T, H) only.
+
+    Returns ``(logits (B, T, Vd) fp32, argmax (B, T) int64)``, zeros outside ``rows``.
+    """
+    b, t = rows.shape
+    logits = torch.zeros(b, t, int(t2d.sum()), dtype=torch.float32, device=final_hidden.device)
+    argmax = torch.zeros(b, t, dtype=torch.int64, device=final_hidden.device)
+    logits[rows], argmax[rows] = teacher_targets(final_hidden[rows], lm_head_weight, t2d,
+                                                 chunk_size=chunk_size)
+    return logits, argmax
 
 
 @torch.no_grad()
@@ -354,29 +380,45 @@ def simulated_accept_length(accuracy: Sequence[float]) -> float:
 def ttt_loss(model: Eagle3Drafter, batch: TTTBatch, depth: int = DEFAULT_DEPTH, *,
              decay: float = DEFAULT_DECAY, pad_token_id: int = 0
              ) -> tuple[torch.Tensor, TTTMetrics]:
-    """The TTT training loss ``Σ_i decay^i · loss_i`` and its metrics (see module docstring)."""
+    """The TTT training loss ``Σ_i decay^i · loss_i`` and its metrics (see module docstring).
+
+    ``norm``, ``lm_head`` and the soft cross-entropy run on the counted positions of each
+    step only (about half of all positions in chat data, and ``lm_head`` is most of a
+    step's FLOPs); the teacher softmax runs once, on the rows some step reads.
+    """
     batch.validate(model)
     _, t = batch.input_ids.shape
     with torch.no_grad():
-        target_p = torch.softmax(batch.target_logits_draft.float(), dim=-1)  # (B, T, Vd)
         draftable = model.t2d[batch.target_argmax]  # (B, T): teacher argmax in draft vocab
         trained = batch.loss_mask & batch.real  # (B, T): x_t is a trained, real token
-    total = batch.aux_hidden.new_zeros((), dtype=torch.float32)
-    step_losses, sums, counts = [], [], []
+        gates = [trained[:, 2 + i:] & draftable[:, 1 + i:t - 1] for i in range(depth)]
+        # gates[i] (B, n_i), n_i = T - 2 - i: step i at position t is counted
+        teacher = torch.zeros_like(trained)  # (B, T): teacher rows some step reads
+        for i, gate in enumerate(gates):
+            teacher[:, 1 + i:t - 1] |= gate
+        row_of = torch.cumsum(teacher.flatten(), 0).view_as(teacher) - 1  # compact index
+        log_p = F.log_softmax(batch.target_logits_draft[teacher].float(), dim=-1)  # (R, Vd)
+        p = log_p.exp()
     steps = ttt_hidden_states(model, batch.input_ids, batch.aux_hidden, depth,
                               pad_token_id=pad_token_id)
-    for i, hidden in enumerate(steps):
-        n = max(t - 2 - i, 0)  # positions t whose predicted token x_{t+2+i} exists
-        logits = model.compute_logits(hidden[:, :n]).float()  # (B, n, Vd) -> x_{t+2+i}
-        p = target_p[:, 1 + i:1 + i + n]  # (B, n, Vd)  teacher at t+1+i
-        argmax = batch.target_argmax[:, 1 + i:1 + i + n]  # (B, n)
-        gate = trained[:, 2 + i:2 + i + n] & draftable[:, 1 + i:1 + i + n]  # (B, n)
-        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # (B, n)
+    # The counted rows of every step, then ONE norm + lm_head over all of them: the chain
+    # needs each step's hidden state, never its logits, and one large matmul (forward and
+    # weight gradient) runs faster than ``depth`` small ones.
+    rows = [hidden[:, :gate.shape[1]][gate] for hidden, gate in zip(steps, gates, strict=True)]
+    logits = model.compute_logits(torch.cat(rows)).float()  # (Σ N_i, Vd)
+    total = batch.aux_hidden.new_zeros((), dtype=torch.float32)
+    step_losses, sums, counts = [], [], []
+    for i, (logits_i, gate) in enumerate(zip(logits.split([len(r) for r in rows]), gates,
+                                             strict=True)):
+        n = gate.shape[1]  # logits_i (N_i, Vd): counted positions t, predicting x_{t+2+i}
+        p_i = p[row_of[:, 1 + i:1 + i + n][gate]]  # (N_i, Vd)  teacher at t+1+i
+        argmax = batch.target_argmax[:, 1 + i:1 + i + n][gate]  # (N_i,)
+        ce = soft_cross_entropy(logits_i, p_i)  # (N_i,)
         count = gate.sum()
-        loss_i = (ce * gate).sum() / count.clamp(min=1)
+        loss_i = ce.sum() / count.clamp(min=1)
         total = total + decay ** i * loss_i
         with torch.no_grad():
-            correct = (model.to_target_ids(logits.argmax(-1)) == argmax) & gate
+            correct = model.to_target_ids(logits_i.argmax(-1)) == argmax
             step_losses.append(loss_i.detach())
             sums.append(correct.sum())
             counts.append(count)
@@ -388,3 +430,13 @@ def ttt_loss(model: Eagle3Drafter, batch: TTTBatch, depth: int = DEFAULT_DEPTH, 
                          count=[int(c) for c in counts_l],
                          sim_accept_length=simulated_accept_length(accuracy))
     return total, metrics
+
+
+def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """(N, V) logits, (N, V) target probabilities summing to 1 -> (N,) ``-Σ p·log_softmax``.
+
+    Written as ``logsumexp(x) - <p, x>`` (equal when Σp = 1): no (N, V) log-softmax is kept
+    for backward, whose gradient is ``softmax(x) - p``.
+    """
+    return torch.logsumexp(logits, dim=-1) - torch.bmm(p.unsqueeze(1),
+                                                       logits.unsqueeze(2)).view(-1)

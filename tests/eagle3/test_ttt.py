@@ -18,6 +18,7 @@ from pipeline.eagle3.ttt import (
     collate,
     prefix_and_chain_attention,
     simulated_accept_length,
+    teacher_rows,
     teacher_targets,
     ttt_logits,
     ttt_loss,
@@ -284,14 +285,33 @@ def test_collate_right_pads_and_matches_per_sample_teacher():
     assert batch.input_ids.shape == (2, 5)
     assert batch.attention_mask.tolist() == [[True] * 5, [True] * 3 + [False] * 2]
     assert not batch.loss_mask[1, 3:].any()
+    rows = teacher_rows(batch.loss_mask & batch.real)
+    full_logits = torch.zeros_like(batch.target_logits_draft)
+    full_argmax = torch.zeros_like(batch.target_argmax)
     for row, s in enumerate(samples):
         n = s.input_ids.shape[0]
         logits, argmax = teacher_targets(s.final_hidden, lm_head, model.t2d)
-        torch.testing.assert_close(batch.target_logits_draft[row, :n], logits)
-        assert torch.equal(batch.target_argmax[row, :n], argmax)
+        full_logits[row, :n], full_argmax[row, :n] = logits, argmax
+        # Row r is computed iff x_{r+1} is trained; the others are zeros.
+        expect_rows = torch.zeros(5, dtype=torch.bool)
+        expect_rows[:n - 1] = s.loss_mask[1:n]
+        expect_rows[0] = False
+        assert torch.equal(rows[row], expect_rows)
+        torch.testing.assert_close(batch.target_logits_draft[row, rows[row]],
+                                   logits[rows[row, :n]])
+        assert torch.equal(batch.target_argmax[row, rows[row]], argmax[rows[row, :n]])
+        assert not batch.target_logits_draft[row, ~rows[row]].any()
         assert torch.equal(batch.input_ids[row, :n], s.input_ids.long())
-    loss, metrics = ttt_loss(model, batch, depth=2)
-    assert torch.isfinite(loss)
+    assert rows.any() and (batch.real & ~rows).any()  # the case is not trivial
+    # The loss reads only those rows: same loss and metrics as with the full teacher.
+    full = replace(batch, target_logits_draft=full_logits, target_argmax=full_argmax)
+    with torch.no_grad():
+        loss, metrics = ttt_loss(model, batch, depth=3)
+        full_loss, full_metrics = ttt_loss(model, full, depth=3)
+    assert torch.isfinite(loss) and sum(metrics.count) > 0
+    assert loss.item() == pytest.approx(full_loss.item(), rel=1e-6)
+    assert metrics.step_loss == pytest.approx(full_metrics.step_loss, rel=1e-6)
+    assert (metrics.count, metrics.accuracy) == (full_metrics.count, full_metrics.accuracy)
 
 
 def test_validate_refuses_left_padding_and_bad_shapes():
