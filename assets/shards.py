@@ -31,12 +31,16 @@ class ShardsConfig(Config):
                              description="Parquet codec: zstd (smaller) or none (faster)")
     sort_by_length: bool = Field(default=_DEFAULTS.sort_by_length,
                                  description="batch a shard's samples longest first")
+    heldout_fraction: float = Field(default=_DEFAULTS.heldout_fraction,
+                                    description="share of prompts held out for evaluation "
+                                                "(never trained on)")
 
     def to_core(self) -> ExtractConfig:
         return ExtractConfig(
             token_budget=self.token_budget, max_batch_size=self.max_batch_size,
             shard_bytes=self.shard_bytes, row_group_bytes=self.row_group_bytes,
-            compression=self.compression, sort_by_length=self.sort_by_length)
+            compression=self.compression, sort_by_length=self.sort_by_length,
+            heldout_fraction=self.heldout_fraction)
 
 
 @asset(partitions_def=rl_steps, group_name="data", kinds={"parquet", "pytorch"},
@@ -53,6 +57,7 @@ def hidden_state_shards(context: AssetExecutionContext, config: ShardsConfig,
     return MaterializeResult(metadata={
         "uri": MetadataValue.path(s.url),
         "samples": s.samples,
+        "heldout_samples": s.heldout,
         "tokens": s.tokens,
         "loss_tokens": s.loss_tokens,
         "padded_tokens": s.padded_tokens,

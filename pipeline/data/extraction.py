@@ -42,6 +42,7 @@ import torch
 
 from pipeline.contracts import FileEntry, Manifest
 from pipeline.data.capture.base import CaptureBackend, CapturedStates, default_aux_layer_ids
+from pipeline.data.heldout import HeldoutSplit
 from pipeline.data.parquet import ParquetFileError
 from pipeline.data.policy_store import PolicyRef, policy_prefix
 from pipeline.data.shards import (
@@ -87,11 +88,13 @@ class ExtractConfig:
     row_group_bytes: int = DEFAULT_ROW_GROUP_BYTES
     compression: str = "zstd"  # Parquet codec: "zstd" (~20% smaller) or "none" (faster)
     sort_by_length: bool = True  # inside a shard: longest first, less padding
+    heldout_fraction: float = 0.05  # prompts kept out of the shards for evaluation
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_batch_size", "shard_bytes", "row_group_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        HeldoutSplit(self.heldout_fraction)  # validates the fraction
         if self.compression not in ("zstd", "none", "lz4", "snappy"):
             raise ValueError(f"unsupported compression {self.compression!r}")
 
@@ -117,6 +120,7 @@ class ExtractSummary:
     seconds: float
     already_committed: bool = False
     schema_version: int = SHARD_SCHEMA_VERSION
+    heldout: int = 0  # samples whose prompt is held out (not in the shards)
 
     @property
     def bytes_per_token(self) -> float:
@@ -146,6 +150,7 @@ class _Counts:
     loss_tokens: int = 0
     padded_tokens: int = 0
     backend_calls: int = 0
+    heldout: int = 0  # samples skipped: their prompt is held out for evaluation
     shard_meta: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -193,7 +198,9 @@ def extract_step(storage: Storage, step: int, backend: CaptureBackend,
     counts = _Counts()
     entries: list[FileEntry] = []
     reused = 0
-    samples = _iter_tokenized(storage, in_prefix, tokenized, step)
+    split = HeldoutSplit(config.heldout_fraction)
+    samples = _without_heldout(_iter_tokenized(storage, in_prefix, tokenized, step), split,
+                               counts)
     for index, shard_samples in enumerate(_cut_shards(samples, tokens_per_shard)):
         batches = _plan_batches(shard_samples, config)
         shard_fp = _shard_fingerprint(run_fp, index, batches)
@@ -219,6 +226,7 @@ def extract_step(storage: Storage, step: int, backend: CaptureBackend,
                             "samples": counts.samples, "tokens": counts.tokens,
                             "loss_tokens": counts.loss_tokens,
                             "padded_tokens": counts.padded_tokens,
+                            "heldout": {**split.to_dict(), "samples": counts.heldout},
                             "hidden_size": spec.hidden_size, "aux_width": spec.aux_width,
                             "aux_layer_ids": list(spec.aux_layer_ids), "dtype": SHARD_DTYPE,
                             "backend": identity.get("backend", "?"), "backend_config": identity,
@@ -242,7 +250,8 @@ def _summary(storage: Storage, prefix: str, manifest: Manifest, *, shards_reused
         shards_reused=shards_reused, bytes=manifest.total_bytes, hidden_size=m["hidden_size"],
         aux_layer_ids=tuple(m["aux_layer_ids"]), backend=m["backend"],
         backend_calls=backend_calls, seconds=time.perf_counter() - started,
-        already_committed=already_committed, schema_version=manifest.kind_version)
+        already_committed=already_committed, schema_version=manifest.kind_version,
+        heldout=m["heldout"]["samples"])
 
 
 # -- backends ---------------------------------------------------------------------------
@@ -347,6 +356,15 @@ def _samples_of(batch: pa.RecordBatch, url: str, step: int, position: int
         # Own copies (small: 5 bytes/token): the Arrow batch can go, and torch gets
         # writable arrays.
         yield _Sample(position + r, sample_id, ids.astype(np.int32), mask.astype(np.int8))
+
+
+def _without_heldout(samples: Iterator[_Sample], split: HeldoutSplit, counts: _Counts
+                     ) -> Iterator[_Sample]:
+    for s in samples:
+        if split.holds_out(s.input_ids, s.loss_mask):
+            counts.heldout += 1
+        else:
+            yield s
 
 
 # -- planning ---------------------------------------------------------------------------

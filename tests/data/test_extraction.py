@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +22,7 @@ from pipeline.data.extraction import (
     extract_step,
     open_backend,
 )
+from pipeline.data.heldout import HeldoutSplit
 from pipeline.data.parquet import write_table
 from pipeline.data.policy_store import load_policy_ref, publish_policy
 from pipeline.data.shards import iter_shard, iter_step, read_shards_manifest, shards_prefix
@@ -36,7 +38,7 @@ H = 64
 TOKEN_BYTES = 2 * 4 * H  # bf16 aux (3H) + final (H)
 # ~6 samples per shard, 2–3 per batch, 1–2 per row group
 CONFIG = ExtractConfig(token_budget=48, max_batch_size=4, shard_bytes=60 * TOKEN_BYTES,
-                       row_group_bytes=24 * TOKEN_BYTES)
+                       row_group_bytes=24 * TOKEN_BYTES, heldout_fraction=0.0)
 
 
 def write_tokenized(storage: Storage, step: int, lengths: Sequence[int], seed: int = 0,
@@ -47,6 +49,11 @@ def write_tokenized(storage: Storage, step: int, lengths: Sequence[int], seed: i
              "input_ids": rng.integers(0, VOCAB, n).tolist(),
              "loss_mask": (rng.random(n) < 0.6).astype(int).tolist()}
             for i, n in enumerate(lengths)]
+    return write_rows(storage, step, rows, rows_per_part)
+
+
+def write_rows(storage: Storage, step: int, rows: list[dict], rows_per_part: int = 7
+               ) -> list[dict]:
     prefix = tokenized_prefix(step)
     entries = []
     for p in range(0, len(rows), rows_per_part):
@@ -325,3 +332,27 @@ def test_open_backend_refuses_unknown_kinds_and_builds_sglang_from_the_policy(tm
     with open_backend(storage, STEP, "sglang", sglang_aux_urls=["http://127.0.0.1:9"],
                       sglang_final_urls=["http://127.0.0.1:9"]) as sglang:
         assert sglang.hidden_size == H and sglang.aux_layer_ids == (1, 2, 2)
+
+
+def test_heldout_prompts_never_reach_the_shards(tmp_path, model):
+    storage = Storage(tmp_path.as_uri())
+    rng = np.random.default_rng(3)
+    rows = []
+    for p in range(12):  # RL groups: 3 samples share a prompt, responses differ
+        prompt = rng.integers(0, VOCAB, 3 + p % 4).tolist()
+        for k in range(3):
+            response = rng.integers(0, VOCAB, 2 + k).tolist()
+            rows.append({"sample_id": f"p{p}-{k}", "step": STEP,
+                         "input_ids": prompt + response,
+                         "loss_mask": [0] * len(prompt) + [1] * len(response)})
+    write_rows(storage, STEP, rows)
+    split = HeldoutSplit(0.3)
+    held = {r["sample_id"] for r in rows
+            if split.holds_out(np.array(r["input_ids"]), np.array(r["loss_mask"]))}
+    assert 0 < len(held) < len(rows) and len(held) % 3 == 0  # whole groups
+    summary = extract_step(storage, STEP, backend(model), replace(CONFIG, heldout_fraction=0.3))
+    got = {s.sample_id for s in iter_step(storage, STEP)}
+    assert got == {r["sample_id"] for r in rows} - held
+    assert summary.heldout == len(held) and summary.samples == len(rows) - len(held)
+    meta = read_shards_manifest(storage, STEP).meta["heldout"]
+    assert meta == {"fraction": 0.3, "salt": split.salt, "samples": len(held)}

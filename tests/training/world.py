@@ -31,7 +31,7 @@ LAYERS = 4
 STATE_BYTES = 2 * 4 * HIDDEN  # bf16 aux (3H) + final (H) per token
 # a few row groups per shard, a few shards per step
 EXTRACT = ExtractConfig(token_budget=256, max_batch_size=8, shard_bytes=400 * STATE_BYTES,
-                        row_group_bytes=120 * STATE_BYTES)
+                        row_group_bytes=120 * STATE_BYTES, heldout_fraction=0.0)
 
 
 def tiny_target(seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
