@@ -1,12 +1,13 @@
 """The ``vocab_mapping`` stage: the draft vocabulary of a refresh step's training window.
 
-Counts target token ids under the loss mask over the window's tokenized samples (the same
-samples the shards hold; ids and masks only, so ~30× fewer bytes than the shards), chooses
+Counts target token ids under the loss mask over the window's training samples (the shards'
+``input_ids`` and ``loss_mask`` columns only; Parquet reads no state bytes for them; held-out
+prompts are not in the shards, so they never shape the draft vocab), chooses
 the top ``draft_vocab_size`` with :func:`pipeline.eagle3.vocab.build_vocab_mapping` and stores
 it content-addressed:
 
 - ``vocab/<cache_key>/vocab_mapping.safetensors`` + ``_manifest.json`` — ``cache_key`` =
-  :func:`vocab_cache_key` of the tokenized files' sha256 and both vocab sizes; present → reused
+  :func:`vocab_cache_key` of the shard files' sha256 and both vocab sizes; present → reused
   without reading any data (a cache hit);
 - ``vocab/step=NNNNNN/_manifest.json`` — which mapping (and which window) refresh step
   ``NNNNNN`` uses; the drafter stage reads this pointer, so window and draft vocab size are
@@ -26,8 +27,7 @@ import torch
 
 from pipeline.contracts import Manifest
 from pipeline.data.policy_store import load_policy_ref, step_dir
-from pipeline.data.shards import open_parquet, read_shards_manifest
-from pipeline.data.tokenized_schema import TOKENIZED_KIND, tokenized_prefix
+from pipeline.data.shards import open_parquet, read_shards_manifest, shards_prefix
 from pipeline.eagle3.vocab import (
     TokenCounter,
     VocabMapping,
@@ -71,30 +71,18 @@ class WindowVocab:
                 "cache_hit": self.cache_hit, "uri": self.uri, "seconds": self.seconds}
 
 
-def read_tokenized_manifest(storage: Storage, step: int) -> Manifest:
-    prefix = tokenized_prefix(step)
-    manifest = read_manifest(storage, prefix)
-    if manifest is None:
-        raise FileNotFoundError(f"{storage.url(prefix)}: no committed tokenized rollouts")
-    if manifest.kind != TOKENIZED_KIND:
-        raise ValueError(f"{storage.url(prefix)}: {manifest.kind} is not {TOKENIZED_KIND}")
-    return manifest
-
-
 def build_window_vocab(storage: Storage, step: int, window: int, draft_vocab_size: int, *,
                        target_vocab_size: int | None = None) -> WindowVocab:
     """The draft vocab of the window ``step-window+1 .. step``; cached by content.
 
     ``target_vocab_size`` defaults to the vocab of the policy checkpoint of ``step``. Raises
-    :class:`WindowError` naming the steps whose tokenized data or shards are missing.
+    :class:`WindowError` naming the steps whose shards are missing.
     """
     started = time.perf_counter()
     steps = window_steps(step, window)
-    tokenized = read_window(storage, steps, read_tokenized_manifest, "tokenized rollouts")
-    read_window(storage, steps, read_shards_manifest, "hidden-state shards")
+    shards = read_window(storage, steps, read_shards_manifest, "hidden-state shards")
     vocab = target_vocab_size or load_policy_ref(storage, step).vocab_size
-    key = vocab_cache_key(manifest_digests(tokenized[s] for s in steps), vocab,
-                          draft_vocab_size)
+    key = vocab_cache_key(manifest_digests(shards[s] for s in steps), vocab, draft_vocab_size)
     prefix = mapping_prefix(key)
     cached = read_manifest(storage, prefix)
     if cached is not None:
@@ -103,13 +91,13 @@ def build_window_vocab(storage: Storage, step: int, window: int, draft_vocab_siz
     else:
         counter = TokenCounter(vocab)
         for s in steps:
-            _count_step(storage, s, tokenized[s], counter)
+            _count_step(storage, s, shards[s], counter)
         mapping = build_vocab_mapping(counter.counts(), draft_vocab_size, cache_key=key)
         written = storage.write_bytes(f"{prefix}/{MAPPING_FILE}", vocab_mapping_to_bytes(mapping))
         write_manifest(storage, prefix, Manifest(
             kind=VOCAB_KIND, kind_version=1, files=(entry_for(prefix, written),),
             meta={**mapping.summary(), "window_steps": steps,
-                  "inputs": {str(s): [[f.path, f.sha256] for f in tokenized[s].files]
+                  "inputs": {str(s): [[f.path, f.sha256] for f in shards[s].files]
                              for s in steps}}))
         hit = False
     result = WindowVocab(step=step, window_steps=tuple(steps), mapping=mapping, cache_key=key,
@@ -135,7 +123,7 @@ def load_window_vocab(storage: Storage, step: int) -> tuple[tuple[int, ...], Voc
 
 
 def _count_step(storage: Storage, step: int, manifest: Manifest, counter: TokenCounter) -> None:
-    prefix = tokenized_prefix(step)
+    prefix = shards_prefix(step)
     for entry in manifest.files:
         with open_parquet(storage, f"{prefix}/{entry.path}") as pf:
             for batch in pf.iter_batches(columns=["input_ids", "loss_mask"]):

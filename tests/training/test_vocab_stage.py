@@ -72,7 +72,7 @@ def test_rerun_hits_the_cache_and_a_size_change_misses_it(storage, monkeypatch):
 
 
 def test_a_window_step_without_data_is_named(storage):
-    with pytest.raises(WindowError, match=r"tokenized rollouts for step\(s\) \[0\]"):
+    with pytest.raises(WindowError, match=r"hidden-state shards for step\(s\) \[0\]"):
         build_window_vocab(storage, 3, 4, 64)
     storage.delete(manifest_key("shards/step=000002"))
     with pytest.raises(WindowError, match=r"hidden-state shards for step\(s\) \[2\]"):
