@@ -14,9 +14,16 @@ hashes the prompt's token ids with a salt and holds out the samples whose hash f
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from pipeline.contracts import Manifest
+from pipeline.data.shards import open_parquet, read_shards_manifest, shards_prefix
+from pipeline.data.tokenized_schema import tokenized_prefix
+from pipeline.manifest import read_manifest
+from pipeline.storage import Storage
 
 DEFAULT_SALT = "aerie-heldout-v1"
 
@@ -52,3 +59,65 @@ class HeldoutSplit:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class HeldoutPrompt:
+    """One held-out prompt: where it came from and its token ids."""
+
+    key: str  # HeldoutSplit.prompt_key of the ids
+    step: int
+    sample_id: str  # the first sample seen with this prompt
+    prompt_ids: tuple[int, ...]
+
+
+def heldout_prompts(storage: Storage, steps: Sequence[int], max_prompts: int
+                    ) -> tuple[HeldoutSplit, list[HeldoutPrompt]]:
+    """The distinct held-out prompts of ``steps``, at most ``max_prompts`` of them.
+
+    The split is the one extraction applied (read from each step's shard manifest; the steps
+    must agree). The choice is deterministic: prompts sorted by key (a salted hash, so an
+    unbiased sample), then cut. Raises ``ValueError`` when the steps hold no held-out prompt.
+    """
+    splits = {s: _split_of(read_shards_manifest(storage, s), storage, s) for s in steps}
+    if not splits:
+        raise ValueError("heldout_prompts needs at least one step")
+    if len(set(splits.values())) != 1:
+        raise ValueError(f"steps {list(steps)} were extracted with different held-out "
+                         f"splits: {sorted({str(v) for v in splits.values()})}")
+    split = next(iter(splits.values()))
+    found: dict[str, HeldoutPrompt] = {}
+    for step in steps:
+        for sample_id, ids, mask in _tokenized_rows(storage, step):
+            if split.holds_out(ids, mask):
+                prompt = prompt_of(ids, mask)
+                key = split.prompt_key(prompt)
+                found.setdefault(key, HeldoutPrompt(key, step, sample_id,
+                                                    tuple(int(x) for x in prompt)))
+    if not found:
+        raise ValueError(f"no held-out prompt in steps {list(steps)} (fraction "
+                         f"{split.fraction}): extract with heldout_fraction > 0")
+    return split, [found[k] for k in sorted(found)][:max_prompts]
+
+
+def _split_of(manifest: Manifest, storage: Storage, step: int) -> HeldoutSplit:
+    meta = manifest.meta.get("heldout")
+    if meta is None:
+        raise ValueError(f"{storage.url(shards_prefix(step))}: shards carry no held-out split "
+                         f"(extracted before held-out splits existed)")
+    return HeldoutSplit(meta["fraction"], meta["salt"])
+
+
+def _tokenized_rows(storage: Storage, step: int
+                    ) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    prefix = tokenized_prefix(step)
+    manifest = read_manifest(storage, prefix)
+    if manifest is None:
+        raise FileNotFoundError(f"{storage.url(prefix)}: no committed tokenized rollouts")
+    for entry in manifest.files:
+        with open_parquet(storage, f"{prefix}/{entry.path}") as pf:
+            for batch in pf.iter_batches(columns=["sample_id", "input_ids", "loss_mask"]):
+                ids, masks = batch.column("input_ids"), batch.column("loss_mask")
+                for r, sample_id in enumerate(batch.column("sample_id").to_pylist()):
+                    yield (sample_id, ids[r].values.to_numpy(zero_copy_only=False),
+                           masks[r].values.to_numpy(zero_copy_only=False))

@@ -22,7 +22,7 @@ from pipeline.data.extraction import (
     extract_step,
     open_backend,
 )
-from pipeline.data.heldout import HeldoutSplit
+from pipeline.data.heldout import HeldoutSplit, heldout_prompts
 from pipeline.data.parquet import write_table
 from pipeline.data.policy_store import load_policy_ref, publish_policy
 from pipeline.data.shards import iter_shard, iter_step, read_shards_manifest, shards_prefix
@@ -356,3 +356,12 @@ def test_heldout_prompts_never_reach_the_shards(tmp_path, model):
     assert summary.heldout == len(held) and summary.samples == len(rows) - len(held)
     meta = read_shards_manifest(storage, STEP).meta["heldout"]
     assert meta == {"fraction": 0.3, "salt": split.salt, "samples": len(held)}
+
+    # Evaluation finds exactly those prompts (one per group), in key order, cut at max.
+    used, prompts = heldout_prompts(storage, [STEP], max_prompts=100)
+    assert used == split
+    expect = {tuple(r["input_ids"][:r["loss_mask"].index(1)]) for r in rows
+              if r["sample_id"] in held}
+    assert {p.prompt_ids for p in prompts} == expect and len(prompts) == len(held) // 3
+    assert [p.key for p in prompts] == sorted(p.key for p in prompts)
+    assert heldout_prompts(storage, [STEP], max_prompts=2)[1] == prompts[:2]
