@@ -72,15 +72,16 @@ def write_tokenized(storage: Storage, step: int, n: int, seed: int,
 
 
 def build_world(root: Path, steps: Sequence[int] = (1, 2, 3), samples: int = 32,
-                model: LlamaForCausalLM | None = None) -> Storage:
+                model: LlamaForCausalLM | None = None, extract: ExtractConfig = EXTRACT
+                ) -> Storage:
     """Policy + tokenized + shards for ``steps`` under ``root`` (a file:// storage)."""
     storage = Storage(root.as_uri())
     model = model or tiny_target()
     policy_dir = root.parent / f"{root.name}-policy"
     model.save_pretrained(policy_dir)
-    backend = HFCaptureBackend(model, token_budget=EXTRACT.token_budget)
+    backend = HFCaptureBackend(model, token_budget=extract.token_budget)
     for step in steps:
         publish_policy(storage, step, policy_dir)
         write_tokenized(storage, step, samples, seed=step)
-        extract_step(storage, step, backend, EXTRACT, policy=load_policy_ref(storage, step))
+        extract_step(storage, step, backend, extract, policy=load_policy_ref(storage, step))
     return storage

@@ -1,0 +1,183 @@
+"""Benchmark: the drift curve. τ on every RL step's policy for three drafters.
+
+    python bench/drift_curve.py [--storage DIR] [--work DIR] [--every 4] [--window 4]
+        [--prompts 32] [--max-new-tokens 160] [--spec 5,1,6] [--json out.json]
+
+Needs the demo world ingested (``aerie demo`` does it; default storage: the embedded
+default's). The storage is copied to ``--work`` first, so the user's state is never touched.
+
+(a) stale: trained once at step 0 (window [0]) and never refreshed;
+(b) refreshed: retrained every ``--every`` steps on the last ``--window`` steps, warm-started
+    from the previous refresh; at RL step s the newest refresh <= s serves;
+(c) scratch: trained from scratch on the newest window with 5× the epochs of one refresh
+    (evaluated on the last step only, where it is the upper reference).
+
+Every drafter is evaluated with the same engine (greedy speculative decoding, SGLang-style
+EAGLE-3 drafting; ``--spec`` = num_steps,eagle_topk,num_draft_tokens) on the same held-out
+prompts: the distinct held-out prompts of all steps (prompts no drafter trained on), cut at
+``--prompts`` in key order. τ = tokens emitted per draft-verify cycle (bonus included).
+
+Training and evaluation results are cached in ``--work`` (re-running resumes). Prints a
+markdown table and writes the τ curve PNG next to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+log = logging.getLogger("drift_curve")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--storage", type=Path, default=None, help="ingested demo storage dir")
+    p.add_argument("--work", type=Path, default=Path("/tmp/aerie-drift"))
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--window", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--spec", default="5,1,6", help="num_steps,eagle_topk,num_draft_tokens")
+    p.add_argument("--scratch-factor", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def train_config(epochs_factor: int = 1):
+    from jobs.cli import DEMO_TRAIN_CONFIG
+    from pipeline.training.config import TrainConfig
+
+    demo = DEMO_TRAIN_CONFIG["ops"]["drafter_checkpoint"]["config"]
+    base = TrainConfig(lr=demo["lr"], epochs=demo["epochs"],
+                       micro_batch_size=demo["micro_batch_size"], export_dtype="float32")
+    return replace(base, epochs=base.epochs * epochs_factor)
+
+
+def train(storage, step: int, window: int, config, warm_start: str, work: Path) -> str:
+    from pipeline.training.refresh import drafter_prefix, refresh_drafter
+    from pipeline.training.vocab_stage import build_window_vocab
+
+    build_window_vocab(storage, step, window, 32000)
+    started = time.perf_counter()
+    r = refresh_drafter(storage, step, config, work_root=work / "runs", warm_start=warm_start)
+    log.info("trained step %d (window %s, warm start %s): loss %.3f, %.0fs%s", step,
+             r.manifest.meta["window_steps"], r.result.warm_start["mode"],
+             r.result.final["loss"], time.perf_counter() - started,
+             " (cached)" if r.reused else "")
+    return drafter_prefix(step)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    import torch
+
+    from pipeline.data.heldout import heldout_prompts
+    from pipeline.data.policy_store import policy_prefix
+    from pipeline.eagle3.export import load_drafter
+    from pipeline.evaluation.charts import tau_curve
+    from pipeline.evaluation.engine import evaluate
+    from pipeline.evaluation.spec import SpecParams
+    from pipeline.storage import Storage
+    from resources.home import aerie_home
+
+    torch.set_num_threads(args.threads)
+    source = args.storage or aerie_home() / "storage"
+    work = args.work
+    root = work / "storage"
+    if not root.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(source, root, ignore=shutil.ignore_patterns("drafters", "vocab"))
+    storage = Storage(root.as_uri())
+    steps = sorted(int(d.split("=")[1]) for d in storage.list_dirs("shards"))
+    last = steps[-1]
+    params = SpecParams(*(int(x) for x in args.spec.split(",")))
+    t0 = time.perf_counter()
+
+    # -- drafters ----------------------------------------------------------------------
+    config = train_config()
+    refreshes = [s for s in steps if s % args.every == 0]
+    stale = train(storage, 0, 1, config, "none", work)
+    refreshed = {0: stale}
+    for s in refreshes[1:]:
+        refreshed[s] = train(storage, s, args.window, config, "auto", work)
+    scratch_root = work / "scratch-storage"
+    if not scratch_root.exists():
+        shutil.copytree(root, scratch_root, ignore=shutil.ignore_patterns("drafters"))
+    scratch_storage = Storage(scratch_root.as_uri())
+    scratch = train(scratch_storage, last, args.window, train_config(args.scratch_factor),
+                    "none", work / "scratch")
+    train_s = time.perf_counter() - t0
+
+    # -- evaluation --------------------------------------------------------------------
+    split, prompts = heldout_prompts(storage, steps, args.prompts)
+    ids = [list(p.prompt_ids) for p in prompts]
+    cache_path = work / f"eval-{args.spec}-{len(ids)}-{args.max_new_tokens}.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        from transformers import AutoModelForCausalLM
+
+        for s in steps:
+            todo = [("stale", storage, stale), ("refreshed", storage,
+                                                 refreshed[max(r for r in refreshed if r <= s)])]
+            if s == last:
+                todo.append(("scratch", scratch_storage, scratch))
+            if all(f"{s}/{name}" in cache for name, _, _ in todo):
+                continue
+            local = storage.download_dir(policy_prefix(s), Path(tmp) / f"policy-{s}")
+            target = AutoModelForCausalLM.from_pretrained(str(local), dtype=torch.float32)
+            embed = target.get_input_embeddings().weight.detach()
+            for name, store, prefix in todo:
+                key = f"{s}/{name}"
+                if key in cache:
+                    continue
+                model = load_drafter(store.download_dir(prefix, Path(tmp) / f"{s}-{name}"),
+                                     embed, dtype=torch.float32)
+                run = evaluate(target, model, ids, params, max_new_tokens=args.max_new_tokens,
+                               eos_token_id=target.config.eos_token_id)
+                cache[key] = {"drafter": prefix, **run.stats.summary()}
+                cache_path.write_text(json.dumps(cache, indent=1))
+                log.info("step %d %-9s tau %.3f", s, name, run.stats.tau)
+    eval_s = time.perf_counter() - t0 - train_s
+
+    # -- report ------------------------------------------------------------------------
+    series = {name: {s: cache[f"{s}/{name}"]["tau"] for s in steps if f"{s}/{name}" in cache}
+              for name in ("stale", "refreshed", "scratch")}
+    print(f"\nτ per RL step (spec {params}, {len(ids)} held-out prompts, "
+          f"max_new_tokens {args.max_new_tokens}; refresh every {args.every}, "
+          f"window {args.window}):\n")
+    print("| RL step | (a) stale | (b) refreshed | (c) scratch 5× |\n|---|---|---|---|")
+    for s in steps:
+        c = series["scratch"].get(s)
+        print(f"| {s} | {series['stale'][s]:.3f} | {series['refreshed'][s]:.3f} | "
+              f"{'' if c is None else f'{c:.3f}'} |")
+    a, b, c = (series[n][last] for n in ("stale", "refreshed", "scratch"))
+    print(f"\nlast step {last}: (b)/(a) = {b / a:.3f}, (b)/(c) = {b / c:.3f}; "
+          f"training {train_s:.0f}s, evaluation {eval_s:.0f}s")
+    out = {"spec": str(params), "prompts": len(ids), "max_new_tokens": args.max_new_tokens,
+           "every": args.every, "window": args.window, "series": series,
+           "refresh_steps": sorted(refreshed), "last": last, "b_over_a": b / a,
+           "b_over_c": b / c, "train_s": train_s, "eval_s": eval_s,
+           "heldout": split.to_dict(), "evals": cache}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+        png = tau_curve({"(a) stale": series["stale"], "(b) refreshed": series["refreshed"],
+                         "(c) scratch 5×": series["scratch"]},
+                        title="τ on each RL step's policy", refresh_steps=sorted(refreshed))
+        args.json.with_suffix(".png").write_bytes(png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""The ``acceptance_eval`` stage: candidate vs champion vs no drafter on held-out prompts.
+
+``evaluate_refresh(storage, step, candidate, champion, config)`` loads the policy of RL step
+``step`` (the target whose rollouts the drafters will serve), picks the held-out prompts of
+the candidate's training window (:func:`pipeline.data.heldout.heldout_prompts`: prompts no
+drafter trained on), runs greedy speculative decoding with each drafter on the same prompts
+and settings, and publishes an :class:`AcceptanceReport` at ``evals/step=NNNNNN/`` (JSON,
+manifest last).
+
+Invariants:
+
+- Same prompts, same settings, same target for every contestant; the report's
+  ``heldout_key`` and ``settings_key`` say so, and the promotion gate compares only reports
+  whose keys agree.
+- Lossless check for free: greedy speculative decoding must emit the no-drafter tokens, so
+  every contestant's outputs are compared with the baseline's and mismatches counted (fp32
+  ties can flip an argmax between a one-token and a tree forward; more than that is a bug).
+- Idempotent: a committed report with the same input fingerprint (policy, drafters,
+  prompts, settings) is returned as is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.contracts import Manifest
+from pipeline.data.heldout import heldout_prompts
+from pipeline.data.policy_store import load_policy_ref, policy_prefix, step_dir
+from pipeline.eagle3.export import load_drafter
+from pipeline.evaluation.engine import evaluate
+from pipeline.evaluation.metrics import AcceptanceStats
+from pipeline.evaluation.spec import SpecParams
+from pipeline.manifest import entry_for, read_manifest, write_manifest
+from pipeline.storage import Storage
+
+log = logging.getLogger(__name__)
+
+EVAL_KIND = "acceptance_eval"
+REPORT_SCHEMA_VERSION = 1
+REPORT_FILE = "report.json"
+NO_DRAFTER = "no_drafter"
+
+
+def eval_prefix(step: int) -> str:
+    return f"evals/{step_dir(step)}"
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What is measured: prompt count, generation length and SGLang's speculative settings.
+
+    ``num_steps``/``eagle_topk``/``num_draft_tokens``: all three or none (None: SGLang's
+    auto choice for the target's architecture, DESIGN §5).
+    """
+
+    max_prompts: int = 32
+    max_new_tokens: int = 128
+    num_steps: int | None = None
+    eagle_topk: int | None = None
+    num_draft_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_prompts < 1 or self.max_new_tokens < 1:
+            raise ValueError("max_prompts and max_new_tokens must be >= 1")
+
+    def spec_params(self, architectures: Sequence[str] | None) -> SpecParams:
+        given = (self.num_steps, self.eagle_topk, self.num_draft_tokens)
+        if all(v is None for v in given):
+            return SpecParams.auto_for(architectures)
+        if any(v is None for v in given):
+            raise ValueError("set num_steps, eagle_topk and num_draft_tokens together, or none")
+        return SpecParams(*given)
+
+
+@dataclass(frozen=True)
+class Contestant:
+    """One drafter's result: where it came from and its summed acceptance counts."""
+
+    name: str  # "candidate" | "champion" | "no_drafter"
+    uri: str | None
+    fingerprint: str | None  # the drafter manifest's fingerprint (None: no drafter)
+    stats: dict[str, Any]  # AcceptanceStats.to_dict()
+    outputs_match_baseline: int  # prompts whose tokens equal the no-drafter tokens
+
+    @property
+    def acceptance(self) -> AcceptanceStats:
+        return AcceptanceStats.from_dict(self.stats)
+
+    @property
+    def tau(self) -> float:
+        return self.acceptance.tau
+
+
+@dataclass(frozen=True)
+class AcceptanceReport:
+    """The stage's output record (JSON; no tensors)."""
+
+    step: int
+    policy_uri: str
+    policy_sha256: str
+    heldout: dict[str, Any]  # split, window steps, prompt count, prompt keys digest
+    settings: dict[str, Any]  # SpecParams fields + max_new_tokens
+    heldout_key: str
+    settings_key: str
+    contestants: dict[str, Contestant]
+    fingerprint: str
+    seconds: float
+    schema_version: int = REPORT_SCHEMA_VERSION
+    prompt_keys: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True, allow_nan=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> AcceptanceReport:
+        raw = json.loads(text)
+        if raw.get("schema_version") != REPORT_SCHEMA_VERSION:
+            raise ValueError(f"acceptance report schema {raw.get('schema_version')} is not "
+                             f"{REPORT_SCHEMA_VERSION}")
+        raw["contestants"] = {k: Contestant(**v) for k, v in raw["contestants"].items()}
+        return cls(**raw)
+
+    def summary(self) -> dict[str, Any]:
+        """Flat numbers for metadata and logs: τ, α and lossless matches per contestant."""
+        out: dict[str, Any] = {"prompts": self.heldout["prompts"]}
+        for name, c in self.contestants.items():
+            s = c.acceptance
+            out[f"{name}_tau"] = s.tau
+            out[f"{name}_match"] = f"{c.outputs_match_baseline}/{self.heldout['prompts']}"
+            if name != NO_DRAFTER:
+                out[f"{name}_alpha"] = [round(a, 4) for a in s.alpha]
+        return out
+
+
+def evaluate_refresh(storage: Storage, step: int, candidate: str,
+                     champion: str | None = None, config: EvalConfig = EvalConfig()
+                     ) -> AcceptanceReport:
+    """Measure ``candidate`` (and ``champion``) drafters, storage prefixes of published
+    drafters, on the held-out prompts of the candidate's window with the policy of ``step``.
+    """
+    started = time.perf_counter()
+    drafters = {"candidate": _drafter_manifest(storage, candidate)}
+    if champion is not None:
+        drafters["champion"] = _drafter_manifest(storage, champion)
+    window = drafters["candidate"].meta["window_steps"]
+    split, prompts = heldout_prompts(storage, window, config.max_prompts)
+    policy = load_policy_ref(storage, step)
+    heldout = {**split.to_dict(), "window_steps": window, "prompts": len(prompts),
+               "keys_sha256": _sha256([p.key for p in prompts])}
+    fingerprint = _sha256({"step": step, "policy": policy.sha256, "heldout": heldout,
+                           "config": asdict(config), "drafters": {
+                               k: [m.meta.get("fingerprint"), _files_digest(m)]
+                               for k, m in drafters.items()}})
+    existing = _committed(storage, step, fingerprint)
+    if existing is not None:
+        log.info("step %d: acceptance report already committed", step)
+        return existing
+
+    with tempfile.TemporaryDirectory(prefix=f"aerie-eval-{step:06d}-") as tmp:
+        target = _load_target(storage, step, Path(tmp) / "policy")
+        params = config.spec_params(target.config.architectures)
+        settings = {**asdict(params), "max_new_tokens": config.max_new_tokens}
+        eos = target.config.eos_token_id
+        ids = [list(p.prompt_ids) for p in prompts]
+        base = evaluate(target, None, ids, None, max_new_tokens=config.max_new_tokens,
+                        eos_token_id=eos)
+        results = {NO_DRAFTER: Contestant(NO_DRAFTER, None, None, base.stats.to_dict(),
+                                          len(ids))}
+        embed = target.get_input_embeddings().weight.detach()
+        for name, prefix in (("candidate", candidate), ("champion", champion)):
+            if prefix is None:
+                continue
+            local = storage.download_dir(prefix, Path(tmp) / name)
+            drafter = load_drafter(local, embed, dtype=torch.float32)
+            run = evaluate(target, drafter, ids, params, max_new_tokens=config.max_new_tokens,
+                           eos_token_id=eos)
+            match = sum(a == b for a, b in zip(run.outputs, base.outputs, strict=True))
+            if match < len(ids):
+                log.warning("step %d: %s emitted other tokens than greedy decoding on %d of %d "
+                            "prompts", step, name, len(ids) - match, len(ids))
+            results[name] = Contestant(name, storage.url(prefix),
+                                       drafters[name].meta.get("fingerprint"),
+                                       run.stats.to_dict(), match)
+    report = AcceptanceReport(
+        step=step, policy_uri=policy.uri, policy_sha256=policy.sha256, heldout=heldout,
+        settings=settings, heldout_key=heldout["keys_sha256"], settings_key=_sha256(settings),
+        contestants=results, fingerprint=fingerprint, seconds=time.perf_counter() - started,
+        prompt_keys=[p.key for p in prompts])
+    _publish(storage, report)
+    return report
+
+
+def read_report(storage: Storage, step: int) -> AcceptanceReport | None:
+    """The committed report of ``step``, or None."""
+    prefix = eval_prefix(step)
+    manifest = read_manifest(storage, prefix)
+    if manifest is None or manifest.kind != EVAL_KIND:
+        return None
+    return AcceptanceReport.from_json(storage.read_bytes(f"{prefix}/{REPORT_FILE}").decode())
+
+
+def tau_history(storage: Storage) -> dict[str, dict[int, float]]:
+    """τ per contestant per evaluated refresh step, from every committed report."""
+    out: dict[str, dict[int, float]] = {}
+    for d in storage.list_dirs("evals"):
+        if not d.startswith("step="):
+            continue
+        report = read_report(storage, int(d.removeprefix("step=")))
+        if report is None:
+            continue
+        for name, c in report.contestants.items():
+            out.setdefault(name, {})[report.step] = c.tau
+    return out
+
+
+def _committed(storage: Storage, step: int, fingerprint: str) -> AcceptanceReport | None:
+    manifest = read_manifest(storage, eval_prefix(step))
+    if manifest is None or manifest.meta.get("fingerprint") != fingerprint:
+        return None
+    return read_report(storage, step)
+
+
+def _publish(storage: Storage, report: AcceptanceReport) -> None:
+    prefix = eval_prefix(report.step)
+    written = storage.write_bytes(f"{prefix}/{REPORT_FILE}", report.to_json().encode())
+    write_manifest(storage, prefix, Manifest(
+        kind=EVAL_KIND, kind_version=REPORT_SCHEMA_VERSION,
+        files=(entry_for(prefix, written),),
+        meta={"step": report.step, "fingerprint": report.fingerprint, **report.summary()}))
+
+
+def _drafter_manifest(storage: Storage, prefix: str) -> Manifest:
+    manifest = read_manifest(storage, prefix)
+    if manifest is None:
+        raise FileNotFoundError(f"{storage.url(prefix)}: no committed drafter")
+    if "window_steps" not in manifest.meta:
+        raise ValueError(f"{storage.url(prefix)}: drafter manifest has no window_steps")
+    return manifest
+
+
+def _load_target(storage: Storage, step: int, dest: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    local = storage.download_dir(policy_prefix(step), dest)
+    if not (local / "config.json").is_file():
+        raise FileNotFoundError(f"{storage.url(policy_prefix(step))}: no policy checkpoint")
+    return AutoModelForCausalLM.from_pretrained(str(local), dtype=torch.float32).eval()
+
+
+def _files_digest(manifest: Manifest) -> str:
+    return _sha256(sorted([f.path, f.sha256] for f in manifest.files))
+
+
+def _sha256(value: Any) -> str:
+    blob = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()

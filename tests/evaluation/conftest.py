@@ -1,0 +1,93 @@
+"""Tiny fp32 models for the evaluation engine: a 2-layer Llama target, a random EAGLE-3
+drafter whose draft vocab (200) is smaller than the target's (300), prompts, and a plain
+cache-free greedy loop as the reference every engine output is compared against."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipeline.eagle3.config import DrafterConfig
+from pipeline.eagle3.model import Eagle3Drafter
+from pipeline.eagle3.vocab import build_vocab_mapping
+
+VOCAB = 300
+DRAFT_VOCAB = 200
+AUX_LAYER_IDS = (0, 1, 1)  # a 2-layer target; id 1 = the last layer's raw output
+MAX_NEW = 24
+
+torch.set_num_threads(1)
+
+
+def target_config() -> LlamaConfig:
+    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                       max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1,
+                       architectures=["LlamaForCausalLM"])
+
+
+@pytest.fixture(scope="session")
+def target() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(target_config()).eval()
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[list[int]]:
+    """20 random prompts of 1..30 tokens."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [1, 2, 30] + torch.randint(3, 30, (17,), generator=g).tolist()
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def greedy_reference(model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
+    """The target's greedy continuation, one full forward pass per token, no KV cache."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        token = int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax())
+        out.append(token)
+        ids.append(token)
+    return out
+
+
+@pytest.fixture(scope="session")
+def references(target, prompts) -> list[list[int]]:
+    """``MAX_NEW`` greedy tokens per prompt (slice for shorter runs)."""
+    return [greedy_reference(target, p, MAX_NEW) for p in prompts]
+
+
+def expected(references: list[list[int]], max_new: int, eos: set[int] = frozenset()
+             ) -> list[list[int]]:
+    """What greedy decoding emits: up to and including the first EOS, at most ``max_new``."""
+    out = []
+    for ref in references:
+        ref = ref[:max_new]
+        stop = next((i for i, t in enumerate(ref) if t in eos), None)
+        out.append(ref if stop is None else ref[:stop + 1])
+    return out
+
+
+def random_drafter(target: LlamaForCausalLM, seed: int = 0) -> Eagle3Drafter:
+    """A random drafter with O(1) weights (attention far from uniform, so a wrong mask or
+    position changes its output) and a real d2t mapping (draft vocab < target vocab)."""
+    cfg = DrafterConfig.from_target(target.config, draft_vocab_size=DRAFT_VOCAB,
+                                    aux_layer_ids=AUX_LAYER_IDS)
+    g = torch.Generator().manual_seed(seed)
+    model = Eagle3Drafter(cfg, target.model.embed_tokens.weight)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.5 * torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.5 / p.shape[1] ** 0.5))
+    counts = torch.randint(0, 50, (cfg.vocab_size,), generator=g)
+    mapping = build_vocab_mapping(counts, cfg.draft_vocab_size)
+    model.set_vocab(mapping.d2t, mapping.t2d)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def drafter(target) -> Eagle3Drafter:
+    return random_drafter(target)

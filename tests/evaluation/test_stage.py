@@ -1,0 +1,133 @@
+"""The acceptance_eval stage on a tiny world: held-out prompts, three contestants, lineage."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.contracts import Manifest
+from pipeline.data.heldout import heldout_prompts
+from pipeline.eagle3.config import DrafterConfig
+from pipeline.eagle3.export import save_drafter
+from pipeline.eagle3.model import Eagle3Drafter
+from pipeline.evaluation import stage
+from pipeline.evaluation.stage import (
+    NO_DRAFTER,
+    EvalConfig,
+    evaluate_refresh,
+    read_report,
+    tau_history,
+)
+from pipeline.manifest import entry_for, write_manifest
+from pipeline.storage import Storage
+from tests.training.world import EXTRACT, build_world, tiny_target
+
+STEPS = (1, 2)
+SETTINGS = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> tuple[Storage, torch.nn.Module]:
+    torch.set_num_threads(1)
+    target = tiny_target(seed=4)
+    root = tmp_path_factory.mktemp("eval-world") / "storage"
+    extract = replace(EXTRACT, heldout_fraction=0.3)
+    return build_world(root, STEPS, samples=16, model=target, extract=extract), target
+
+
+def publish_drafter(storage: Storage, target, step: int, seed: int, tmp: Path) -> str:
+    """A random drafter published like the training stage does (manifest last)."""
+    cfg = DrafterConfig.from_target(target.config, draft_vocab_size=64)
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(cfg, target.get_input_embeddings().weight.detach())
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[torch.randperm(cfg.vocab_size)[:64]] = True
+    used = t2d.nonzero().flatten()
+    model.set_vocab(used - torch.arange(64), t2d)
+    local = save_drafter(model, cfg, tmp / f"drafter-{seed}", dtype=torch.float32)
+    prefix = f"drafters/step={step:06d}-seed{seed}"
+    written = storage.upload_dir(local, prefix)
+    write_manifest(storage, prefix, Manifest(
+        kind="drafter_checkpoint", kind_version=1,
+        files=tuple(entry_for(prefix, w) for w in written),
+        meta={"step": step, "fingerprint": f"fp-{seed}", "window_steps": list(STEPS)}))
+    return prefix
+
+
+def test_three_contestants_on_the_same_heldout_prompts(world, tmp_path, monkeypatch):
+    storage, target = world
+    candidate = publish_drafter(storage, target, 2, seed=1, tmp=tmp_path)
+    champion = publish_drafter(storage, target, 1, seed=2, tmp=tmp_path)
+    config = EvalConfig(max_prompts=6, max_new_tokens=12, **SETTINGS)
+    report = evaluate_refresh(storage, 2, candidate, champion, config)
+
+    split, prompts = heldout_prompts(storage, list(STEPS), 6)
+    assert report.prompt_keys == [p.key for p in prompts] and len(prompts) >= 2
+    assert report.heldout["fraction"] == 0.3 and report.heldout["prompts"] == len(prompts)
+    assert set(report.contestants) == {"candidate", "champion", NO_DRAFTER}
+    assert report.settings == {**SETTINGS, "max_new_tokens": 12}
+    for c in report.contestants.values():
+        s = c.acceptance
+        assert s.prompts == len(prompts)
+        # Lossless: every drafter emits exactly the greedy tokens.
+        assert c.outputs_match_baseline == len(prompts)
+    assert report.contestants[NO_DRAFTER].tau == 1.0
+    assert report.contestants["candidate"].acceptance.num_steps == 3
+    assert report.contestants["candidate"].fingerprint == "fp-1"
+    # Committed and idempotent: the same inputs return the report without decoding again.
+    assert read_report(storage, 2) == report
+    history = tau_history(storage)
+    assert history["candidate"] == {2: report.contestants["candidate"].tau}
+    assert history[NO_DRAFTER] == {2: 1.0}
+
+    def boom(*_a, **_k):
+        raise AssertionError("a committed report must not be recomputed")
+
+    monkeypatch.setattr(stage, "evaluate", boom)
+    assert evaluate_refresh(storage, 2, candidate, champion, config) == report
+    # Other settings are other inputs.
+    with pytest.raises(AssertionError, match="recomputed"):
+        evaluate_refresh(storage, 2, candidate, champion,
+                         EvalConfig(max_prompts=6, max_new_tokens=13, **SETTINGS))
+
+
+def test_report_keys_track_prompts_and_settings(world, tmp_path):
+    storage, target = world
+    candidate = publish_drafter(storage, target, 2, seed=3, tmp=tmp_path)
+    a = evaluate_refresh(storage, 2, candidate, None, EvalConfig(max_prompts=2,
+                                                                 max_new_tokens=6, **SETTINGS))
+    b = evaluate_refresh(storage, 2, candidate, None, EvalConfig(max_prompts=3,
+                                                                 max_new_tokens=6, **SETTINGS))
+    c = evaluate_refresh(storage, 2, candidate, None, EvalConfig(max_prompts=3,
+                                                                 max_new_tokens=7, **SETTINGS))
+    assert set(a.contestants) == {"candidate", NO_DRAFTER}
+    assert a.heldout_key != b.heldout_key and b.heldout_key == c.heldout_key
+    assert a.settings_key == b.settings_key != c.settings_key
+
+
+def test_settings_are_all_or_none():
+    with pytest.raises(ValueError, match="together"):
+        EvalConfig(num_steps=3).spec_params(["LlamaForCausalLM"])
+    auto = EvalConfig().spec_params(["LlamaForCausalLM"])
+    assert (auto.num_steps, auto.eagle_topk, auto.num_draft_tokens) == (5, 4, 8)
+
+
+def test_a_drafter_without_lineage_is_refused(world):
+    storage, _ = world
+    with pytest.raises(FileNotFoundError, match="no committed drafter"):
+        evaluate_refresh(storage, 2, "drafters/step=000009", None)
+
+
+def test_charts_are_png_and_embed_as_markdown():
+    from pipeline.evaluation.charts import alpha_chart, markdown_image, tau_curve
+
+    png = alpha_chart({"candidate": [0.9, 0.7, float("nan")], "champion": [0.5, 0.2, 0.1]})
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 2000
+    curve = tau_curve({"stale": {0: 3.0, 4: 2.5}, "refreshed": {0: 3.0, 4: 3.1}},
+                      refresh_steps=[4])
+    assert curve.startswith(b"\x89PNG") and curve != png
+    md = markdown_image(png, "alpha")
+    assert md.startswith("![alpha](data:image/png;base64,") and md.endswith(")")
