@@ -1,0 +1,193 @@
+"""The acceptance gate: should a candidate drafter replace the champion? A pure function.
+
+:func:`decide` compares a candidate's measured acceptance length τ (tokens emitted per
+draft-verify cycle) with the champion's, or with serving no drafter at all (τ = 1 by
+definition: every verify cycle emits exactly one token) when there is no champion.
+
+Invariants:
+
+- Pure: the decision depends only on its arguments (no clock, no I/O, no randomness).
+- Promote iff ALL hold: the candidate passed format validation; every τ involved is a finite
+  number ≥ 1 measured over at least ``policy.min_cycles`` cycles; the candidate and the
+  champion were measured on the SAME held-out prompt set and with the SAME speculative
+  settings (``heldout_key``, ``settings_key``; the no-drafter baseline has no speculative
+  settings, so only its held-out key is compared); and the candidate's τ beats the
+  baseline's by at least ``policy.min_relative_gain`` (relative) and strictly.
+- Reasons always explain: a refusal lists every failed check (not only the first); a
+  promotion states the gain and what was compared. Each reason starts with the name of its
+  check (``format:``, ``measurement:``, ``heldout:``, ``settings:``, ``gain:``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+GATE_SCHEMA_VERSION = 1
+NO_DRAFTER_TAU = 1.0
+
+
+@dataclass(frozen=True)
+class EvalSummary:
+    """What the gate needs from one drafter's evaluation (or from the no-drafter baseline).
+
+    ``settings_key`` hashes the speculative settings (num_steps, topk, num_draft_tokens,
+    max_new_tokens); ``heldout_key`` hashes the held-out prompt set. ``drafter_version`` is
+    the registry version that was measured (None for the no-drafter baseline or unknown).
+    """
+
+    tau: float
+    cycles: int
+    emitted_tokens: int
+    alpha: tuple[float, ...]
+    settings_key: str
+    heldout_key: str
+    drafter_version: str | None = None
+    schema_version: int = GATE_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.cycles < 0 or self.emitted_tokens < 0:
+            raise ValueError("cycles and emitted_tokens must be >= 0")
+        object.__setattr__(self, "alpha", tuple(float(a) for a in self.alpha))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The candidate's evaluation plus the result of its format validation."""
+
+    summary: EvalSummary
+    format_ok: bool
+    format_errors: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "format_errors", tuple(self.format_errors))
+        if self.format_ok and self.format_errors:
+            raise ValueError("format_ok is True but format_errors are given")
+
+
+@dataclass(frozen=True)
+class GatePolicy:
+    """How much better a candidate must be, and how much evidence a τ needs."""
+
+    min_relative_gain: float = 0.01  # candidate τ >= baseline τ · (1 + gain), and > baseline
+    min_cycles: int = 200  # fewer draft-verify cycles is noise, not a measurement
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.min_relative_gain) and self.min_relative_gain >= 0):
+            raise ValueError("min_relative_gain must be a finite number >= 0")
+        if self.min_cycles < 1:
+            raise ValueError("min_cycles must be >= 1")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The gate's verdict. ``baseline`` is ``"champion"`` or ``"no-drafter"``."""
+
+    promote: bool
+    reasons: tuple[str, ...]
+    baseline: str
+    candidate_tau: float
+    baseline_tau: float
+    relative_gain: float  # candidate τ / baseline τ - 1 (NaN when not comparable)
+    champion_version: str | None = None  # the champion the candidate was measured against
+    policy: GatePolicy = field(default_factory=GatePolicy)
+    schema_version: int = GATE_SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, allow_nan=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Decision:
+        raw = json.loads(text)
+        if raw.get("schema_version") != GATE_SCHEMA_VERSION:
+            raise ValueError(f"decision schema {raw.get('schema_version')} is not "
+                             f"{GATE_SCHEMA_VERSION}")
+        raw["reasons"] = tuple(raw["reasons"])
+        raw["policy"] = GatePolicy(**raw["policy"])
+        return cls(**raw)
+
+
+def decide(candidate: Candidate, champion: EvalSummary | None,
+           no_drafter: EvalSummary | None = None, policy: GatePolicy | None = None
+           ) -> Decision:
+    """The promotion decision for ``candidate`` (see the module docstring for the rules).
+
+    ``no_drafter`` is the measured no-drafter baseline on the same held-out set; when None,
+    τ = 1 (its definition) is used. It is only consulted when there is no champion.
+    """
+    policy = policy or GatePolicy()
+    cand = candidate.summary
+    failed: list[str] = []
+    passed: list[str] = []
+
+    if candidate.format_ok:
+        passed.append("format: candidate passed format validation")
+    else:
+        detail = "; ".join(candidate.format_errors) or "no details given"
+        failed.append(f"format: candidate failed format validation ({detail})")
+
+    failed += _measurement_problems("candidate", cand, policy)
+
+    if champion is not None:
+        name = f"champion v{champion.drafter_version}" if champion.drafter_version \
+            else "champion"
+        baseline, base_tau = "champion", champion.tau
+        failed += _measurement_problems(name, champion, policy)
+        for check, key in (("heldout", "heldout_key"), ("settings", "settings_key")):
+            theirs, ours = getattr(champion, key), getattr(cand, key)
+            if theirs != ours:
+                what = "held-out set" if check == "heldout" else "speculative settings"
+                failed.append(f"{check}: candidate and {name} were measured with different "
+                              f"{what} ({ours} vs {theirs}); τ is not comparable")
+        passed.append(f"heldout: same held-out set {cand.heldout_key} and settings "
+                      f"{cand.settings_key} as {name}")
+    else:
+        name, baseline = "no drafter", "no-drafter"
+        base_tau = NO_DRAFTER_TAU
+        if no_drafter is not None:
+            base_tau = no_drafter.tau
+            failed += _measurement_problems("no-drafter baseline", no_drafter, policy)
+            if no_drafter.heldout_key != cand.heldout_key:
+                failed.append(f"heldout: candidate and the no-drafter baseline were measured "
+                              f"on different held-out sets ({cand.heldout_key} vs "
+                              f"{no_drafter.heldout_key}); τ is not comparable")
+        passed.append(f"heldout: no champion; compared with {name} (τ = {base_tau:.4g}) on "
+                      f"held-out set {cand.heldout_key}")
+
+    gain = cand.tau / base_tau - 1.0 if _finite(cand.tau) and _finite(base_tau) \
+        and base_tau > 0 else math.nan
+    need = policy.min_relative_gain
+    if not _finite(gain):
+        failed.append(f"gain: cannot compare candidate τ {cand.tau} with {name} τ {base_tau}")
+    elif gain > 0 and cand.tau >= base_tau * (1.0 + need):
+        passed.append(f"gain: candidate τ {cand.tau:.4f} beats {name} τ {base_tau:.4f} by "
+                      f"{gain:+.2%} (at least {need:.2%} required)")
+    else:
+        verdict = "is worse than" if gain < 0 else "equals" if gain == 0 else \
+            "beats, but by less than the margin,"
+        failed.append(f"gain: candidate τ {cand.tau:.4f} {verdict} {name} τ {base_tau:.4f} "
+                      f"({gain:+.2%}; at least {need:.2%} required)")
+
+    return Decision(promote=not failed, reasons=tuple(failed or passed), baseline=baseline,
+                    candidate_tau=float(cand.tau), baseline_tau=float(base_tau),
+                    relative_gain=float(gain),
+                    champion_version=champion.drafter_version if champion else None,
+                    policy=policy)
+
+
+def _measurement_problems(name: str, s: EvalSummary, policy: GatePolicy) -> list[str]:
+    problems = []
+    if not _finite(s.tau):
+        problems.append(f"measurement: {name} τ is not a finite number ({s.tau})")
+    elif s.tau < 1.0:
+        problems.append(f"measurement: {name} τ {s.tau} is below 1, impossible for tokens "
+                        f"per verify cycle")
+    if s.cycles < policy.min_cycles:
+        problems.append(f"measurement: {name} was measured over {s.cycles} cycles, fewer than "
+                        f"the {policy.min_cycles} required")
+    return problems
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)

@@ -1,0 +1,99 @@
+"""The MLflow resource: turns configuration and environment into a :class:`DrafterRegistry`.
+
+Embedded default (no configuration): sqlite tracking + registry at
+``$AERIE_HOME/mlflow/mlflow.db``, artifacts under ``$AERIE_HOME/mlflow/artifacts``, the
+promotion lock at ``$AERIE_HOME/mlflow/promotion-<model>.lock``. A server is one URL
+(``tracking_uri="http://mlflow:5000"``); artifacts may go to ``s3://...`` with
+``s3_endpoint_url`` for MinIO/moto.
+
+Secrets never pass through this resource: MLflow reads ``MLFLOW_TRACKING_TOKEN``,
+``MLFLOW_TRACKING_USERNAME``/``PASSWORD`` and ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``
+from the environment itself. ``build`` sets ``MLFLOW_DISABLE_TELEMETRY=true`` unless the
+environment already says otherwise, and exports ``s3_endpoint_url`` as
+``MLFLOW_S3_ENDPOINT_URL`` (the only way MLflow's S3 artifact store takes an endpoint).
+"""
+
+
+import os
+from pathlib import Path
+
+from dagster import ConfigurableResource, EnvVar
+from pydantic import Field
+
+from pipeline.registry.mlflow_registry import DrafterRegistry, model_name
+from resources.home import aerie_home
+
+_ENV = {
+    "tracking_uri": "MLFLOW_TRACKING_URI",
+    "registry_uri": "MLFLOW_REGISTRY_URI",
+    "artifact_location": "AERIE_MLFLOW_ARTIFACT_LOCATION",
+    "s3_endpoint_url": "MLFLOW_S3_ENDPOINT_URL",
+    "target_family": "AERIE_TARGET_FAMILY",
+}
+
+
+def mlflow_home() -> Path:
+    return aerie_home() / "mlflow"
+
+
+class MlflowResource(ConfigurableResource):
+    """Where drafters are tracked and registered (MLflow 3, aliases not stages)."""
+
+    tracking_uri: str | None = Field(
+        default=None, description="MLflow tracking URI (server URL or sqlite:///...); unset: "
+                                  "sqlite at $AERIE_HOME/mlflow/mlflow.db")
+    registry_uri: str | None = Field(
+        default=None, description="model registry URI; unset: the tracking URI")
+    artifact_location: str | None = Field(
+        default=None, description="artifact root for new experiments (file:// or s3://); "
+                                  "unset: $AERIE_HOME/mlflow/artifacts with the embedded "
+                                  "sqlite store, the server's default with a server")
+    s3_endpoint_url: str | None = Field(
+        default=None, description="S3 endpoint for s3:// artifacts (MinIO, moto)")
+    target_family: str = Field(
+        default="demo", description="target model family; one registered model per family "
+                                    "(aerie-drafter-<family>)")
+    lock_dir: str | None = Field(
+        default=None, description="directory of the promotion lock files; unset: "
+                                  "$AERIE_HOME/mlflow")
+    lock_timeout_s: float = Field(default=120.0, description="wait for the promotion lock")
+
+    def resolved_tracking_uri(self) -> str:
+        if self.tracking_uri:
+            return self.tracking_uri
+        return f"sqlite:///{mlflow_home() / 'mlflow.db'}"
+
+    def resolved_artifact_location(self) -> str | None:
+        if self.artifact_location:
+            return self.artifact_location
+        if self.resolved_tracking_uri().startswith("sqlite:"):
+            return (mlflow_home() / "artifacts").as_uri()
+        return None  # the server decides (e.g. mlflow-artifacts:/ with --serve-artifacts)
+
+    def build(self, family: str | None = None) -> DrafterRegistry:
+        """The registry of ``family`` (default: ``target_family``)."""
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        if self.s3_endpoint_url:
+            os.environ["MLFLOW_S3_ENDPOINT_URL"] = self.s3_endpoint_url
+        tracking = self.resolved_tracking_uri()
+        if tracking.startswith("sqlite:"):
+            Path(tracking.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        family = family or self.target_family
+        lock_dir = Path(self.lock_dir) if self.lock_dir else mlflow_home()
+        return DrafterRegistry.connect(
+            tracking, family, registry_uri=self.registry_uri,
+            artifact_location=self.resolved_artifact_location(),
+            lock_path=lock_dir / f"promotion-{model_name(family)}.lock",
+            lock_timeout_s=self.lock_timeout_s)
+
+
+def mlflow_from_env() -> MlflowResource:
+    """A resource whose fields are ``EnvVar``s for the variables that are set (values are
+    resolved by Dagster at run time, never copied into run config)."""
+    return MlflowResource(**{f: EnvVar(v) for f, v in _ENV.items() if v in os.environ})
+
+
+def mlflow_from_environment() -> DrafterRegistry:
+    """The same registry built outside Dagster (the CLI), values read from the environment."""
+    return MlflowResource(**{f: os.environ[v] for f, v in _ENV.items()
+                             if v in os.environ}).build()

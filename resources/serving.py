@@ -1,0 +1,73 @@
+"""The serving resource: which serving mode promotes drafters, and its parameters.
+
+Modes (see :mod:`pipeline.serving.backend`):
+
+- ``manifest`` (default): publish ``serving/<name>/current.json`` in storage; the RL trainer's
+  rollout launcher reads it at weight sync (:func:`pipeline.serving.ledger.resolve_serving`).
+- ``sglang-restart``: also run ``restart_command`` (argv list, no shell; placeholders
+  ``{drafter_dir} {num_steps} {topk} {num_draft_tokens} {registry_version} {fingerprint}``).
+- ``sglang-hotswap``: also swap draft weights in ``server_urls`` in place. Aerie ships no
+  payload encoder for SGLang's pickle-based ``/update_weights_from_tensor``, so this mode
+  checks compatibility and then refuses with an explanation (see
+  :mod:`pipeline.serving.hotswap`).
+"""
+
+
+from pathlib import Path
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from pipeline.serving.backend import MODES, LedgerBackend
+from pipeline.serving.contracts import SpeculativeSettings
+from pipeline.serving.hotswap import SglangHotswap
+from pipeline.serving.ledger import ServingLedger
+from pipeline.serving.restart import RestartHook
+from pipeline.storage import Storage
+from resources.home import aerie_home
+
+
+class ServingResource(ConfigurableResource):
+    """How promoted drafters reach the rollout servers."""
+
+    mode: str = Field(default="manifest", description="manifest | sglang-restart | "
+                                                      "sglang-hotswap")
+    num_steps: int = Field(default=3, description="--speculative-num-steps")
+    topk: int = Field(default=1, description="--speculative-eagle-topk")
+    num_draft_tokens: int = Field(default=4, description="--speculative-num-draft-tokens "
+                                                         "(num_steps + 1 when topk is 1)")
+    restart_command: list[str] = Field(
+        default_factory=list, description="sglang-restart: argv of the restart hook")
+    no_drafter_command: list[str] = Field(
+        default_factory=list, description="sglang-restart: argv that restarts SGLang without "
+                                          "a drafter (used to undo a first promotion)")
+    restart_timeout_s: float = Field(default=900.0, description="sglang-restart: hook timeout")
+    server_urls: list[str] = Field(
+        default_factory=list, description="sglang-hotswap: base URLs of the SGLang servers")
+    hotswap_timeout_s: float = Field(default=120.0, description="sglang-hotswap: per request")
+    cache_dir: str | None = Field(
+        default=None, description="local drafter copies for restart/hotswap; unset: "
+                                  "$AERIE_HOME/serving-cache")
+
+    def settings(self) -> SpeculativeSettings:
+        return SpeculativeSettings(num_steps=self.num_steps, topk=self.topk,
+                                   num_draft_tokens=self.num_draft_tokens)
+
+    def build(self, storage: Storage, name: str) -> LedgerBackend:
+        """The backend that serves drafters of ``name`` (the registered model name)."""
+        if self.mode not in MODES:
+            raise ValueError(f"serving mode {self.mode!r} is not one of {MODES}")
+        settings = self.settings()
+        ledger = ServingLedger(storage, name)
+        if self.mode == "manifest":
+            return LedgerBackend(ledger, settings)
+        cache = Path(self.cache_dir) if self.cache_dir else aerie_home() / "serving-cache"
+        if self.mode == "sglang-restart":
+            if not self.restart_command:
+                raise ValueError("serving mode sglang-restart needs restart_command")
+            actuator = RestartHook(self.restart_command, settings,
+                                   timeout_s=self.restart_timeout_s,
+                                   no_drafter_argv=self.no_drafter_command or None)
+        else:
+            actuator = SglangHotswap(self.server_urls, timeout_s=self.hotswap_timeout_s)
+        return LedgerBackend(ledger, settings, actuator, cache_dir=cache)

@@ -1,0 +1,108 @@
+"""Registries to test against: embedded sqlite, and a real ``mlflow server`` on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+
+from pipeline.registry.mlflow_registry import DrafterRegistry
+from tests.conftest import free_port
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+@pytest.fixture(scope="session")
+def sqlite_tracking(tmp_path_factory) -> tuple[str, str]:
+    """One sqlite tracking+registry store for the session (tests use their own families)."""
+    root = tmp_path_factory.mktemp("mlflow-sqlite")
+    return f"sqlite:///{root / 'mlflow.db'}", (root / "artifacts").as_uri()
+
+
+class _MlflowServer:
+    """``mlflow server`` (sqlite backend, local artifact root, one worker) on 127.0.0.1.
+
+    Started as soon as collection shows a test needs it (its ~15 s start overlaps the tests
+    that run first), ready when ``/health`` answers (polled), stopped by PID with its whole
+    process group (uvicorn worker included).
+    """
+
+    def __init__(self):
+        self.root = Path(tempfile.mkdtemp(prefix="aerie-mlflow-server-"))
+        exe = shutil.which("mlflow") or str(Path(sys.executable).parent / "mlflow")
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = open(self.root / "server.log", "wb")
+        env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true",
+               "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        self.proc = subprocess.Popen(
+            [exe, "server", "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+             "--artifacts-destination", (self.root / "artifacts").as_uri()],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}: "
+                                   f"{(self.root / 'server.log').read_text()[-2000:]}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self.url
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"mlflow server not healthy after {timeout_s}s")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+        self.log.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+_server: list[_MlflowServer] = []
+
+
+def pytest_collection_finish(session):
+    if any("mlflow_server" in getattr(item, "fixturenames", ()) for item in session.items):
+        _server.append(_MlflowServer())
+
+
+def pytest_sessionfinish(session):
+    while _server:
+        _server.pop().stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server() -> str:
+    if not _server:
+        _server.append(_MlflowServer())
+    return _server[0].wait_healthy()
+
+
+def new_family() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def sqlite_registry(sqlite_tracking, tmp_path) -> DrafterRegistry:
+    tracking, artifacts = sqlite_tracking
+    return DrafterRegistry.connect(tracking, new_family(), artifact_location=artifacts,
+                                   lock_path=tmp_path / "promotion.lock", lock_timeout_s=5)

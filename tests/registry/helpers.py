@@ -1,0 +1,67 @@
+"""Small fake drafters (random weights, no training) and their published form in storage."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from pipeline.contracts import Manifest
+from pipeline.eagle3.export import save_drafter
+from pipeline.manifest import entry_for, write_manifest
+from pipeline.storage import Storage
+
+TARGET_VOCAB = 48
+
+
+def make_drafter_dir(path: Path, seed: int = 0, *, draft_vocab_size: int = 24,
+                     hidden_size: int = 32) -> Path:
+    """A valid SGLang-format drafter directory (~30 KB, fp32, random weights).
+
+    The target config is a plain dict (no transformers import: it costs seconds).
+    """
+    import torch
+
+    from pipeline.eagle3.config import DrafterConfig
+    from pipeline.eagle3.model import Eagle3Drafter
+    from pipeline.eagle3.vocab import build_vocab_mapping
+
+    target = {"hidden_size": hidden_size, "intermediate_size": 48, "num_hidden_layers": 8,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": TARGET_VOCAB,
+              "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    config = DrafterConfig.from_target(target, draft_vocab_size=draft_vocab_size)
+    g = torch.Generator().manual_seed(seed)
+    model = Eagle3Drafter(config, torch.randn(TARGET_VOCAB, hidden_size, generator=g))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    counts = torch.randint(0, 20, (TARGET_VOCAB,), generator=g)
+    mapping = build_vocab_mapping(counts, draft_vocab_size)
+    model.set_vocab(mapping.d2t, mapping.t2d)
+    return save_drafter(model, config, path, dtype=torch.float32, overwrite=True)
+
+
+def publish_drafter(storage: Storage, step: int, local_dir: Path) -> str:
+    """Publish ``local_dir`` as ``drafters/step=NNNNNN`` with a manifest; returns its URL."""
+    prefix = f"drafters/step={step:06d}"
+    written = storage.upload_dir(local_dir, prefix)
+    fingerprint = hashlib.sha256(b"".join(w.sha256.encode() for w in written)).hexdigest()
+    write_manifest(storage, prefix, Manifest(
+        kind="drafter_checkpoint", kind_version=1,
+        files=tuple(entry_for(prefix, w) for w in written),
+        meta={"step": step, "fingerprint": fingerprint}))
+    return storage.url(prefix)
+
+
+def lineage(fingerprint: str, drafter_uri: str, *, step: int = 10, tau: float = 2.5,
+            **overrides) -> dict:
+    """A complete lineage record for registering a fake drafter."""
+    record = {
+        "fingerprint": fingerprint, "drafter_uri": drafter_uri, "rl_step": step,
+        "rl_step_window": [step - 2, step - 1, step], "policy_uri": f"file:///policy/{step}",
+        "policy_sha256": "ab" * 32,
+        "shard_manifest_sha256": {str(s): f"{s:064x}" for s in (step - 2, step - 1, step)},
+        "aux_layer_ids": [1, 3, 4], "vocab_mapping_key": "cd" * 32, "tau": tau,
+        "alpha": [0.8, 0.6, 0.4], "dagster_run_id": "run-123",
+    }
+    record.update(overrides)
+    return record

@@ -1,0 +1,135 @@
+"""The acceptance gate as a decision table: every combination of its inputs."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from pipeline.registry.gate import Candidate, Decision, EvalSummary, GatePolicy, decide
+
+POLICY = GatePolicy(min_relative_gain=0.05, min_cycles=100)
+BASE_TAU = 2.0
+# candidate τ relative to the baseline: clearly better, equal, worse, better within margin
+COMPARISONS = {"better": 2.5, "equal": 2.0, "worse": 1.5, "within-margin": 2.05}
+
+
+def summary(tau: float, *, cycles: int = 500, heldout: str = "H", settings: str = "S",
+            version: str | None = None) -> EvalSummary:
+    emitted = int(tau * cycles) if math.isfinite(tau) else 0
+    return EvalSummary(tau=tau, cycles=cycles, emitted_tokens=emitted, alpha=(0.7, 0.5),
+                       settings_key=settings, heldout_key=heldout, drafter_version=version)
+
+
+TABLE = list(itertools.product(
+    ["format-ok", "format-bad"], ["champion", "no-champion"], ["same-heldout", "other-heldout"],
+    ["same-settings", "other-settings"], list(COMPARISONS), ["enough-cycles", "few-cycles"],
+    ["finite-tau", "nan-tau"]))
+
+
+@pytest.mark.parametrize("fmt,champ,heldout,settings,comparison,cycles,tau", TABLE,
+                         ids=["/".join(row) for row in TABLE])
+def test_decision_table(fmt, champ, heldout, settings, comparison, cycles, tau):
+    cand_tau = math.nan if tau == "nan-tau" else COMPARISONS[comparison]
+    # with no champion the baseline is the measured no-drafter run (τ 2 here, to share the
+    # comparisons); it has no speculative settings, so only its held-out key matters
+    baseline = summary(BASE_TAU, heldout="H" if heldout == "same-heldout" else "H2",
+                       settings="S" if settings == "same-settings" else "S2", version="7")
+    candidate = Candidate(
+        summary(cand_tau, cycles=500 if cycles == "enough-cycles" else 20),
+        format_ok=fmt == "format-ok",
+        format_errors=() if fmt == "format-ok" else ("lm_head.weight: shape (3, 4)",))
+    if champ == "champion":
+        decision = decide(candidate, baseline, None, POLICY)
+    else:
+        decision = decide(candidate, None, baseline, POLICY)
+
+    expected_failures = {
+        "format": fmt == "format-bad",
+        "measurement": cycles == "few-cycles" or tau == "nan-tau",
+        "heldout": heldout == "other-heldout",
+        "settings": settings == "other-settings" and champ == "champion",
+        "gain": tau == "nan-tau" or comparison != "better",
+    }
+    assert decision.promote == (not any(expected_failures.values()))
+    assert decision.reasons, "a decision always explains itself"
+    checks = {r.split(":", 1)[0] for r in decision.reasons}
+    if decision.promote:
+        assert "gain" in checks and "format" in checks
+        assert decision.relative_gain == pytest.approx(0.25)
+    else:
+        assert checks == {k for k, failed in expected_failures.items() if failed}
+    assert decision.baseline == ("champion" if champ == "champion" else "no-drafter")
+    assert decision.champion_version == ("7" if champ == "champion" else None)
+
+
+@pytest.mark.parametrize("cand_tau,champ_tau,margin,promote,words", [
+    (3.0, 2.0, 0.0, True, "beats"),
+    (2.0, 2.0, 0.0, False, "equals"),  # margin 0 still needs a strict gain
+    (2.5, 2.0, 0.25, True, "beats"),  # exactly the margin passes
+    (2.49, 2.0, 0.25, False, "less than the margin"),
+    (1.9, 2.0, 0.0, False, "worse"),
+])
+def test_margin_edges(cand_tau, champ_tau, margin, promote, words):
+    d = decide(Candidate(summary(cand_tau), True), summary(champ_tau),
+               policy=GatePolicy(min_relative_gain=margin, min_cycles=1))
+    assert d.promote is promote
+    assert any(words in r for r in d.reasons)
+
+
+def test_no_champion_defaults_to_tau_one():
+    policy = GatePolicy(min_relative_gain=0.1, min_cycles=1)
+    assert decide(Candidate(summary(1.2), True), None, None, policy).promote
+    refused = decide(Candidate(summary(1.05), True), None, None, policy)
+    assert not refused.promote and refused.baseline_tau == 1.0
+    assert "no drafter" in refused.reasons[0]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 0.5])
+def test_invalid_champion_or_baseline_measurement_refuses(bad):
+    policy = GatePolicy(min_relative_gain=0.0, min_cycles=1)
+    d = decide(Candidate(summary(3.0), True), summary(bad), policy=policy)
+    assert not d.promote and any(r.startswith("measurement: champion") for r in d.reasons)
+    d = decide(Candidate(summary(3.0), True), None, summary(bad), policy)
+    assert not d.promote
+
+
+def test_champion_with_too_few_cycles_refuses():
+    d = decide(Candidate(summary(3.0), True), summary(2.0, cycles=5, version="4"),
+               policy=POLICY)
+    assert not d.promote
+    assert any("champion v4 was measured over 5 cycles" in r for r in d.reasons)
+
+
+def test_refusal_lists_every_failed_check_and_format_errors():
+    d = decide(Candidate(summary(math.nan, cycles=3, heldout="X"), False,
+                         ("missing tensors ['d2t']",)),
+               summary(2.0), policy=POLICY)
+    text = " | ".join(d.reasons)
+    assert "missing tensors ['d2t']" in text and "3 cycles" in text and "X vs H" in text
+    assert not d.promote and math.isnan(d.relative_gain)
+
+
+def test_decide_is_pure():
+    args = (Candidate(summary(2.5), True), summary(2.0), None, POLICY)
+    assert decide(*args) == decide(*args)
+
+
+def test_decision_json_round_trip():
+    d = decide(Candidate(summary(math.nan), True), summary(2.0), policy=POLICY)
+    back = Decision.from_json(d.to_json())
+    assert back.reasons == d.reasons and math.isnan(back.relative_gain)
+    assert back.policy == POLICY
+
+
+def test_inputs_are_validated():
+    with pytest.raises(ValueError):
+        Candidate(summary(2.0), format_ok=True, format_errors=("x",))
+    with pytest.raises(ValueError):
+        GatePolicy(min_relative_gain=-0.1)
+    with pytest.raises(ValueError):
+        GatePolicy(min_cycles=0)
+    with pytest.raises(ValueError):
+        EvalSummary(tau=2.0, cycles=-1, emitted_tokens=0, alpha=(), settings_key="s",
+                    heldout_key="h")

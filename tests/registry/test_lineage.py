@@ -1,0 +1,59 @@
+"""Lineage tags: required keys, string values, no silent truncation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pipeline.registry.lineage import (
+    MAX_TAG_VALUE,
+    REQUIRED_LINEAGE_KEYS,
+    LineageError,
+    lineage_from_manifest,
+    lineage_tags,
+    parse_tag,
+    tag_value,
+)
+from tests.registry.helpers import lineage
+
+
+def test_tags_are_strings_and_parse_back():
+    record = lineage("f" * 64, "file:///s/drafters/step=000010", tau=2.75)
+    tags = lineage_tags(record)
+    assert all(isinstance(v, str) for v in tags.values())
+    assert set(REQUIRED_LINEAGE_KEYS) <= set(tags)
+    assert parse_tag(tags["rl_step_window"]) == [8, 9, 10]
+    assert parse_tag(tags["shard_manifest_sha256"])["9"] == f"{9:064x}"
+    assert parse_tag(tags["tau"]) == 2.75 and tags["policy_uri"] == "file:///policy/10"
+    assert math.isnan(parse_tag(tag_value(float("nan"))))
+
+
+@pytest.mark.parametrize("key", REQUIRED_LINEAGE_KEYS)
+def test_each_required_key_is_enforced(key):
+    record = lineage("f" * 64, "file:///x")
+    del record[key]
+    with pytest.raises(LineageError, match=key):
+        lineage_tags(record)
+    with pytest.raises(LineageError, match=key):
+        lineage_tags({**lineage("f" * 64, "file:///x"), key: ""})
+
+
+def test_too_long_values_are_refused_not_truncated():
+    with pytest.raises(LineageError, match="longer than"):
+        lineage_tags({**lineage("f" * 64, "file:///x"), "note": "x" * (MAX_TAG_VALUE + 1)})
+
+
+def test_lineage_from_a_drafter_manifest():
+    meta = {"step": 12, "fingerprint": "abc", "window_steps": [10, 11, 12],
+            "shard_manifest_sha256": {"10": "a", "11": "b", "12": "c"},
+            "vocab_cache_key": "v", "coverage": 0.97, "policy_sha256": "p",
+            "aux_layer_ids": [1, 3, 4]}
+    tags = lineage_from_manifest(meta, drafter_uri="s3://b/drafters/step=000012",
+                                 policy_uri="s3://b/policies/step=000012", tau=3.1,
+                                 alpha=(0.9, 0.7), dagster_run_id="r1", heldout_key="h")
+    assert tags["vocab_mapping_key"] == "v" and tags["alpha"] == "[0.9,0.7]"
+    assert tags["heldout_key"] == "h" and tags["rl_step"] == "12"
+    with pytest.raises(LineageError, match="policy_sha256"):
+        lineage_from_manifest({**meta, "policy_sha256": None}, drafter_uri="u",
+                              policy_uri="p", tau=1.0, alpha=(), dagster_run_id="r")

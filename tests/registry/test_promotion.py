@@ -1,0 +1,227 @@
+"""Promotion, manual override and rollback: alias and servers move together or not at all."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import uuid
+
+import pytest
+
+from pipeline.registry.gate import Candidate, EvalSummary, GatePolicy, decide
+from pipeline.registry.lock import LockTimeout
+from pipeline.registry.mlflow_registry import CHAMPION, DrafterRegistry
+from pipeline.registry.promotion import (
+    PromotionError,
+    force_promote,
+    promote,
+    rollback,
+)
+from pipeline.serving.backend import LedgerBackend
+from pipeline.serving.contracts import SpeculativeSettings
+from pipeline.serving.ledger import ServingLedger, resolve_serving
+from pipeline.serving.restart import RestartHook
+from pipeline.storage import Storage
+from tests.registry.helpers import lineage, make_drafter_dir, publish_drafter
+
+SETTINGS = SpeculativeSettings(num_steps=3, topk=1, num_draft_tokens=4)
+POLICY = GatePolicy(min_relative_gain=0.02, min_cycles=10)
+
+
+@pytest.fixture(scope="module")
+def drafter_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("promo")
+    return [make_drafter_dir(root / f"d{i}", seed=i) for i in range(3)]
+
+
+@pytest.fixture
+def storage(tmp_path) -> Storage:
+    return Storage((tmp_path / "storage").as_uri())
+
+
+@pytest.fixture
+def serving(storage, sqlite_registry) -> LedgerBackend:
+    return LedgerBackend(ServingLedger(storage, sqlite_registry.model_name), SETTINGS)
+
+
+def register(registry: DrafterRegistry, storage: Storage, drafter_dir, step: int) -> str:
+    uri = publish_drafter(storage, step, drafter_dir)
+    reg = registry.publish(drafter_dir=drafter_dir,
+                           lineage=lineage(uuid.uuid4().hex, uri, step=step))
+    return reg.version.version
+
+
+def summary(tau: float, version: str | None = None) -> EvalSummary:
+    return EvalSummary(tau=tau, cycles=100, emitted_tokens=int(100 * tau), alpha=(0.8,),
+                       settings_key="S", heldout_key="H", drafter_version=version)
+
+
+def gate(tau: float, champion: EvalSummary | None):
+    return decide(Candidate(summary(tau), format_ok=True), champion, None, POLICY)
+
+
+def served_version(serving) -> str | None:
+    current = serving.current()
+    return current.target.registry_version if current and current.target else None
+
+
+@pytest.fixture
+def champion_v1(sqlite_registry, storage, serving, drafter_dirs):
+    """v1 registered and promoted against no drafter; v2 registered, not promoted."""
+    v1 = register(sqlite_registry, storage, drafter_dirs[0], 10)
+    result = promote(sqlite_registry, serving, v1, gate(2.0, None))
+    assert result.action == "promoted"
+    v2 = register(sqlite_registry, storage, drafter_dirs[1], 20)
+    return v1, v2
+
+
+def test_promotions_move_alias_and_serving_and_record_lineage(sqlite_registry, serving,
+                                                              storage, champion_v1, tmp_path):
+    registry, (v1, v2) = sqlite_registry, champion_v1
+    assert registry.alias(CHAMPION) == v1 and served_version(serving) == v1
+    tags = registry.get_version(v1).tags
+    assert tags["previous_champion"] == "none" and tags["gate.decision"] == "promoted"
+    assert "no drafter" in json.loads(tags["gate.reasons"])[-1]
+
+    result = promote(registry, serving, v2, gate(2.5, summary(2.0, v1)),
+                     dagster_run_id="run-9")
+    assert result.action == "promoted" and result.previous_champion == v1
+    assert registry.alias(CHAMPION) == v2 and served_version(serving) == v2
+    tags = registry.get_version(v2).tags
+    assert tags["previous_champion"] == v1 and tags["promoted_in_run"] == "run-9"
+    assert serving.current().previous_sequence == 1 and serving.current().sequence == 2
+
+    launch = resolve_serving(storage, registry.model_name, tmp_path / "cache")
+    assert (launch.drafter_dir / "config.json").is_file()
+    assert launch.args[launch.args.index("--speculative-draft-model-path") + 1] == \
+        str(launch.drafter_dir)
+    assert "drafters/step=000020" in str(launch.drafter_dir)
+    assert promote(registry, serving, v2, gate(2.5, summary(2.0, v1))).action == "unchanged"
+
+
+def test_a_worse_candidate_is_refused_and_nothing_moves(sqlite_registry, serving, champion_v1):
+    registry, (v1, v2) = sqlite_registry, champion_v1
+    before = serving.current()
+    result = promote(registry, serving, v2, gate(1.9, summary(2.0, v1)))
+    assert result.action == "refused" and not result.moved
+    assert registry.alias(CHAMPION) == v1 and serving.current() == before
+    tags = registry.get_version(v2).tags
+    assert tags["gate.decision"] == "refused" and "worse" in tags["gate.reasons"]
+    assert "previous_champion" not in tags
+
+
+def test_a_failed_serving_update_leaves_the_old_drafter_and_alias(sqlite_registry, storage,
+                                                                  champion_v1, tmp_path):
+    registry, (v1, v2) = sqlite_registry, champion_v1
+    hook = RestartHook([sys.executable, "-c", "import sys; sys.exit('no GPU left')",
+                        "{drafter_dir}"], SETTINGS, timeout_s=30)
+    failing = LedgerBackend(ServingLedger(storage, registry.model_name), SETTINGS, hook,
+                            cache_dir=tmp_path / "cache")
+    before = failing.current()
+    with pytest.raises(PromotionError, match="serving update failed.*no GPU left"):
+        promote(registry, failing, v2, gate(2.5, summary(2.0, v1)))
+    assert registry.alias(CHAMPION) == v1 and failing.current() == before
+    assert "no GPU left" in registry.get_version(v2).tags["promotion.error"]
+
+
+@pytest.mark.parametrize("fault", ["raises", "lost-write"])
+def test_a_failed_alias_move_undoes_the_serving_update(sqlite_registry, storage, champion_v1,
+                                                       tmp_path, monkeypatch, fault):
+    registry, (v1, v2) = sqlite_registry, champion_v1
+    calls = tmp_path / "hook-calls.txt"
+    hook = RestartHook([sys.executable, "-c", "import sys; open(sys.argv[1], 'a')"
+                        ".write(sys.argv[2] + '\\n')", str(calls), "{registry_version}"],
+                       SETTINGS, timeout_s=30)
+    backend = LedgerBackend(ServingLedger(storage, registry.model_name), SETTINGS, hook,
+                            cache_dir=tmp_path / "cache")
+    real = registry.set_alias
+
+    def broken(alias, version):
+        if alias != CHAMPION:
+            return real(alias, version)
+        if fault == "raises":
+            raise ConnectionError("registry went away")
+        # "lost-write": the call returns but another writer's value is what sticks
+
+    monkeypatch.setattr(registry, "set_alias", broken)
+    with pytest.raises(PromotionError, match="serving update was undone") as info:
+        promote(registry, backend, v2, gate(2.5, summary(2.0, v1)))
+    assert ("registry went away" if fault == "raises" else "read back '1'") in str(info.value)
+    assert registry.alias(CHAMPION) == v1 and served_version(backend) == v1
+    assert backend.current().restored_from == 1
+    assert calls.read_text().split() == [v2, v1]  # servers got v2, then v1 back
+
+
+def test_rollback_restores_the_previous_champion(sqlite_registry, serving, champion_v1,
+                                                 storage, tmp_path):
+    registry, (v1, v2) = sqlite_registry, champion_v1
+    promote(registry, serving, v2, gate(2.5, summary(2.0, v1)))
+    result = rollback(registry, serving, actor="alice", reason="τ regressed in prod")
+    assert result.action == "rolled_back" and result.version == v1
+    assert registry.alias(CHAMPION) == v1 and served_version(serving) == v1
+    assert registry.get_version(v2).tags["rolled_back_by"] == "alice"
+    assert registry.get_version(v2).tags["rollback_reason"] == "τ regressed in prod"
+
+    # v1 was promoted against no drafter: rolling back again serves no drafter
+    result = rollback(registry, serving, actor="alice", reason="drafter off")
+    assert result.version is None and registry.alias(CHAMPION) is None
+    assert serving.current().target is None and serving.current().sglang_args == ()
+    launch = resolve_serving(storage, registry.model_name, tmp_path / "cache")
+    assert launch.drafter_dir is None and launch.args == ()
+    with pytest.raises(PromotionError, match="no champion"):
+        rollback(registry, serving)
+
+
+def test_force_promote_records_who_and_why(sqlite_registry, serving, champion_v1):
+    registry, (v1, v2) = sqlite_registry, champion_v1
+    with pytest.raises(ValueError, match="actor and reason"):
+        force_promote(registry, serving, v2, actor="", reason="x")
+    result = force_promote(registry, serving, v2, actor="bob", reason="hotfix for INC-42")
+    assert result.action == "forced" and registry.alias(CHAMPION) == v2
+    tags = registry.get_version(v2).tags
+    assert (tags["forced_by"], tags["force_reason"]) == ("bob", "hotfix for INC-42")
+    assert tags["gate.decision"] == "forced" and tags["previous_champion"] == v1
+    assert served_version(serving) == v2
+    assert rollback(registry, serving).version == v1
+
+
+def test_a_stale_decision_is_refused(sqlite_registry, serving, storage, champion_v1,
+                                     drafter_dirs):
+    registry, (v1, v2) = sqlite_registry, champion_v1
+    v3 = register(registry, storage, drafter_dirs[2], 30)
+    decision = gate(2.5, summary(2.0, v1))  # evaluated while v1 was champion
+    force_promote(registry, serving, v2, actor="bob", reason="test")
+    result = promote(registry, serving, v3, decision)
+    assert result.action == "refused" and "stale decision" in result.reasons[0]
+    assert registry.alias(CHAMPION) == v2 and served_version(serving) == v2
+
+
+def test_concurrent_promotions_serialise(sqlite_registry, serving, storage, champion_v1,
+                                         drafter_dirs):
+    registry, (v1, v2) = sqlite_registry, champion_v1
+    v3 = register(registry, storage, drafter_dirs[2], 30)
+    results = {}
+
+    def run(version):
+        results[version] = promote(registry, serving, version, gate(2.5, summary(2.0, v1)))
+
+    threads = [threading.Thread(target=run, args=(v,)) for v in (v2, v3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    actions = sorted(r.action for r in results.values())
+    assert actions == ["promoted", "refused"]
+    winner = next(v for v, r in results.items() if r.action == "promoted")
+    assert registry.alias(CHAMPION) == winner and served_version(serving) == winner
+    assert len(serving.ledger.history()) == 2  # v1, then the winner only
+
+
+def test_promotion_waits_for_the_lock(sqlite_registry, serving, champion_v1):
+    registry, (v1, v2) = sqlite_registry, champion_v1
+    registry.lock_timeout_s = 0.3
+    with registry.promotion_lock():
+        with pytest.raises(LockTimeout):
+            promote(registry, serving, v2, gate(2.5, summary(2.0, v1)))
+    assert registry.alias(CHAMPION) == v1

@@ -1,0 +1,109 @@
+"""The sglang-restart hook: placeholders, success, failure with stderr, timeout that kills."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from pipeline.serving.backend import LedgerBackend, ServingError
+from pipeline.serving.contracts import ServingTarget, SpeculativeSettings
+from pipeline.serving.ledger import ServingLedger
+from pipeline.serving.restart import RestartHook, placeholders, run_hook
+from pipeline.storage import Storage
+from tests.registry.helpers import make_drafter_dir, publish_drafter
+
+SETTINGS = SpeculativeSettings(num_steps=4, topk=1, num_draft_tokens=5)
+PY = sys.executable
+
+
+@pytest.fixture
+def published(tmp_path):
+    storage = Storage((tmp_path / "storage").as_uri())
+    uri = publish_drafter(storage, 3, make_drafter_dir(tmp_path / "d"))
+    return storage, ServingTarget(drafter_uri=uri, fingerprint="fp3",
+                                  registry_model="aerie-drafter-demo", registry_version="3")
+
+
+def test_success_fills_placeholders_without_a_shell(published, tmp_path):
+    storage, target = published
+    out = tmp_path / "args.txt"
+    hook = RestartHook([PY, "-c", "import sys; open(sys.argv[1], 'w').write('|'.join("
+                        "sys.argv[2:]))", str(out), "{drafter_dir}", "--steps={num_steps}",
+                        "{topk}", "{num_draft_tokens}", "v{registry_version}", "{fingerprint}",
+                        "$HOME;{{literal}}"], SETTINGS, timeout_s=30)
+    backend = LedgerBackend(ServingLedger(storage, "demo"), SETTINGS, hook,
+                            cache_dir=tmp_path / "cache")
+    manifest = backend.apply(target, reason="promote v3")
+    drafter_dir = storage.local_path("drafters/step=000003")
+    assert out.read_text().split("|") == [str(drafter_dir), "--steps=4", "1", "5", "v3",
+                                          "fp3", "$HOME;{literal}"]
+    assert manifest.mode == "sglang-restart" and manifest.details["exit_status"] == "0"
+    assert backend.current() == manifest
+
+
+def test_failure_carries_stderr_and_records_nothing(published, tmp_path):
+    storage, target = published
+    hook = RestartHook([PY, "-c", "import sys; print('launching'); "
+                        "sys.stderr.write('CUDA out of memory\\n'); sys.exit(3)"],
+                       SETTINGS, timeout_s=30)
+    backend = LedgerBackend(ServingLedger(storage, "demo"), SETTINGS, hook,
+                            cache_dir=tmp_path / "cache")
+    with pytest.raises(ServingError, match="exit status 3.*CUDA out of memory"):
+        backend.apply(target, reason="promote v3")
+    assert backend.current() is None
+
+
+def test_timeout_kills_the_whole_process_group(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    t0 = time.monotonic()
+    with pytest.raises(ServingError, match="timed out after 1s"):
+        run_hook([PY, "-c", code], timeout_s=1)
+    assert time.monotonic() - t0 < 15
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "the hook's own child must die with it"
+
+
+def test_a_missing_executable_is_a_serving_error():
+    with pytest.raises(ServingError, match="cannot start"):
+        run_hook(["/nonexistent/restart-sglang"], timeout_s=5)
+
+
+def test_unknown_placeholders_are_rejected_when_built():
+    assert placeholders(["x{drafter_dir}", "{{not}}", "{topk}"]) == {"drafter_dir", "topk"}
+    with pytest.raises(ValueError, match="unknown placeholders \\['model_path'\\]"):
+        RestartHook(["restart", "{model_path}"], SETTINGS)
+    with pytest.raises(ValueError, match="plain name"):
+        RestartHook(["restart", "{drafter_dir!r}"], SETTINGS)
+    with pytest.raises(ValueError, match="cannot name a drafter"):
+        RestartHook(["restart"], SETTINGS, no_drafter_argv=["r", "{drafter_dir}"])
+
+
+def test_no_drafter_needs_its_own_command(tmp_path):
+    hook = RestartHook([PY, "-c", "pass"], SETTINGS)
+    with pytest.raises(ServingError, match="no_drafter_argv"):
+        hook.activate(None, None)
+    out = tmp_path / "nd.txt"
+    hook = RestartHook([PY, "-c", "pass"], SETTINGS, no_drafter_argv=[
+        PY, "-c", "import sys; open(sys.argv[1], 'w').write('plain')", str(out)])
+    assert hook.activate(None, None)["exit_status"] == "0" and out.read_text() == "plain"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
