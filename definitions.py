@@ -3,20 +3,26 @@
 from dagster import Definitions
 
 from assets.drafter import drafter_checkpoint, vocab_mapping
+from assets.evaluation import acceptance_eval
+from assets.release import registered_drafter, serving_drafter
 from assets.shards import hidden_state_shards
 from assets.snapshots import rollout_snapshot
 from assets.tokenized import tokenized_rollouts
 from jobs.drafter import train_drafter
+from jobs.release import promote_drafter_manually, rollback_drafter
 from jobs.snapshots import ingest_step, snapshot_sensor
 from resources.capture import CaptureResource
+from resources.mlflow import mlflow_from_env
+from resources.serving import ServingResource
 from resources.storage import storage_from_env
 from resources.trainer import TrainerResource
 
 defs = Definitions(
     assets=[rollout_snapshot, tokenized_rollouts, hidden_state_shards, vocab_mapping,
-            drafter_checkpoint],
-    jobs=[ingest_step, train_drafter],
+            drafter_checkpoint, acceptance_eval, registered_drafter, serving_drafter],
+    jobs=[ingest_step, train_drafter, promote_drafter_manually, rollback_drafter],
     sensors=[snapshot_sensor],
     resources={"storage": storage_from_env(), "capture": CaptureResource(),
-               "trainer": TrainerResource()},
+               "trainer": TrainerResource(), "mlflow": mlflow_from_env(),
+               "serving": ServingResource()},
 )

@@ -1,11 +1,14 @@
-"""The drafter refresh job: draft vocab + training for one refresh step (partition = step)."""
+"""The drafter refresh job for one refresh step (partition = step): draft vocab, training,
+acceptance evaluation, registration and gated promotion."""
 
 from dagster import define_asset_job
 
-DRAFTER_ASSETS = ("vocab_mapping", "drafter_checkpoint")
+DRAFTER_ASSETS = ("vocab_mapping", "drafter_checkpoint", "acceptance_eval",
+                  "registered_drafter", "serving_drafter")
 
 train_drafter = define_asset_job(
     "train_drafter", selection=list(DRAFTER_ASSETS),
-    description="Choose the draft vocab of the window ending at the partition's RL step and "
-                "train, export and publish its EAGLE-3 drafter (warm-started from the "
-                "previous one).")
+    description="Choose the draft vocab of the window ending at the partition's RL step, "
+                "train and publish its EAGLE-3 drafter (warm-started from the previous one), "
+                "measure it against the champion on held-out prompts, register it in MLflow "
+                "and promote it to serving if the acceptance gate passes.")

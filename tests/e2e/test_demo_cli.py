@@ -8,6 +8,7 @@ from dagster import AssetKey, DagsterInstance
 from jobs import cli
 from pipeline.data.rollouts import completed_steps, read_accepted
 from pipeline.demo.config import DemoConfig
+from pipeline.evaluation.stage import read_report
 from pipeline.storage import Storage
 
 
@@ -24,8 +25,8 @@ def aerie_home(tmp_path, monkeypatch):
 def test_demo_world_flows_through_dagster(aerie_home):
     config = DemoConfig.small(num_steps=3)
     cli._prepare_dagster_home()
-    report = cli.generate_demo_world(config=config)
-    assert len(report["steps"]) == 3
+    world = cli.generate_demo_world(config=config)
+    assert len(world["steps"]) == 3
     assert (aerie_home / "dagster" / "dagster.yaml").exists()  # all state in one directory
 
     storage = Storage((aerie_home / "storage").as_uri())
@@ -42,9 +43,20 @@ def test_demo_world_flows_through_dagster(aerie_home):
         assert set(table.column("trainer_step").to_pylist()) == {step}
 
     assert cli.train_newest() == "step-000002"
-    assert instance.get_materialized_partitions(AssetKey("drafter_checkpoint")) == {
-        "step-000002"}
+    for name in ("drafter_checkpoint", "acceptance_eval", "registered_drafter",
+                 "serving_drafter"):
+        assert instance.get_materialized_partitions(AssetKey(name)) == {"step-000002"}, name
     assert storage.exists("drafters/step=000002/_manifest.json")
+    report = read_report(storage, 2)
+    assert report.heldout["prompts"] > 0 and set(report.contestants) == {
+        "candidate", "no_drafter"}  # the first refresh has no champion
+    assert all(c.outputs_match_baseline == report.heldout["prompts"]
+               for c in report.contestants.values())  # lossless on the demo policy
+    decision = instance.get_latest_materialization_event(
+        AssetKey("serving_drafter")).asset_materialization.metadata
+    assert decision["action"].value in ("promoted", "refused")
+    assert decision["reasons"].value  # a decision always says why
+    assert (aerie_home / "mlflow" / "mlflow.db").exists()  # the registry lives in the home
 
     assert cli.run_pipeline() == []  # a second run finds nothing new
-    assert cli.generate_demo_world(config=config) == report  # and reuses the world
+    assert cli.generate_demo_world(config=config) == world  # and reuses the world

@@ -82,8 +82,9 @@ def test_missing_inputs_fail_the_assets_with_named_steps(storage, tmp_path):
         assert "materialize vocab_mapping" in failure.event_specific_data.error.to_string()
 
 
-def test_the_job_selects_both_assets():
+def test_the_job_selects_the_refresh_assets():
     assert train_drafter.name == "train_drafter"
-    assert DRAFTER_ASSETS == ("vocab_mapping", "drafter_checkpoint")
+    assert DRAFTER_ASSETS == ("vocab_mapping", "drafter_checkpoint", "acceptance_eval",
+                              "registered_drafter", "serving_drafter")
     assert vocab_mapping.partitions_def.name == drafter_checkpoint.partitions_def.name == \
         "rl_steps"

@@ -1,0 +1,69 @@
+"""``acceptance_eval``: how many tokens per target forward the new drafter buys, measured.
+
+Partition = the refresh step s. Candidate = the drafter of s; champion = the registry's
+champion (the drafter serving now) unless the run config names another or none; both are
+measured with the policy of s on held-out prompts, next to no drafter.
+"""
+
+from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
+from pydantic import Field
+
+from assets.partitions import rl_steps, step_of
+from pipeline.evaluation.charts import alpha_chart, markdown_image, tau_curve
+from pipeline.evaluation.stage import EvalConfig, evaluate_refresh, tau_history
+from pipeline.registry.release import champion_prefix
+from pipeline.training.refresh import drafter_prefix
+from resources.mlflow import MlflowResource
+from resources.serving import ServingResource
+from resources.storage import StorageResource
+
+_E = EvalConfig()
+
+
+class EvalRunConfig(Config):
+    """Run config of ``acceptance_eval``; mirrors :class:`EvalConfig` plus the champion."""
+
+    max_prompts: int = Field(default=_E.max_prompts, description="held-out prompts (at most)")
+    max_new_tokens: int = Field(default=_E.max_new_tokens, description="tokens per prompt")
+    num_steps: int | None = Field(default=None, description="--speculative-num-steps (unset: "
+                                                            "the serving resource's settings)")
+    eagle_topk: int | None = Field(default=None, description="--speculative-eagle-topk")
+    num_draft_tokens: int | None = Field(default=None,
+                                         description="--speculative-num-draft-tokens")
+    champion: str = Field(default="registry", description="registry (the registered champion, "
+                                                          "i.e. the drafter serving now) | "
+                                                          "none | a storage prefix")
+
+    def to_core(self, serving: ServingResource) -> EvalConfig:
+        """Unset speculative settings are the ones the servers run (the serving resource)."""
+        given = (self.num_steps, self.eagle_topk, self.num_draft_tokens)
+        if all(v is None for v in given):
+            given = (serving.num_steps, serving.topk, serving.num_draft_tokens)
+        return EvalConfig(max_prompts=self.max_prompts, max_new_tokens=self.max_new_tokens,
+                          num_steps=given[0], eagle_topk=given[1], num_draft_tokens=given[2])
+
+
+@asset(partitions_def=rl_steps, group_name="drafter", kinds={"pytorch"},
+       deps=["drafter_checkpoint"])
+def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
+                    storage: StorageResource, mlflow: MlflowResource,
+                    serving: ServingResource) -> MaterializeResult:
+    """τ and α of the candidate, the serving champion and no drafter on held-out prompts."""
+    store, step = storage.build(), step_of(context.partition_key)
+    champion = champion_prefix(store, mlflow.build()) if config.champion == "registry" else (
+        None if config.champion == "none" else config.champion)
+    r = evaluate_refresh(store, step, drafter_prefix(step), champion, config.to_core(serving))
+    s = r.summary()
+    context.log.info(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items()
+                                                  if k.endswith("_tau")))
+    alphas = {n: c.acceptance.alpha for n, c in r.contestants.items() if n != "no_drafter"}
+    history = tau_history(store)
+    return MaterializeResult(metadata={
+        **{k: (MetadataValue.json(v) if isinstance(v, list) else v) for k, v in s.items()},
+        "champion": champion or "none", "settings": MetadataValue.json(r.settings),
+        "heldout_key": r.heldout_key, "settings_key": r.settings_key,
+        "acceptance_per_position": MetadataValue.md(markdown_image(
+            alpha_chart(alphas, f"step {step}: α per draft position"), "alpha")),
+        "tau_over_rl_steps": MetadataValue.md(markdown_image(
+            tau_curve(history, "τ of the candidate and champion at each refresh"), "tau")),
+        "seconds": round(r.seconds, 2)})

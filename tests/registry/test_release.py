@@ -1,0 +1,110 @@
+"""A refresh step's release end to end on a tiny world: evaluate -> register -> gate -> serve.
+
+Random drafters cannot beat greedy decoding, so the gate must refuse them; a forced
+champion is then measured as the champion of the next candidate's report.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from pipeline.evaluation.charts import alpha_chart
+from pipeline.evaluation.stage import EvalConfig, evaluate_refresh
+from pipeline.manifest import entry_for, read_manifest, write_manifest
+from pipeline.registry.gate import GatePolicy
+from pipeline.registry.mlflow_registry import DrafterRegistry
+from pipeline.registry.promotion import force_promote
+from pipeline.registry.release import (
+    ReleaseError,
+    champion_prefix,
+    register_refresh,
+    release_refresh,
+)
+from pipeline.serving.backend import LedgerBackend
+from pipeline.serving.contracts import SpeculativeSettings
+from pipeline.serving.ledger import ServingLedger
+from pipeline.training.refresh import drafter_prefix
+from tests.evaluation.test_stage import SETTINGS, STEPS, publish_drafter
+from tests.evaluation.test_stage import world as world  # noqa: F401 (fixture)
+
+CONFIG = EvalConfig(max_prompts=4, max_new_tokens=10, **SETTINGS)
+# Random drafters get an accept now and then (τ ≈ 1.03 here): demand +50%.
+STRICT = GatePolicy(min_relative_gain=0.5, min_cycles=1)
+
+
+def as_refresh(storage, step: int, prefix: str, fingerprint: str) -> str:
+    """Give a published test drafter the lineage the training stage writes, at ``step``."""
+    target = drafter_prefix(step)
+    m = read_manifest(storage, prefix)
+    files = storage.download_dir(prefix, storage.local_path("").parent / f"tmp-{fingerprint}")
+    (files / "_manifest.json").unlink()
+    written = storage.upload_dir(files, target)
+
+    meta = {**m.meta, "step": step, "fingerprint": fingerprint, "policy_sha256": "p" * 64,
+            "shard_manifest_sha256": {str(s): "s" * 64 for s in STEPS},
+            "aux_layer_ids": [1, 2, 3], "vocab_cache_key": "v" * 64, "coverage": 0.9,
+            "config": {"ttt_depth": 2, "lr": 1e-3},
+            "result": {"history": [{"step": 1, "lr": 1e-3, "loss": 3.0,
+                                    "accuracy": [0.5, 0.25], "sim_accept_length": 0.6}]}}
+    write_manifest(storage, target, type(m)(kind=m.kind, kind_version=m.kind_version,
+                                            files=tuple(entry_for(target, w) for w in written),
+                                            meta=meta))
+    return target
+
+
+@pytest.fixture
+def registry(sqlite_tracking, tmp_path) -> DrafterRegistry:
+    tracking, artifacts = sqlite_tracking
+    return DrafterRegistry.connect(tracking, f"release-{uuid.uuid4().hex[:8]}",
+                                   artifact_location=artifacts,
+                                   lock_path=tmp_path / "promotion.lock")
+
+
+def test_a_worse_candidate_is_registered_but_refused(world, registry, tmp_path):
+    storage, target = world
+    prefix = as_refresh(storage, 2, publish_drafter(storage, target, 2, seed=5, tmp=tmp_path),
+                        "f" * 64)
+    report = evaluate_refresh(storage, 2, prefix, None, CONFIG)
+    reg = register_refresh(storage, registry, 2, "run-1", chart_dir=tmp_path,
+                           chart=lambda a, t: alpha_chart(a, t))
+    v = reg.registration.version
+    assert v.fingerprint == "f" * 64 and "challenger" in v.aliases
+    assert json.loads(v.tags["rl_step_window"]) == list(STEPS)
+    assert v.tags["heldout_key"] == report.heldout_key
+    assert float(v.tags["tau"]) == pytest.approx(report.contestants["candidate"].tau)
+    again = register_refresh(storage, registry, 2, "run-2", chart_dir=tmp_path)
+    assert again.registration.version.version == v.version  # idempotent
+
+    serving = LedgerBackend(ServingLedger(storage, registry.model_name),
+                            SpeculativeSettings(3, 1, 4))
+    r = release_refresh(storage, registry, serving, 2, STRICT)
+    assert not r.decision.promote and r.promotion.action == "refused"
+    assert any(x.startswith("gain:") for x in r.decision.reasons)  # τ ≈ 1 cannot beat 1
+    assert registry.champion() is None and serving.current() is None
+    assert champion_prefix(storage, registry) is None
+
+    # A forced champion is what the next report measures, and the gate compares with it.
+    force_promote(registry, serving, v.version, actor="test", reason="seed a champion")
+    assert champion_prefix(storage, registry) == prefix
+    nxt = as_refresh(storage, 1, publish_drafter(storage, target, 1, seed=6, tmp=tmp_path),
+                     "e" * 64)
+    evaluate_refresh(storage, 1, nxt, champion_prefix(storage, registry), CONFIG)
+    register_refresh(storage, registry, 1, "run-3", chart_dir=tmp_path)
+    r3 = release_refresh(storage, registry, serving, 1, STRICT)
+    assert r3.decision.baseline == "champion" and r3.decision.champion_version == v.version
+    assert not r3.decision.promote and r3.promotion.action == "refused"
+    assert registry.champion().version == v.version
+    assert serving.current().target.fingerprint == "f" * 64
+
+
+def test_registration_refuses_a_report_of_another_drafter(world, registry, tmp_path):
+    storage, target = world
+    prefix = as_refresh(storage, 2, publish_drafter(storage, target, 2, seed=7, tmp=tmp_path),
+                        "a" * 64)
+    evaluate_refresh(storage, 2, prefix, None, CONFIG)
+    as_refresh(storage, 2, publish_drafter(storage, target, 2, seed=8, tmp=tmp_path), "b" * 64)
+    with pytest.raises(ReleaseError, match="re-run acceptance_eval"):
+        register_refresh(storage, registry, 2, "run", chart_dir=tmp_path)
