@@ -18,8 +18,8 @@ from pathlib import Path
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from pipeline.evaluation.spec import SpecParams
 from pipeline.serving.backend import MODES, LedgerBackend
-from pipeline.serving.contracts import SpeculativeSettings
 from pipeline.serving.hotswap import SglangHotswap
 from pipeline.serving.ledger import ServingLedger
 from pipeline.serving.restart import RestartHook
@@ -49,9 +49,9 @@ class ServingResource(ConfigurableResource):
         default=None, description="local drafter copies for restart/hotswap; unset: "
                                   "$AERIE_HOME/serving-cache")
 
-    def settings(self) -> SpeculativeSettings:
-        return SpeculativeSettings(num_steps=self.num_steps, topk=self.topk,
-                                   num_draft_tokens=self.num_draft_tokens)
+    def settings(self) -> SpecParams:
+        return SpecParams(num_steps=self.num_steps, eagle_topk=self.topk,
+                          num_draft_tokens=self.num_draft_tokens)
 
     def build(self, storage: Storage, name: str) -> LedgerBackend:
         """The backend that serves drafters of ``name`` (the registered model name)."""

@@ -28,8 +28,9 @@ import logging
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from pipeline.evaluation.spec import SpecParams
 from pipeline.manifest import read_manifest
-from pipeline.serving.contracts import ServingManifest, ServingTarget, SpeculativeSettings
+from pipeline.serving.contracts import ServingManifest, ServingTarget
 from pipeline.serving.ledger import ServingLedger, materialize_drafter
 from pipeline.storage import StorageError
 
@@ -81,7 +82,7 @@ class Actuator(Protocol):
 class LedgerBackend:
     """A serving backend: an optional :class:`Actuator` plus the ledger that records it."""
 
-    def __init__(self, ledger: ServingLedger, settings: SpeculativeSettings,
+    def __init__(self, ledger: ServingLedger, settings: SpecParams,
                  actuator: Actuator | None = None, *, cache_dir: str | Path | None = None):
         if actuator is not None and cache_dir is None:
             raise ValueError("an actuator needs a cache_dir for local drafter copies")

@@ -8,8 +8,8 @@ Invariants:
 
 - Stdlib only, frozen, JSON round-trip with ``SCHEMA_VERSION``; a reader refuses a manifest
   written by a newer schema.
-- :class:`SpeculativeSettings` follows SGLang's rules: steps, topk and draft tokens are set
-  together, and with ``topk == 1`` the draft-token count is ``num_steps + 1``.
+- The settings are :class:`~pipeline.evaluation.spec.SpecParams`, the same record (and
+  SGLang rules) acceptance evaluation measures with.
 - ``sglang_args`` hold the literal placeholder ``{drafter_dir}`` for the draft-model path:
   where the drafter lands is decided by whoever launches the server
   (:func:`ServingManifest.launch_args`).
@@ -21,31 +21,16 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pipeline.evaluation.spec import SpecParams
+
 SERVING_SCHEMA_VERSION = 1
 DRAFTER_DIR = "{drafter_dir}"
 
 
-@dataclass(frozen=True)
-class SpeculativeSettings:
-    """SGLang's ``--speculative-num-steps/-eagle-topk/-num-draft-tokens``."""
-
-    num_steps: int = 3
-    topk: int = 1
-    num_draft_tokens: int = 4
-
-    def __post_init__(self) -> None:
-        if self.num_steps < 1 or self.topk < 1 or self.num_draft_tokens < 2:
-            raise ValueError(f"invalid speculative settings {self}")
-        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError(f"with topk 1 SGLang uses num_draft_tokens = num_steps + 1 = "
-                             f"{self.num_steps + 1}, got {self.num_draft_tokens}")
-
-    def sglang_args(self, drafter_dir: str = DRAFTER_DIR) -> tuple[str, ...]:
-        return ("--speculative-algorithm", "EAGLE3",
-                "--speculative-draft-model-path", drafter_dir,
-                "--speculative-num-steps", str(self.num_steps),
-                "--speculative-eagle-topk", str(self.topk),
-                "--speculative-num-draft-tokens", str(self.num_draft_tokens))
+def serving_args(settings: SpecParams, drafter_dir: str = DRAFTER_DIR) -> tuple[str, ...]:
+    """SGLang's flags that serve an EAGLE-3 drafter from ``drafter_dir`` with ``settings``."""
+    return ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter_dir,
+            *settings.sglang_args())
 
 
 @dataclass(frozen=True)
@@ -72,7 +57,7 @@ class ServingManifest:
     sequence: int
     mode: str
     target: ServingTarget | None
-    settings: SpeculativeSettings
+    settings: SpecParams
     sglang_args: tuple[str, ...]
     written_at: str
     reason: str = ""
@@ -95,6 +80,6 @@ class ServingManifest:
             raise ValueError(f"serving manifest schema_version {raw.get('schema_version')!r} "
                              f"is not supported (expected {SERVING_SCHEMA_VERSION})")
         raw["target"] = ServingTarget(**raw["target"]) if raw["target"] else None
-        raw["settings"] = SpeculativeSettings(**raw["settings"])
+        raw["settings"] = SpecParams.from_dict(raw["settings"])
         raw["sglang_args"] = tuple(raw["sglang_args"])
         return cls(**raw)

@@ -35,12 +35,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from pipeline.contracts import MANIFEST_NAME
+from pipeline.evaluation.spec import SpecParams
 from pipeline.manifest import read_manifest
-from pipeline.serving.contracts import (
-    ServingManifest,
-    ServingTarget,
-    SpeculativeSettings,
-)
+from pipeline.serving.contracts import ServingManifest, ServingTarget, serving_args
 from pipeline.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -81,7 +78,7 @@ class ServingLedger:
     def history(self) -> list[ServingManifest]:
         return [self.get(s) for s in self.sequences()]
 
-    def publish(self, target: ServingTarget | None, settings: SpeculativeSettings, *,
+    def publish(self, target: ServingTarget | None, settings: SpecParams, *,
                 mode: str, reason: str, restored_from: int | None = None,
                 details: dict[str, str] | None = None) -> ServingManifest:
         """Record ``target`` as what is served now; returns the manifest written."""
@@ -90,7 +87,7 @@ class ServingLedger:
         manifest = ServingManifest(
             name=self.name, sequence=(sequences[-1] if sequences else 0) + 1, mode=mode,
             target=target, settings=settings,
-            sglang_args=settings.sglang_args() if target is not None else (),
+            sglang_args=serving_args(settings) if target is not None else (),
             written_at=datetime.now(UTC).isoformat(timespec="milliseconds"), reason=reason,
             previous_sequence=previous.sequence if previous else None,
             restored_from=restored_from, details=dict(details or {}))

@@ -34,8 +34,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pipeline.eagle3.export import read_drafter_config
+from pipeline.evaluation.spec import SpecParams
 from pipeline.serving.backend import ServingError
-from pipeline.serving.contracts import ServingTarget, SpeculativeSettings
+from pipeline.serving.contracts import ServingTarget
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class RestartHook:
     mode = "sglang-restart"
     compares_with_current = False
 
-    def __init__(self, argv: Sequence[str], settings: SpeculativeSettings, *,
+    def __init__(self, argv: Sequence[str], settings: SpecParams, *,
                  timeout_s: float = 600.0, no_drafter_argv: Sequence[str] | None = None,
                  cwd: str | Path | None = None, env: Mapping[str, str] | None = None):
         if not argv:
@@ -91,7 +92,7 @@ class RestartHook:
             raise ServingError(f"{new_dir} is not a loadable drafter: {e}") from e
 
     def activate(self, new_dir: Path | None, target: ServingTarget | None) -> dict[str, str]:
-        values = {"num_steps": self.settings.num_steps, "topk": self.settings.topk,
+        values = {"num_steps": self.settings.num_steps, "topk": self.settings.eagle_topk,
                   "num_draft_tokens": self.settings.num_draft_tokens}
         if new_dir is None:
             if self.no_drafter_argv is None:

@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 
+from pipeline.evaluation.spec import SpecParams
 from pipeline.registry.gate import Candidate, EvalSummary, GatePolicy, decide
 from pipeline.registry.lock import LockTimeout
 from pipeline.registry.mlflow_registry import CHAMPION, DrafterRegistry
@@ -19,13 +20,12 @@ from pipeline.registry.promotion import (
     rollback,
 )
 from pipeline.serving.backend import LedgerBackend
-from pipeline.serving.contracts import SpeculativeSettings
 from pipeline.serving.ledger import ServingLedger, resolve_serving
 from pipeline.serving.restart import RestartHook
 from pipeline.storage import Storage
 from tests.registry.helpers import lineage, make_drafter_dir, publish_drafter
 
-SETTINGS = SpeculativeSettings(num_steps=3, topk=1, num_draft_tokens=4)
+SETTINGS = SpecParams(3, 1, 4)
 POLICY = GatePolicy(min_relative_gain=0.02, min_cycles=10)
 
 

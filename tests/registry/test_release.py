@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from pipeline.evaluation.charts import alpha_chart
+from pipeline.evaluation.spec import SpecParams
 from pipeline.evaluation.stage import EvalConfig, evaluate_refresh
 from pipeline.manifest import entry_for, read_manifest, write_manifest
 from pipeline.registry.gate import GatePolicy
@@ -24,7 +25,6 @@ from pipeline.registry.release import (
     release_refresh,
 )
 from pipeline.serving.backend import LedgerBackend
-from pipeline.serving.contracts import SpeculativeSettings
 from pipeline.serving.ledger import ServingLedger
 from pipeline.training.refresh import drafter_prefix
 from tests.evaluation.test_stage import SETTINGS, STEPS, publish_drafter
@@ -79,7 +79,7 @@ def test_a_worse_candidate_is_registered_but_refused(world, registry, tmp_path):
     assert again.registration.version.version == v.version  # idempotent
 
     serving = LedgerBackend(ServingLedger(storage, registry.model_name),
-                            SpeculativeSettings(3, 1, 4))
+                            SpecParams(3, 1, 4))
     r = release_refresh(storage, registry, serving, 2, STRICT)
     assert not r.decision.promote and r.promotion.action == "refused"
     assert any(x.startswith("gain:") for x in r.decision.reasons)  # τ ≈ 1 cannot beat 1

@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.evaluation.spec import SpecParams
 from pipeline.serving.backend import LedgerBackend, ServingError
-from pipeline.serving.contracts import ServingTarget, SpeculativeSettings
+from pipeline.serving.contracts import ServingTarget
 from pipeline.serving.hotswap import NO_ENCODER, SglangHotswap, hotswap_refusals
 from pipeline.serving.ledger import ServingLedger
 from pipeline.storage import Storage
@@ -19,7 +20,7 @@ from tests.registry.helpers import make_drafter_dir, publish_drafter
 
 SEQUENCE = ["/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
             "/end_weight_update", "/flush_cache", "/continue_generation"]
-SETTINGS = SpeculativeSettings()
+SETTINGS = SpecParams(3, 1, 4)
 
 
 class FakeSglang:

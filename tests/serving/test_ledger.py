@@ -7,13 +7,14 @@ import threading
 
 import pytest
 
+from pipeline.evaluation.spec import SpecParams
 from pipeline.serving.backend import LedgerBackend, ServingError
-from pipeline.serving.contracts import ServingManifest, ServingTarget, SpeculativeSettings
+from pipeline.serving.contracts import ServingManifest, ServingTarget
 from pipeline.serving.ledger import ServingLedger, read_serving, resolve_serving
 from pipeline.storage import Storage
 from tests.registry.helpers import make_drafter_dir, publish_drafter
 
-SETTINGS = SpeculativeSettings(num_steps=3, topk=1, num_draft_tokens=4)
+SETTINGS = SpecParams(3, 1, 4)
 
 
 def target(version: str, uri: str = "file:///nowhere") -> ServingTarget:
@@ -130,8 +131,7 @@ def test_restore_writes_a_new_manifest_naming_the_old_one(tmp_path):
 
 def test_manifest_schema_and_settings_are_validated():
     with pytest.raises(ValueError, match="num_steps \\+ 1"):
-        SpeculativeSettings(num_steps=3, topk=1, num_draft_tokens=8)
-    assert SpeculativeSettings(num_steps=5, topk=4, num_draft_tokens=8).topk == 4
+        SpecParams(3, 1, 8)
     with pytest.raises(ValueError, match="schema_version"):
         ServingManifest.from_json('{"schema_version": 99}')
     with pytest.raises(ValueError, match="serving name"):

@@ -8,14 +8,15 @@ import time
 
 import pytest
 
+from pipeline.evaluation.spec import SpecParams
 from pipeline.serving.backend import LedgerBackend, ServingError
-from pipeline.serving.contracts import ServingTarget, SpeculativeSettings
+from pipeline.serving.contracts import ServingTarget
 from pipeline.serving.ledger import ServingLedger
 from pipeline.serving.restart import RestartHook, placeholders, run_hook
 from pipeline.storage import Storage
 from tests.registry.helpers import make_drafter_dir, publish_drafter
 
-SETTINGS = SpeculativeSettings(num_steps=4, topk=1, num_draft_tokens=5)
+SETTINGS = SpecParams(4, 1, 5)
 PY = sys.executable
 
 

@@ -31,7 +31,7 @@ def test_restart_and_hotswap_modes(storage, tmp_path, monkeypatch):
     hot = ServingResource(mode="sglang-hotswap", server_urls=["http://a:30000"],
                           num_steps=5, topk=4, num_draft_tokens=8).build(storage, "m")
     assert isinstance(hot.actuator, SglangHotswap) and hot.actuator.encoder is None
-    assert hot.settings.topk == 4
+    assert hot.settings.eagle_topk == 4
 
 
 @pytest.mark.parametrize("config,match", [
