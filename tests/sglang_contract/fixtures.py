@@ -3,16 +3,20 @@ serving several endpoints (well-configured and misconfigured SGLang stand-ins).
 
 Expose the fixtures in a test module (``contract_deployment = fixtures.contract_deployment``
 etc.). The process is started once per session, polled until every port accepts
-connections and stopped by PID; ``sglang_servers`` resets every endpoint per test.
+connections and stopped by PID; ``sglang_servers`` resets every endpoint per test. Other
+deployments (e.g. speculative endpoints with their own drafters) use
+:func:`contract_process` directly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,9 +63,8 @@ class ContractServer:
         return r.json()
 
 
-def save_tiny_llama(path: Path) -> Path:
-    """A random 8-layer, 64-wide Llama, ``save_pretrained`` to a sibling dir then renamed
-    into ``path``, so that a server polling for ``path`` never sees a partial checkpoint."""
+def tiny_llama() -> Any:
+    """The random 8-layer, 64-wide ``LlamaForCausalLM`` every contract server serves."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -69,10 +72,48 @@ def save_tiny_llama(path: Path) -> Path:
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128,
                          num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256)
+    return LlamaForCausalLM(config)
+
+
+def save_model(model: Any, path: Path) -> Path:
+    """``save_pretrained`` to a sibling dir then renamed into ``path``, so that a server
+    polling for ``path`` never sees a partial checkpoint."""
     partial = path.with_name(path.name + ".partial")
-    LlamaForCausalLM(config).save_pretrained(partial)
+    model.save_pretrained(partial)
     partial.rename(path)
     return path
+
+
+def save_tiny_llama(path: Path) -> Path:
+    """:func:`tiny_llama` saved atomically into ``path``."""
+    return save_model(tiny_llama(), path)
+
+
+@contextlib.contextmanager
+def contract_process(work: Path, model_dir: Path, endpoints: Mapping[str, Mapping[str, Any]],
+                     prepare: Callable[[], object]) -> Iterator[dict[str, ContractServer]]:
+    """One server process with an endpoint per ``endpoints`` entry (name -> settings, keys as
+    ``--endpoint``), stopped by PID on exit. It starts (and imports torch/transformers) while
+    ``prepare()`` writes ``model_dir`` (last, atomically) and anything the endpoints load."""
+    ports: dict[str, int] = {}
+    while len(set(ports.values())) < len(endpoints):
+        ports = {name: free_port() for name in endpoints}
+    cmd = [sys.executable, "-m", "tests.sglang_contract.server", "--model", str(model_dir),
+           "--wait-for-model", "120"]
+    for name, settings in endpoints.items():
+        cmd += ["--endpoint", json.dumps({"port": ports[name], **settings})]
+    log = open(work / "server.log", "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        prepare()
+        for port in ports.values():
+            wait_for_port(port, proc, timeout=120)
+        yield {name: ContractServer(name, f"http://127.0.0.1:{port}")
+               for name, port in ports.items()}
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()
 
 
 @dataclass(frozen=True)
@@ -87,25 +128,9 @@ def contract_deployment(tmp_path_factory) -> Deployment:
     torch/transformers) while this process writes the model it will serve."""
     work = tmp_path_factory.mktemp("sglang_contract")
     model_dir = work / "tiny_llama"
-    ports: dict[str, int] = {}
-    while len(set(ports.values())) < len(ENDPOINTS):
-        ports = {name: free_port() for name in ENDPOINTS}
-    cmd = [sys.executable, "-m", "tests.sglang_contract.server", "--model", str(model_dir),
-           "--wait-for-model", "120"]
-    for name, settings in ENDPOINTS.items():
-        cmd += ["--endpoint", json.dumps({"port": ports[name], **settings})]
-    log = open(work / "server.log", "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        save_tiny_llama(model_dir)
-        for port in ports.values():
-            wait_for_port(port, proc, timeout=120)
-        yield Deployment(model_dir, {name: ContractServer(name, f"http://127.0.0.1:{port}")
-                                     for name, port in ports.items()})
-    finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-        log.close()
+    with contract_process(work, model_dir, ENDPOINTS,
+                          lambda: save_tiny_llama(model_dir)) as servers:
+        yield Deployment(model_dir, servers)
 
 
 @pytest.fixture(scope="session")

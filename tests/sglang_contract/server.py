@@ -1,10 +1,14 @@
-"""Contract server: the part of SGLang 0.5.23's HTTP API that hidden-state capture uses,
-computed with a real HF Llama, with faults on demand. Binds 127.0.0.1 only.
+"""Contract server: the part of SGLang 0.5.23's HTTP API that hidden-state capture and
+acceptance measurement use, computed with a real HF Llama (and Aerie's own EAGLE-3 engine),
+with faults on demand. Binds 127.0.0.1 only.
 
     python -m tests.sglang_contract.server --model DIR --mode final|aux --port P
         [--aux-layer-ids 1 3 4] [--no-hidden-states] [--radix-cache]
         [--chunked-prefill-size N] [--faults JSON] [--endpoint JSON ...]
         [--wait-for-model SECONDS]
+        [--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR
+         [--speculative-num-steps N --speculative-eagle-topk K
+          --speculative-num-draft-tokens D] [--decode-log-interval 40]]
 
 Each ``--endpoint '{"port": P2, "mode": "aux", ...}'`` adds one more independent server
 (own port, flags, faults and counters; keys as the flags, defaults from them) to the same
@@ -27,16 +31,41 @@ What it serves, as SGLang does (sources in docs/sglang.md):
   hidden states. ..."}}``. ``--radix-cache`` reuses previously seen prefixes (rows only for
   the uncached suffix, ``cached_tokens`` > 0); ``--chunked-prefill-size N`` keeps only the
   rows of a prompt's last chunk: the two row-dropping misconfigurations.
-- ``GET /server_info`` (and ``/get_server_info``): the server-args keys SGLang reports.
-  ``GET|POST /flush_cache``, ``GET /health``, ``GET /health_generate``.
+- ``GET /server_info`` (and ``/get_server_info``): the server-args keys SGLang reports,
+  ``internal_states`` (one entry: this server is one DP rank) and ``version``.
+  ``GET|POST /flush_cache`` (HTTP 400 while a ``/generate`` is in flight, as SGLang refuses
+  to flush a busy scheduler), ``GET /health``, ``GET /health_generate``.
+
+Speculative mode (``--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR``,
+optionally all three of ``--speculative-num-steps/-eagle-topk/-num-draft-tokens``; none of
+them: SGLang's auto choice, a chain's draft tokens adjusted to steps + 1, via
+``SpecParams.resolve``): ``/generate`` decodes with Aerie's lossless EAGLE-3 engine
+(``pipeline.evaluation.engine.evaluate``) and the drafter ``load_drafter`` reads from DIR on
+the served model's embedding. Greedy only: a request whose ``sampling_params.temperature`` is
+not 0 (SGLang's default is 1.0) gets HTTP 400, as does ``return_hidden_states``. Decoding
+stops at ``max_new_tokens``, at the model config's ``eos_token_id`` (unless
+``ignore_eos``) and at ``stop_token_ids``. ``meta_info`` adds SGLang's speculative keys, only
+when the request reached a verify pass (as ``fill_spec_decoding_meta`` does):
+``spec_verify_ct`` (verify passes; the prefill token is not one), ``spec_accept_length`` =
+``completion_tokens / spec_verify_ct``, ``spec_num_correct_drafts``,
+``spec_num_proposed_drafts``, ``spec_accept_rate`` and the aliases ``spec_accepted_drafts``,
+``spec_proposed_drafts``. ``finish_reason`` is ``{"type": "length", "length": N}`` or
+``{"type": "stop", "matched": id}``. ``internal_states[0].avg_spec_accept_length`` follows
+SGLang's scheduler counters: each verify pass adds its emitted tokens (accepted drafts + the
+bonus, never the prefill token) and 1 to per-interval sums, which fold into lifetime sums
+every ``--decode-log-interval`` decode batches (here one batch = one verify pass, requests
+are decoded one at a time); the key is absent while the lifetime count is 0 and
+``/flush_cache`` zeroes everything.
 
 Test controls: ``POST /_faults {"kind", "count": k (-1 = always), "every": n, "delay_s"}``
 faults the next k ``/generate`` requests (only every n-th). Kinds: ``http500``, ``drop``
 (close the socket without an answer), ``garbage`` (non-JSON 200), ``slow`` (answer after
 ``delay_s`` or at ``/_reset``, whichever comes first), ``short`` (drop the last row),
 ``nan`` (NaN token in a row), ``null`` (null in a row, as orjson writes NaN), ``omit_hidden``
-(no ``hidden_states``); content faults hit the request's first sample. ``POST /_reset``
-clears faults, counters and the prefix cache and releases slow replies; ``GET /_stats``.
+(no ``hidden_states``), ``omit_spec`` (no ``spec_verify_ct``), ``short_output`` (drop the last
+output id); content faults hit the request's first sample. ``POST /_reset`` clears faults,
+counters (speculative ones included) and the prefix cache and releases slow replies;
+``GET /_stats``.
 """
 
 from __future__ import annotations
@@ -60,7 +89,10 @@ VERSION = "0.5.23"
 NO_HIDDEN = ("The server is not configured to return the hidden states. "
              "Please set `--enable-return-hidden-states` to enable this feature.")
 FAULT_KINDS = frozenset({"http500", "drop", "garbage", "slow", "short", "nan", "null",
-                         "omit_hidden"})
+                         "omit_hidden", "omit_spec", "short_output"})
+SPEC_ALGORITHM = "EAGLE3"
+GREEDY_ONLY = ("contract server: speculative decoding is served greedily only; send "
+               "sampling_params.temperature 0 (SGLang's default is 1.0)")
 
 
 @dataclass(frozen=True)
@@ -84,6 +116,17 @@ class EndpointConfig:
     radix_cache: bool = False
     chunked_prefill_size: int = -1
     faults: FaultSpec | None = None
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    decode_log_interval: int = 40
+
+    @property
+    def speculative(self) -> bool:
+        """Decoding with a draft model (aux capture sets the algorithm without one)."""
+        return self.speculative_draft_model_path is not None
 
 
 class Model:
@@ -96,7 +139,7 @@ class Model:
         self.path = path
         self.model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.num_layers = self.model.config.num_hidden_layers
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # also held for a whole speculative decode
 
     def default_aux_ids(self) -> tuple[int, ...]:
         n = self.num_layers
@@ -105,11 +148,66 @@ class Model:
     def forward(self, ids: list[int], mode: str, aux_ids: tuple[int, ...]) -> tuple[torch.Tensor,
                                                                                      int]:
         """Rows ``[T, W]`` for every position, and the greedy next token."""
-        with self._lock, torch.no_grad():
+        with self.lock, torch.no_grad():
             out = self.model(torch.tensor([ids]), output_hidden_states=True)
         hs = out.hidden_states
         rows = hs[-1][0] if mode == "final" else torch.cat([hs[i + 1][0] for i in aux_ids], -1)
         return rows, int(out.logits[0, -1].argmax())
+
+
+class SpecDecoder:
+    """Aerie's EAGLE-3 engine behind a speculative endpoint, one prompt at a time, greedy."""
+
+    def __init__(self, config: EndpointConfig, model: Model) -> None:
+        from pipeline.eagle3.export import load_drafter
+        from pipeline.evaluation.spec import SpecParams
+
+        target = model.model
+        self.model = model
+        self.params = SpecParams.resolve(
+            config.speculative_num_steps, config.speculative_eagle_topk,
+            config.speculative_num_draft_tokens, architecture=target.config.architectures)
+        self.drafter = load_drafter(config.speculative_draft_model_path,
+                                    target.get_input_embeddings())
+        eos = target.config.eos_token_id
+        self.eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+
+    def generate(self, ids: list[int], max_new: int, stop: frozenset[int]
+                 ) -> tuple[list[int], list[int]]:
+        """(output ids, tokens emitted by each verify pass) of one prompt."""
+        from pipeline.evaluation.engine import CycleTrace, evaluate
+
+        trace: list[CycleTrace] = []
+        with self.model.lock:
+            run = evaluate(self.model.model, self.drafter, [ids], self.params,
+                           max_new_tokens=max_new, eos_token_id=stop, trace=trace)
+        return run.outputs[0], [len(cycle.emitted) for cycle in trace]
+
+
+@dataclass
+class SpecCounters:
+    """SGLang's scheduler speculative counters (``metrics_reporter``): per-interval sums
+    fold into the lifetime sums that ``/server_info`` averages every ``interval`` batches."""
+
+    interval: int = 40
+    decode_batches: int = 0
+    accept_tokens: int = 0
+    forward_ct: int = 0
+    total_accept_tokens: int = 0
+    total_forward_ct: int = 0
+
+    def add_verify(self, emitted: int) -> None:
+        self.accept_tokens += emitted  # accepted drafts + the bonus token
+        self.forward_ct += 1
+        self.decode_batches += 1
+        if self.decode_batches % self.interval == 0:
+            self.total_accept_tokens += self.accept_tokens
+            self.total_forward_ct += self.forward_ct
+            self.accept_tokens = self.forward_ct = 0
+
+    def average(self) -> float | None:
+        return (self.total_accept_tokens / self.total_forward_ct if self.total_forward_ct
+                else None)
 
 
 @dataclass
@@ -123,6 +221,11 @@ class EndpointState:
     prefixes: set[tuple[int, ...]] = field(default_factory=set)
     release: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    active: int = 0  # /generate requests in flight
+    spec: SpecCounters = field(default_factory=SpecCounters)
+
+    def __post_init__(self) -> None:
+        self.spec = SpecCounters(self.config.decode_log_interval)
 
     def next_fault(self) -> FaultSpec | None:
         with self.lock:
@@ -141,6 +244,7 @@ class EndpointState:
             self.faults, self.fault_clock, self.injected = None, 0, 0
             self.generate_requests = self.samples = 0
             self.prefixes.clear()
+            self.spec = SpecCounters(self.config.decode_log_interval)
             self.release.set()
             self.release = threading.Event()
 
@@ -163,6 +267,7 @@ class ContractHTTPServer(ThreadingHTTPServer):
         top = model.num_layers - 1  # HF hidden_states[N] is post-norm, not a layer output
         if config.mode == "aux" and not all(0 <= i < top for i in self.aux_ids):
             raise SystemExit(f"aux layer ids {self.aux_ids} must lie in [0, {top})")
+        self.spec = _spec_decoder(config, model)
         super().__init__(("127.0.0.1", config.port), Handler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -171,12 +276,25 @@ class ContractHTTPServer(ThreadingHTTPServer):
     def server_info(self) -> dict[str, Any]:
         c = self.state.config
         aux = c.mode == "aux"
+        spec = self.spec.params if self.spec else None
+        internal: dict[str, Any] = {"last_gen_throughput": 0.0}
+        with self.state.lock:
+            average = self.state.spec.average()
+        if self.spec and average is not None:
+            internal["avg_spec_accept_length"] = average
         return {"model_path": self.model.path, "version": VERSION, "contract_server": True,
+                "speculative_draft_model_path": c.speculative_draft_model_path,
+                "speculative_num_steps": spec.num_steps if spec else None,
+                "speculative_eagle_topk": spec.eagle_topk if spec else None,
+                "speculative_num_draft_tokens": spec.num_draft_tokens if spec else None,
+                "decode_log_interval": c.decode_log_interval,
+                "internal_states": [internal],
                 "enable_return_hidden_states": c.hidden_states,
                 "return_hidden_states_mode": "full" if c.hidden_states else None,
                 "disable_radix_cache": not c.radix_cache,
                 "chunked_prefill_size": c.chunked_prefill_size,
-                "speculative_algorithm": "EAGLE3" if aux else None,
+                "speculative_algorithm": c.speculative_algorithm or (SPEC_ALGORITHM if aux
+                                                                      else None),
                 "enable_return_aux_hidden_states": aux,
                 "return_aux_hidden_state_layer_ids": (list(c.aux_layer_ids) if aux and
                                                       c.aux_layer_ids else None)}
@@ -261,11 +379,28 @@ class Handler(BaseHTTPRequestHandler):
             self._send(404, {"detail": "Not Found"})
 
     def _flush(self) -> None:
-        with self.server.state.lock:
-            self.server.state.prefixes.clear()
-        self._send(200, None, raw=b"Cache flushed.\n")
+        state = self.server.state
+        with state.lock:
+            busy = state.active > 0
+            if not busy:
+                state.prefixes.clear()
+                state.spec = SpecCounters(state.config.decode_log_interval)
+        if busy:  # SGLang flushes only an idle scheduler
+            self._send(400, None, raw=b"Flush cache failed.\n")
+        else:
+            self._send(200, None, raw=b"Cache flushed.\n")
 
     def _generate(self, body: Any) -> None:
+        state = self.server.state
+        with state.lock:
+            state.active += 1
+        try:
+            self._generate_tracked(body)
+        finally:
+            with state.lock:
+                state.active -= 1
+
+    def _generate_tracked(self, body: Any) -> None:
         state = self.server.state
         fault = state.next_fault()
         kind = fault.kind if fault else None
@@ -296,6 +431,9 @@ class Handler(BaseHTTPRequestHandler):
             return
         params = body.get("sampling_params") or {}
         max_new = int(params.get("max_new_tokens", 128))
+        if self.server.spec is not None:
+            self._speculate(batch, single, params, max_new, want_hidden, kind)
+            return
         outputs = []
         for n, ids_i in enumerate(batch):
             blocks, out_ids, cached = self.server.generate_one(ids_i, max_new)
@@ -317,6 +455,72 @@ class Handler(BaseHTTPRequestHandler):
             logger.debug("client left before the answer (slow reply)")
 
 
+    def _speculate(self, batch: list[list[int]], single: bool, params: dict[str, Any],
+                   max_new: int, want_hidden: bool, kind: str | None) -> None:
+        spec, state = self.server.spec, self.server.state
+        assert spec is not None
+        problem = (GREEDY_ONLY if params.get("temperature", 1.0) != 0 else
+                   "contract server: no hidden states with speculative decoding" if want_hidden
+                   else "max_new_tokens must be >= 1" if max_new < 1 else None)
+        if problem:
+            self._send(400, {"error": {"message": problem}})
+            return
+        stop = frozenset(int(t) for t in params.get("stop_token_ids") or ())
+        if not params.get("ignore_eos"):
+            stop |= spec.eos
+        d = spec.params.num_draft_tokens
+        outputs = []
+        for n, ids in enumerate(batch):
+            out, per_verify = spec.generate(ids, max_new, stop)
+            with state.lock:
+                for emitted in per_verify:
+                    state.spec.add_verify(emitted)
+            finish = ({"type": "length", "length": max_new} if len(out) >= max_new
+                      else {"type": "stop", "matched": out[-1]})
+            meta: dict[str, Any] = {"id": uuid.uuid4().hex, "finish_reason": finish,
+                                    "prompt_tokens": len(ids), "completion_tokens": len(out),
+                                    "cached_tokens": 0}
+            verify = len(per_verify)
+            if verify:  # fill_spec_decoding_meta skips requests that never verified
+                correct = len(out) - 1 - verify
+                meta.update(spec_verify_ct=verify, spec_accept_length=len(out) / verify,
+                            spec_num_correct_drafts=correct, spec_accepted_drafts=correct,
+                            spec_num_proposed_drafts=verify * (d - 1),
+                            spec_proposed_drafts=verify * (d - 1),
+                            spec_accept_rate=correct / (verify * (d - 1)))
+            if n == 0 and kind == "omit_spec":
+                meta.pop("spec_verify_ct", None)
+            if n == 0 and kind == "short_output":
+                out = out[:-1]
+            outputs.append({"text": "", "output_ids": out, "meta_info": meta})
+        with state.lock:
+            state.samples += len(batch)
+        try:
+            self._send(200, outputs[0] if single else outputs)
+        except (BrokenPipeError, ConnectionResetError):
+            logger.debug("client left before the answer")
+
+
+def _spec_decoder(config: EndpointConfig, model: Model) -> SpecDecoder | None:
+    """The engine of a speculative endpoint; None for the others. Bad flags exit."""
+    numbers = (config.speculative_num_steps, config.speculative_eagle_topk,
+               config.speculative_num_draft_tokens)
+    if config.speculative_algorithm not in (None, SPEC_ALGORITHM):
+        raise SystemExit(f"contract server: --speculative-algorithm "
+                         f"{config.speculative_algorithm} is not served (only {SPEC_ALGORITHM})")
+    if not config.speculative:
+        if any(v is not None for v in numbers):
+            raise SystemExit("--speculative-num-* need --speculative-draft-model-path")
+        return None
+    if config.speculative_algorithm is None:
+        raise SystemExit("--speculative-draft-model-path needs --speculative-algorithm EAGLE3")
+    if config.mode != "final":
+        raise SystemExit("contract server: speculative decoding with aux capture is not served")
+    if config.decode_log_interval < 1:
+        raise SystemExit("--decode-log-interval must be >= 1")
+    return SpecDecoder(config, model)
+
+
 def _content_fault(kind: str | None, prefill: list[list[float]]) -> None:
     if kind == "short":
         prefill.pop()
@@ -336,16 +540,32 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[EndpointConfig], str
     p.add_argument("--faults", type=json.loads, help="a FaultSpec as JSON")
     p.add_argument("--endpoint", type=json.loads, action="append", default=[],
                    help="one more endpoint as JSON (port, mode, aux_layer_ids, hidden_states, "
-                        "radix_cache, chunked_prefill_size, faults)")
+                        "radix_cache, chunked_prefill_size, faults, speculative_algorithm, "
+                        "speculative_draft_model_path, speculative_num_steps, "
+                        "speculative_eagle_topk, speculative_num_draft_tokens, "
+                        "decode_log_interval)")
     p.add_argument("--wait-for-model", type=float, default=0.0, metavar="SECONDS",
                    help="poll this long for the model dir to appear")
+    p.add_argument("--speculative-algorithm", help="EAGLE3 (the only one served)")
+    p.add_argument("--speculative-draft-model-path", help="an Aerie/SGLang EAGLE-3 drafter dir")
+    p.add_argument("--speculative-num-steps", type=int)
+    p.add_argument("--speculative-eagle-topk", type=int)
+    p.add_argument("--speculative-num-draft-tokens", type=int)
+    p.add_argument("--decode-log-interval", type=int, default=40,
+                   help="decode batches between folds of the accept-length counters")
     args = p.parse_args(argv)
     base = EndpointConfig(
         port=args.port or 0, mode=args.mode,
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
         hidden_states=not args.no_hidden_states, radix_cache=args.radix_cache,
         chunked_prefill_size=args.chunked_prefill_size,
-        faults=FaultSpec(**args.faults) if args.faults else None)
+        faults=FaultSpec(**args.faults) if args.faults else None,
+        speculative_algorithm=args.speculative_algorithm,
+        speculative_draft_model_path=args.speculative_draft_model_path,
+        speculative_num_steps=args.speculative_num_steps,
+        speculative_eagle_topk=args.speculative_eagle_topk,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        decode_log_interval=args.decode_log_interval)
     configs = [base] if args.port else []
     for extra in args.endpoint:
         extra = dict(extra)
@@ -371,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
     servers = [ContractHTTPServer(c, model) for c in configs]
     for s in servers[1:]:
         threading.Thread(target=s.serve_forever, daemon=True).start()
-    logger.info("serving %s on 127.0.0.1", [(c.mode, c.port) for c in configs])
+    logger.info("serving %s on 127.0.0.1", [(c.mode, c.port, c.speculative) for c in configs])
     servers[0].serve_forever()
 
 

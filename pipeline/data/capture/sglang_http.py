@@ -1,5 +1,6 @@
-"""HTTP plumbing of the SGLang capture client: one JSON call with a hard deadline, the
-classification of every failure, and bounded retries with jittered exponential backoff
+"""HTTP plumbing of Aerie's SGLang clients (hidden-state capture, and acceptance measured
+on a running server: ``pipeline.evaluation.sglang_mode``): one call with a hard deadline,
+the classification of every failure, and bounded retries with jittered exponential backoff
 across a pool of server URLs.
 
 Invariants:
@@ -150,6 +151,18 @@ class JsonHttp:
 
     def _call(self, method: str, url: str, path: str, body: bytes | None, *,
               missing_ok: bool = False) -> Any:
+        status, content = self.fetch(method, url, path, body)
+        return self._decode(status, content, url + path, missing_ok)
+
+    def fetch(self, method: str, url: str, path: str, body: bytes | None = None
+              ) -> tuple[int, bytes]:
+        """One exchange under the deadline: ``(status, raw body)``, whatever the status.
+
+        Transport failures and timeouts raise :class:`TransientFailure`, a malformed URL
+        :class:`SGLangServerConfigError`; judging the status is the caller's (see
+        :func:`raise_for_status`), for endpoints that answer plain text such as
+        ``/flush_cache``.
+        """
         start = time.monotonic()
         try:
             resp = self._session().request(method, url + path, data=body, stream=True,
@@ -171,26 +184,32 @@ class JsonHttp:
         except requests.exceptions.RequestException as e:
             reason = "timeout" if "timed out" in str(e).lower() else "connection"
             raise TransientFailure(f"{reason}: {type(e).__name__}: {e}") from e
-        return self._decode(resp.status_code, content, url + path, missing_ok)
+        return resp.status_code, content
 
     @staticmethod
     def _decode(status: int, content: bytes, where: str, missing_ok: bool) -> Any:
         if status == 404 and missing_ok:
             return None
-        if status != 200:
-            message = _error_message(content)
-            if status >= 500 or status in _RETRYABLE_STATUS:
-                raise TransientFailure(f"HTTP {status}: {message}")
-            if "enable-return-hidden-states" in message:
-                raise SGLangServerConfigError(
-                    f"server at {where} was not started with --enable-return-hidden-states "
-                    f"(or --return-hidden-states-mode full); it answered HTTP {status}: {message}")
-            raise SGLangRequestError(f"{where} answered HTTP {status}: {message}",
-                                     url=where, samples=())
+        raise_for_status(status, content, where)
         try:
             return json.loads(content)
         except ValueError as e:
             raise TransientFailure(f"malformed JSON: {e} (first bytes {content[:60]!r})") from e
+
+
+def raise_for_status(status: int, content: bytes, where: str) -> None:
+    """Classify a non-200 answer of ``where`` (URL + path); return quietly on 200."""
+    if status == 200:
+        return
+    message = _error_message(content)
+    if status >= 500 or status in _RETRYABLE_STATUS:
+        raise TransientFailure(f"HTTP {status}: {message}")
+    if "enable-return-hidden-states" in message:
+        raise SGLangServerConfigError(
+            f"server at {where} was not started with --enable-return-hidden-states "
+            f"(or --return-hidden-states-mode full); it answered HTTP {status}: {message}")
+    raise SGLangRequestError(f"{where} answered HTTP {status}: {message}", url=where,
+                             samples=())
 
 
 def _error_message(content: bytes) -> str:
@@ -231,7 +250,7 @@ def call_with_retries(fn: Callable[[str], T], *, urls: Sequence[str], request_in
                 sample_txt = ("" if failure.sample is None
                               else f"; the last failure concerned sample {failure.sample}")
                 raise SGLangRequestError(
-                    f"{what} for samples {list(samples)} failed after {len(attempts)} "
+                    f"{_target(what, samples)} failed after {len(attempts)} "
                     f"attempt(s){sample_txt}; last server {url}: {failure.reason}\n  "
                     + "\n  ".join(attempts),
                     url=url, samples=samples, attempts=attempts) from failure
@@ -244,9 +263,13 @@ def call_with_retries(fn: Callable[[str], T], *, urls: Sequence[str], request_in
             raise
         except SGLangRequestError as e:
             stats.record(url, failed_reason="rejected")
-            raise SGLangRequestError(f"{what} for samples {list(samples)}: {e}", url=url,
+            raise SGLangRequestError(f"{_target(what, samples)}: {e}", url=url,
                                      samples=samples, attempts=[f"{url}: {e}"]) from e
         else:
             stats.record(url)
             return result
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _target(what: str, samples: Sequence[int]) -> str:
+    return f"{what} for samples {list(samples)}" if len(samples) else what
