@@ -6,9 +6,11 @@
 Needs the demo world ingested (``aerie demo`` does it; default storage: the embedded
 default's). The storage is copied to ``--work`` first, so the user's state is never touched.
 
-(a) stale: trained once at step 0 (window [0]) and never refreshed;
-(b) refreshed: retrained every ``--every`` steps on the last ``--window`` steps, warm-started
-    from the previous refresh; at RL step s the newest refresh <= s serves;
+(a) stale: trained once at step 0 (window [0], the only data there is) with the compute of
+    (c), i.e. to convergence on the step-0 policy, and never refreshed;
+(b) refreshed: retrained after every block of ``--every`` steps (steps every-1, 2·every-1,
+    …) on the last ``--window`` steps, warm-started from the previous refresh; at RL step s
+    the newest refresh <= s serves;
 (c) scratch: trained from scratch on the newest window with 5× the epochs of one refresh
     (evaluated on the last step only, where it is the upper reference).
 
@@ -54,17 +56,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def train_config(epochs_factor: int = 1):
+def train_config(epochs_factor: int = 1, max_steps: int = 0):
     from jobs.cli import DEMO_TRAIN_CONFIG
     from pipeline.training.config import TrainConfig
 
     demo = DEMO_TRAIN_CONFIG["ops"]["drafter_checkpoint"]["config"]
     base = TrainConfig(lr=demo["lr"], epochs=demo["epochs"],
                        micro_batch_size=demo["micro_batch_size"], export_dtype="float32")
-    return replace(base, epochs=base.epochs * epochs_factor)
+    return replace(base, epochs=base.epochs * epochs_factor, max_steps=max_steps)
 
 
-def train(storage, step: int, window: int, config, warm_start: str, work: Path) -> str:
+def train(storage, step: int, window: int, config, warm_start: str, work: Path):
     from pipeline.training.refresh import drafter_prefix, refresh_drafter
     from pipeline.training.vocab_stage import build_window_vocab
 
@@ -75,7 +77,13 @@ def train(storage, step: int, window: int, config, warm_start: str, work: Path) 
              r.manifest.meta["window_steps"], r.result.warm_start["mode"],
              r.result.final["loss"], time.perf_counter() - started,
              " (cached)" if r.reused else "")
-    return drafter_prefix(step)
+    return drafter_prefix(step), r
+
+
+def fingerprint(storage, prefix: str) -> str:
+    from pipeline.manifest import read_manifest
+
+    return read_manifest(storage, prefix).meta["fingerprint"]
 
 
 def main(argv=None) -> int:
@@ -107,17 +115,20 @@ def main(argv=None) -> int:
 
     # -- drafters ----------------------------------------------------------------------
     config = train_config()
-    refreshes = [s for s in steps if s % args.every == 0]
-    stale = train(storage, 0, 1, config, "none", work)
-    refreshed = {0: stale}
-    for s in refreshes[1:]:
-        refreshed[s] = train(storage, s, args.window, config, "auto", work)
+    # refresh after every block of ``every`` steps, so the last step is a refresh step
+    refreshes = [0] + [s for s in steps if s > 0 and (s + 1) % args.every == 0]
     scratch_root = work / "scratch-storage"
     if not scratch_root.exists():
         shutil.copytree(root, scratch_root, ignore=shutil.ignore_patterns("drafters"))
     scratch_storage = Storage(scratch_root.as_uri())
-    scratch = train(scratch_storage, last, args.window, train_config(args.scratch_factor),
-                    "none", work / "scratch")
+    scratch, scratch_run = train(scratch_storage, last, args.window,
+                                 train_config(args.scratch_factor), "none", work / "scratch")
+    # (a) gets the optimizer steps of (c): trained to convergence on the step-0 data.
+    stale, _ = train(storage, 0, 1, train_config(max_steps=scratch_run.result.steps), "none",
+                     work)
+    refreshed = {0: stale}
+    for s in refreshes[1:]:
+        refreshed[s], _ = train(storage, s, args.window, config, "auto", work)
     train_s = time.perf_counter() - t0
 
     # -- evaluation --------------------------------------------------------------------
@@ -133,20 +144,22 @@ def main(argv=None) -> int:
                                                  refreshed[max(r for r in refreshed if r <= s)])]
             if s == last:
                 todo.append(("scratch", scratch_storage, scratch))
-            if all(f"{s}/{name}" in cache for name, _, _ in todo):
+            if all(f"{s}/{n}" in cache and cache[f"{s}/{n}"]["fingerprint"] ==
+                   fingerprint(st, p) for n, st, p in todo):
                 continue
             local = storage.download_dir(policy_prefix(s), Path(tmp) / f"policy-{s}")
             target = AutoModelForCausalLM.from_pretrained(str(local), dtype=torch.float32)
             embed = target.get_input_embeddings().weight.detach()
             for name, store, prefix in todo:
                 key = f"{s}/{name}"
-                if key in cache:
+                if key in cache and cache[key]["fingerprint"] == fingerprint(store, prefix):
                     continue
                 model = load_drafter(store.download_dir(prefix, Path(tmp) / f"{s}-{name}"),
                                      embed, dtype=torch.float32)
                 run = evaluate(target, model, ids, params, max_new_tokens=args.max_new_tokens,
                                eos_token_id=target.config.eos_token_id)
-                cache[key] = {"drafter": prefix, **run.stats.summary()}
+                cache[key] = {"drafter": prefix, "fingerprint": fingerprint(store, prefix),
+                              **run.stats.summary()}
                 cache_path.write_text(json.dumps(cache, indent=1))
                 log.info("step %d %-9s tau %.3f", s, name, run.stats.tau)
     eval_s = time.perf_counter() - t0 - train_s
