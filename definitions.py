@@ -8,7 +8,8 @@ from assets.release import registered_drafter, serving_drafter
 from assets.shards import hidden_state_shards
 from assets.snapshots import rollout_snapshot
 from assets.tokenized import tokenized_rollouts
-from jobs.drafter import train_drafter
+from jobs.drafter import drafter_refresh
+from jobs.refresh import drafter_refresh_schedule, refresh_sensor
 from jobs.release import promote_drafter_manually, rollback_drafter
 from jobs.snapshots import ingest_step, snapshot_sensor
 from resources.capture import CaptureResource
@@ -20,8 +21,9 @@ from resources.trainer import TrainerResource
 defs = Definitions(
     assets=[rollout_snapshot, tokenized_rollouts, hidden_state_shards, vocab_mapping,
             drafter_checkpoint, acceptance_eval, registered_drafter, serving_drafter],
-    jobs=[ingest_step, train_drafter, promote_drafter_manually, rollback_drafter],
-    sensors=[snapshot_sensor],
+    jobs=[ingest_step, drafter_refresh, promote_drafter_manually, rollback_drafter],
+    sensors=[snapshot_sensor, refresh_sensor],
+    schedules=[drafter_refresh_schedule],
     resources={"storage": storage_from_env(), "capture": CaptureResource(),
                "trainer": TrainerResource(), "mlflow": mlflow_from_env(),
                "serving": ServingResource()},

@@ -98,7 +98,7 @@ DEMO_TRAIN_CONFIG = {"ops": {
 
 
 def train_newest(run_config: dict | None = None) -> str | None:
-    """Materialize ``train_drafter`` for the newest ingested step (skipped if done)."""
+    """Materialize ``drafter_refresh`` for the newest ingested step (skipped if done)."""
     from dagster import AssetKey, DagsterInstance
 
     from definitions import defs
@@ -116,10 +116,10 @@ def train_newest(run_config: dict | None = None) -> str | None:
     if newest in trained:
         log.info("%s: drafter already trained", newest)
         return newest
-    outcome = defs.resolve_job_def("train_drafter").execute_in_process(
+    outcome = defs.resolve_job_def("drafter_refresh").execute_in_process(
         instance=instance, partition_key=newest,
         run_config=DEMO_TRAIN_CONFIG if run_config is None else run_config)
-    log.info("%s: train_drafter run %s succeeded", newest, outcome.run_id)
+    log.info("%s: drafter_refresh run %s succeeded", newest, outcome.run_id)
     return newest
 
 

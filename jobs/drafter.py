@@ -6,8 +6,8 @@ from dagster import define_asset_job
 DRAFTER_ASSETS = ("vocab_mapping", "drafter_checkpoint", "acceptance_eval",
                   "registered_drafter", "serving_drafter")
 
-train_drafter = define_asset_job(
-    "train_drafter", selection=list(DRAFTER_ASSETS),
+drafter_refresh = define_asset_job(
+    "drafter_refresh", selection=list(DRAFTER_ASSETS),
     description="Choose the draft vocab of the window ending at the partition's RL step, "
                 "train and publish its EAGLE-3 drafter (warm-started from the previous one), "
                 "measure it against the champion on held-out prompts, register it in MLflow "

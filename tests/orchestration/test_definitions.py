@@ -14,8 +14,9 @@ def test_definitions_load_and_names_are_stable():
         "drafter_checkpoint", "acceptance_eval", "registered_drafter", "serving_drafter"}
     assert {c.name for c in repo.asset_graph.asset_check_keys} == {"quarantine_ratio"}
     assert {j.name for j in repo.get_all_jobs() if not j.name.startswith("__")} == {
-        "ingest_step", "train_drafter", "promote_drafter_manually", "rollback_drafter"}
-    assert {s.name for s in repo.sensor_defs} == {"snapshot_sensor"}
+        "ingest_step", "drafter_refresh", "promote_drafter_manually", "rollback_drafter"}
+    assert {s.name for s in repo.sensor_defs} == {"snapshot_sensor", "refresh_sensor"}
+    assert {s.name for s in repo.schedule_defs} == {"drafter_refresh_schedule"}
     assert set(defs.resources) == {"storage", "capture", "trainer", "mlflow", "serving"}
     for key in ("rollout_snapshot", "tokenized_rollouts", "hidden_state_shards",
                 "vocab_mapping", "drafter_checkpoint", "acceptance_eval", "registered_drafter",

@@ -6,7 +6,7 @@ import pytest
 from dagster import AssetKey, instance_for_test, materialize
 
 from assets.drafter import drafter_checkpoint, vocab_mapping
-from jobs.drafter import DRAFTER_ASSETS, train_drafter
+from jobs.drafter import DRAFTER_ASSETS, drafter_refresh
 from pipeline.eagle3.export import read_drafter_config
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.training.refresh import drafter_prefix
@@ -83,7 +83,7 @@ def test_missing_inputs_fail_the_assets_with_named_steps(storage, tmp_path):
 
 
 def test_the_job_selects_the_refresh_assets():
-    assert train_drafter.name == "train_drafter"
+    assert drafter_refresh.name == "drafter_refresh"
     assert DRAFTER_ASSETS == ("vocab_mapping", "drafter_checkpoint", "acceptance_eval",
                               "registered_drafter", "serving_drafter")
     assert vocab_mapping.partitions_def.name == drafter_checkpoint.partitions_def.name == \

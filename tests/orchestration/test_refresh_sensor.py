@@ -1,0 +1,110 @@
+"""The refresh triggers, stepped through ticks: one refresh per block of N ingested steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from dagster import (
+    AssetKey,
+    AssetMaterialization,
+    DagsterRunStatus,
+    SensorResult,
+    SkipReason,
+    build_schedule_context,
+    build_sensor_context,
+    instance_for_test,
+)
+
+from assets.partitions import step_key
+from jobs.drafter import DRAFTER_ASSETS
+from jobs.refresh import (
+    drafter_refresh_schedule,
+    due_refresh,
+    refresh_sensor,
+)
+from jobs.snapshots import STEP_ASSETS
+
+
+@pytest.mark.parametrize(("ingested", "last", "every", "due"), [
+    ([], -1, 4, None),
+    ([0, 1, 2], -1, 4, None),
+    ([0, 1, 2, 3], -1, 4, 3),
+    ([0, 1, 2, 3, 4, 5], -1, 4, 5),  # ingestion ran ahead: refresh the newest
+    ([0, 1, 2, 3, 4, 5, 6], 3, 4, None),
+    (list(range(8)), 3, 4, 7),
+    (list(range(8)), 7, 4, None),
+    (list(range(9)), 5, 4, 8),  # after a late refresh, the next block boundary counts
+    ([0], -1, 1, 0),
+])
+def test_due_refresh(ingested, last, every, due):
+    assert due_refresh(ingested, last, every) == due
+
+
+def ingest(instance, *steps: int, assets=STEP_ASSETS) -> None:
+    for s in steps:
+        for name in assets:
+            instance.report_runless_asset_event(
+                AssetMaterialization(asset_key=AssetKey(name), partition=step_key(s)))
+
+
+def tick(instance, cursor):
+    return refresh_sensor(build_sensor_context(instance=instance, cursor=cursor))
+
+
+def test_sensor_requests_exactly_one_refresh_per_block():
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(12)])
+        ingest(instance, 0, 1, 2)
+        assert isinstance(tick(instance, None), SkipReason)
+        ingest(instance, 3, assets=STEP_ASSETS[:2])  # shards not done yet: not ingested
+        assert isinstance(tick(instance, None), SkipReason)
+        ingest(instance, 3)
+        first = tick(instance, None)
+        assert isinstance(first, SensorResult)
+        (req,) = first.run_requests
+        assert req.partition_key == "step-000003"
+        assert req.run_key == "drafter-refresh-step-000003"
+        assert req.run_config["ops"]["vocab_mapping"]["config"]["window"] == 4
+        assert json.loads(first.cursor) == {"last": 3}
+        assert isinstance(tick(instance, first.cursor), SkipReason)  # same tick: nothing new
+        ingest(instance, 4, 5, 6)
+        assert isinstance(tick(instance, first.cursor), SkipReason)
+        ingest(instance, 7)
+        second = tick(instance, first.cursor)
+        assert [r.run_key for r in second.run_requests] == ["drafter-refresh-step-000007"]
+        # A lost cursor re-requests the newest step under its run key: Dagster dedupes it.
+        assert tick(instance, None).run_requests[0].run_key == "drafter-refresh-step-000007"
+
+
+def test_sensor_waits_while_a_refresh_is_in_flight():
+    from dagster import DagsterRun
+
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(4)])
+        ingest(instance, 0, 1, 2, 3)
+        run = instance.create_run_for_job(
+            job_def=_job(), run_id=None, status=DagsterRunStatus.STARTED)
+        assert isinstance(run, DagsterRun)
+        result = tick(instance, None)
+        assert isinstance(result, SkipReason) and "still queued or running" in str(result)
+        instance.report_run_failed(run)
+        assert isinstance(tick(instance, None), SensorResult)
+
+
+def _job():
+    from definitions import defs
+
+    return defs.resolve_job_def("drafter_refresh")
+
+
+def test_schedule_refreshes_the_newest_step_once():
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(3)])
+        ctx = build_schedule_context(instance=instance)
+        assert isinstance(drafter_refresh_schedule(ctx), SkipReason)
+        ingest(instance, 0, 1, 2)
+        req = drafter_refresh_schedule(ctx)
+        assert req.run_key == "drafter-refresh-step-000002"  # same scheme as the sensor
+        ingest(instance, 2, assets=DRAFTER_ASSETS)
+        assert isinstance(drafter_refresh_schedule(ctx), SkipReason)
