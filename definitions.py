@@ -14,6 +14,7 @@ from jobs.release import promote_drafter_manually, rollback_drafter
 from jobs.snapshots import ingest_step, snapshot_sensor
 from resources.capture import CaptureResource
 from resources.mlflow import mlflow_from_env
+from resources.refresh import refresh_policy_from_env
 from resources.serving import ServingResource
 from resources.storage import storage_from_env
 from resources.trainer import TrainerResource
@@ -26,5 +27,5 @@ defs = Definitions(
     schedules=[drafter_refresh_schedule],
     resources={"storage": storage_from_env(), "capture": CaptureResource(),
                "trainer": TrainerResource(), "mlflow": mlflow_from_env(),
-               "serving": ServingResource()},
+               "serving": ServingResource(), "refresh": refresh_policy_from_env()},
 )

@@ -5,11 +5,22 @@ stage decides K and the draft vocab size; training follows its pointer) and fail
 step of the window that is missing.
 """
 
-from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
+from dagster import (
+    AssetCheckSeverity,
+    AssetExecutionContext,
+    Config,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+)
 from pydantic import Field
 
+from assets.checks import result, spec
 from assets.partitions import rl_steps, step_of
+from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from pipeline.checks import MIN_VOCAB_COVERAGE, training_loss, vocab_coverage
 from pipeline.eagle3.vocab import DEFAULT_DRAFT_VOCAB_SIZE
+from pipeline.evaluation.charts import markdown_image, training_curve
 from pipeline.training.config import TrainConfig
 from pipeline.training.metrics import depth_table
 from pipeline.training.vocab_stage import build_window_vocab
@@ -25,6 +36,9 @@ class VocabRunConfig(Config):
     window: int = Field(default=4, description="train on RL steps s-window+1 .. s")
     draft_vocab_size: int = Field(default=DEFAULT_DRAFT_VOCAB_SIZE,
                                   description="draft vocab size (capped by the target vocab)")
+    min_coverage: float = Field(default=MIN_VOCAB_COVERAGE,
+                                description="vocab_coverage check: least share of masked "
+                                            "tokens the draft vocab must cover")
 
 
 class DrafterRunConfig(Config):
@@ -72,12 +86,15 @@ def _md_table(rows: list[dict]) -> MetadataValue:
 
 
 @asset(partitions_def=rl_steps, group_name="drafter", kinds={"pytorch", "safetensors"},
-       deps=["hidden_state_shards"])
+       deps=["hidden_state_shards"], retry_policy=SERVICE_RETRY,
+       check_specs=[spec("vocab_mapping", "vocab_coverage",
+                         "the draft vocab covers enough of the window's masked tokens")])
 def vocab_mapping(context: AssetExecutionContext, config: VocabRunConfig,
                   storage: StorageResource) -> MaterializeResult:
     """Draft vocab (d2t / t2d) of the training window, counted under the loss mask; cached."""
-    v = build_window_vocab(storage.build(), step_of(context.partition_key), config.window,
-                           config.draft_vocab_size)
+    with fail_fast_on_permanent_errors():
+        v = build_window_vocab(storage.build(), step_of(context.partition_key), config.window,
+                               config.draft_vocab_size)
     s = v.summary()
     context.log.info(f"window {list(v.window_steps)}: coverage {v.mapping.coverage:.4f}, "
                      f"cache {'hit' if v.cache_hit else 'miss'}")
@@ -86,16 +103,23 @@ def vocab_mapping(context: AssetExecutionContext, config: VocabRunConfig,
         "window_steps": MetadataValue.json(list(v.window_steps)),
         "coverage": s["coverage"], "draft_vocab_size": s["draft_vocab_size"],
         "target_vocab_size": s["target_vocab_size"], "masked_tokens": s["masked_tokens"],
-        "distinct_tokens": s["distinct_tokens"], "seconds": round(v.seconds, 3)})
+        "distinct_tokens": s["distinct_tokens"], "seconds": round(v.seconds, 3)},
+        check_results=[result("vocab_coverage", vocab_coverage(v.mapping.coverage,
+                                                               config.min_coverage),
+                              AssetCheckSeverity.WARN)])
 
 
 @asset(partitions_def=rl_steps, group_name="drafter", kinds={"pytorch", "deepspeed"},
-       deps=["vocab_mapping"])
+       deps=["vocab_mapping"], retry_policy=SERVICE_RETRY,
+       check_specs=[spec("drafter_checkpoint", "training_loss",
+                         "every logged loss finite (blocking) and the loss falling (warning)",
+                         blocking=True)])
 def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
                        storage: StorageResource, trainer: TrainerResource) -> MaterializeResult:
     """EAGLE-3 drafter trained on the window (DeepSpeed, resumable), in SGLang's format."""
-    r = trainer.refresh(storage.build(), step_of(context.partition_key), config.to_core(),
-                        warm_start=config.warm_start, on_line=context.log.info)
+    with fail_fast_on_permanent_errors():
+        r = trainer.refresh(storage.build(), step_of(context.partition_key), config.to_core(),
+                            warm_start=config.warm_start, on_line=context.log.info)
     res, meta = r.result, r.manifest.meta
     context.log.info(f"{r.uri}: {res.steps} steps, loss {res.final['loss']:.4f}, simulated "
                      f"acceptance {res.final['sim_accept_length']:.3f}"
@@ -116,4 +140,15 @@ def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
         else -1,
         "world_size": res.world_size, "zero_stage": res.zero_stage, "dtype": res.dtype,
         "tokens_per_s": round(res.tokens_per_s, 1), "seconds": round(res.seconds, 3),
-        "fingerprint": meta["fingerprint"]})
+        "fingerprint": meta["fingerprint"],
+        "training_curve": MetadataValue.md(markdown_image(training_curve(res.history), "loss")),
+    }, check_results=[_loss_check(res)])
+
+
+def _loss_check(res):
+    """ERROR (blocks evaluation) on a non-finite loss; only a WARN when it merely did not fall:
+    a warm-started drafter on familiar data may plateau and the gate still judges it."""
+    outcome = training_loss(res.first["loss"], res.final["loss"],
+                            [h["loss"] for h in res.history])
+    return result("training_loss", outcome, AssetCheckSeverity.WARN
+                  if outcome.metadata["finite"] else AssetCheckSeverity.ERROR)

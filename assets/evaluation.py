@@ -8,7 +8,10 @@ measured with the policy of s on held-out prompts, next to no drafter.
 from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
+from assets.checks import result, spec
 from assets.partitions import rl_steps, step_of
+from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from pipeline.checks import evaluation_sound
 from pipeline.evaluation.charts import alpha_chart, markdown_image, tau_curve
 from pipeline.evaluation.stage import EvalConfig, evaluate_refresh, tau_history
 from pipeline.registry.release import champion_prefix
@@ -44,15 +47,21 @@ class EvalRunConfig(Config):
 
 
 @asset(partitions_def=rl_steps, group_name="drafter", kinds={"pytorch"},
-       deps=["drafter_checkpoint"])
+       deps=["drafter_checkpoint"], retry_policy=SERVICE_RETRY,
+       check_specs=[spec("acceptance_eval", "acceptance_lossless",
+                         "every drafter's outputs equal greedy decoding on every held-out "
+                         "prompt and τ was measured; blocks registration and promotion",
+                         blocking=True)])
 def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
                     storage: StorageResource, mlflow: MlflowResource,
                     serving: ServingResource) -> MaterializeResult:
     """τ and α of the candidate, the serving champion and no drafter on held-out prompts."""
     store, step = storage.build(), step_of(context.partition_key)
-    champion = champion_prefix(store, mlflow.build()) if config.champion == "registry" else (
-        None if config.champion == "none" else config.champion)
-    r = evaluate_refresh(store, step, drafter_prefix(step), champion, config.to_core(serving))
+    with fail_fast_on_permanent_errors():
+        champion = (champion_prefix(store, mlflow.build()) if config.champion == "registry"
+                    else None if config.champion == "none" else config.champion)
+        r = evaluate_refresh(store, step, drafter_prefix(step), champion,
+                             config.to_core(serving))
     s = r.summary()
     context.log.info(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items()
                                                   if k.endswith("_tau")))
@@ -66,4 +75,5 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
             alpha_chart(alphas, f"step {step}: α per draft position"), "alpha")),
         "tau_over_rl_steps": MetadataValue.md(markdown_image(
             tau_curve(history, "τ of the candidate and champion at each refresh"), "tau")),
-        "seconds": round(r.seconds, 2)})
+        "seconds": round(r.seconds, 2)},
+        check_results=[result("acceptance_lossless", evaluation_sound(r))])

@@ -15,6 +15,7 @@ from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataVa
 from pydantic import Field
 
 from assets.partitions import rl_steps, step_of
+from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.evaluation.charts import alpha_chart
 from pipeline.registry.gate import GatePolicy
 from pipeline.registry.release import register_refresh, release_refresh
@@ -38,12 +39,13 @@ class GateConfig(Config):
 
 
 @asset(partitions_def=rl_steps, group_name="release", kinds={"mlflow"},
-       deps=["acceptance_eval"])
+       deps=["acceptance_eval"], retry_policy=SERVICE_RETRY)
 def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
                        mlflow: MlflowResource) -> MaterializeResult:
     """The refresh's drafter as an MLflow model version (lineage tags, alias challenger)."""
     step = step_of(context.partition_key)
-    with tempfile.TemporaryDirectory(prefix="aerie-register-") as tmp:
+    with fail_fast_on_permanent_errors(), \
+            tempfile.TemporaryDirectory(prefix="aerie-register-") as tmp:
         r = register_refresh(storage.build(), mlflow.build(), step, context.run.run_id,
                              chart_dir=Path(tmp), chart=alpha_chart)
     v = r.registration.version
@@ -56,19 +58,21 @@ def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
 
 
 @asset(partitions_def=rl_steps, group_name="release", kinds={"sglang"},
-       deps=["registered_drafter"])
+       deps=["registered_drafter"], retry_policy=SERVICE_RETRY)
 def serving_drafter(context: AssetExecutionContext, config: GateConfig,
                     storage: StorageResource, mlflow: MlflowResource,
                     serving: ServingResource) -> MaterializeResult:
     """Promote the refresh's drafter to serving iff the acceptance gate passes."""
     store, registry = storage.build(), mlflow.build()
     step = step_of(context.partition_key)
-    r = release_refresh(store, registry, serving.build(store, registry.model_name), step,
-                        config.to_core(), dagster_run_id=context.run.run_id)
+    with fail_fast_on_permanent_errors():
+        r = release_refresh(store, registry, serving.build(store, registry.model_name), step,
+                            config.to_core(), dagster_run_id=context.run.run_id)
     p = r.promotion
     context.log.info(f"step {step}: {p.action} ({'; '.join(p.reasons)})")
     return MaterializeResult(metadata={
-        "action": p.action, "promoted": p.moved, "champion": p.version or "none",
+        "action": p.action, "promoted": p.moved,
+        "champion": (p.version if p.moved else p.previous_champion) or "none",
         "previous_champion": p.previous_champion or "none",
         "reasons": MetadataValue.md("\n".join(f"- {x}" for x in p.reasons)),
         "decision": MetadataValue.json(json.loads(r.decision.to_json())),

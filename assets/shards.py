@@ -4,7 +4,10 @@
 from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
+from assets.checks import result, spec
 from assets.partitions import rl_steps, step_of
+from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from pipeline.checks import shard_integrity
 from pipeline.data.extraction import ExtractConfig, extract_step
 from pipeline.data.policy_store import load_policy_ref
 from resources.capture import CaptureResource
@@ -44,14 +47,19 @@ class ShardsConfig(Config):
 
 
 @asset(partitions_def=rl_steps, group_name="data", kinds={"parquet", "pytorch"},
-       deps=["tokenized_rollouts"])
+       deps=["tokenized_rollouts"], retry_policy=SERVICE_RETRY,
+       check_specs=[spec("hidden_state_shards", "shard_integrity",
+                         "every shard re-hashed matches its manifest (size, sha256)",
+                         blocking=True)])
 def hidden_state_shards(context: AssetExecutionContext, config: ShardsConfig,
                         storage: StorageResource, capture: CaptureResource) -> MaterializeResult:
     """Aux-layer and post-norm final states per token, captured with the step's own policy."""
     store, step = storage.build(), step_of(context.partition_key)
-    policy = load_policy_ref(store, step)
-    with capture.open(store, step, config.token_budget) as backend:
-        s = extract_step(store, step, backend, config.to_core(), policy=policy)
+    with fail_fast_on_permanent_errors():
+        policy = load_policy_ref(store, step)
+        with capture.open(store, step, config.token_budget) as backend:
+            s = extract_step(store, step, backend, config.to_core(), policy=policy)
+        integrity = shard_integrity(store, step)
     context.log.info(f"step {step}: {s.shards} shards ({s.shards_reused} kept), "
                      f"{s.backend_calls} backend calls, {s.seconds:.1f}s")
     return MaterializeResult(metadata={
@@ -72,4 +80,4 @@ def hidden_state_shards(context: AssetExecutionContext, config: ShardsConfig,
         "policy_uri": MetadataValue.path(policy.uri),
         "seconds": round(s.seconds, 3),
         "dagster/row_count": s.samples,
-    })
+    }, check_results=[result("shard_integrity", integrity)])

@@ -12,6 +12,7 @@ from dagster import (
 )
 
 from assets.partitions import rl_steps, step_of
+from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.data.rollout_schema import ROLLOUT_SCHEMA_VERSION
 from pipeline.data.rollouts import validate_snapshot
 from resources.storage import StorageResource
@@ -23,13 +24,15 @@ MAX_QUARANTINE_RATIO = 0.05
     partitions_def=rl_steps,
     group_name="data",
     kinds={"parquet"},
+    retry_policy=SERVICE_RETRY,
     check_specs=[AssetCheckSpec("quarantine_ratio", asset="rollout_snapshot",
                                 description=f"at most {MAX_QUARANTINE_RATIO:.0%} of records "
                                             "quarantined, and at least one accepted")],
 )
 def rollout_snapshot(context: AssetExecutionContext, storage: StorageResource):
     """Validated rollouts of one RL step plus the policy checkpoint that generated them."""
-    summary = validate_snapshot(storage.build(), step_of(context.partition_key))
+    with fail_fast_on_permanent_errors():
+        summary = validate_snapshot(storage.build(), step_of(context.partition_key))
     ratio = summary.quarantined / max(summary.records_in, 1)
     reasons = "\n".join(f"| {r} | {n} |" for r, n in sorted(summary.reasons.items()))
     yield MaterializeResult(

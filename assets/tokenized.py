@@ -5,6 +5,7 @@ from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataVa
 from pydantic import Field
 
 from assets.partitions import rl_steps, step_of
+from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.data.tokenization import TokenizeConfig, tokenize_step
 from pipeline.data.tokenized_schema import TOKENIZED_SCHEMA_VERSION
 from resources.storage import StorageResource
@@ -45,11 +46,12 @@ def _table(counts: dict[str, int], what: str) -> MetadataValue:
 
 
 @asset(partitions_def=rl_steps, group_name="data", kinds={"parquet"},
-       deps=["rollout_snapshot"])
+       deps=["rollout_snapshot"], retry_policy=SERVICE_RETRY)
 def tokenized_rollouts(context: AssetExecutionContext, config: TokenizeRunConfig,
                        storage: StorageResource) -> MaterializeResult:
     """Chat-template tokenization with loss masks; exact engine ids win and are cross-checked."""
-    s = tokenize_step(storage.build(), step_of(context.partition_key), config.to_core())
+    with fail_fast_on_permanent_errors():
+        s = tokenize_step(storage.build(), step_of(context.partition_key), config.to_core())
     return MaterializeResult(metadata={
         "uri": MetadataValue.path(s.url),
         "records": s.records_in,

@@ -57,32 +57,51 @@ def generate_demo_world(force: bool = False, config=None) -> dict:
 
 def run_pipeline() -> list[str]:
     """Tick the snapshot sensor once and execute its run requests on the local instance."""
-    from dagster import AssetKey, DagsterInstance, build_sensor_context
+    from dagster import DagsterInstance, build_sensor_context
 
     from definitions import defs
-    from jobs.snapshots import STEP_ASSETS, snapshot_sensor
+    from jobs.snapshots import snapshot_sensor
 
     instance = DagsterInstance.get()
-    storage = defs.resources["storage"]
-    result = snapshot_sensor(build_sensor_context(instance=instance,
-                                                  resources={"storage": storage}))
-    requests = getattr(result, "run_requests", None) or []
+    result = snapshot_sensor(build_sensor_context(
+        instance=instance, resources={"storage": defs.resources["storage"]}))
     for add in getattr(result, "dynamic_partitions_requests", None) or []:
         instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys))
-    done = set.intersection(*(instance.get_materialized_partitions(AssetKey(name))
-                              for name in STEP_ASSETS))
-    job = defs.resolve_job_def("ingest_step")
+    return execute_requests(instance, "ingest_step", getattr(result, "run_requests", None),
+                            DEMO_INGEST_CONFIG)
+
+
+def execute_requests(instance, job_name: str, requests, run_config: dict | None = None,
+                     ) -> list[str]:
+    """Execute a tick's run requests in this process, as the daemon would launch them.
+
+    ``run_config`` is deep-merged over each request's own. Partitions whose job assets are
+    all materialized already are skipped (what the daemon's run-key dedup does across
+    restarts). Returns the partitions that ran.
+    """
+
+    from definitions import defs
+
+    job = defs.resolve_job_def(job_name)
+    keys = [k for k in job.asset_layer.executable_asset_keys]
+    done = set.intersection(*(instance.get_materialized_partitions(k) for k in keys))
     ran = []
-    for request in requests:
+    for request in requests or []:
         if request.partition_key in done:
             continue
-        outcome = job.execute_in_process(instance=instance, partition_key=request.partition_key,
-                                         tags=request.tags, run_config=DEMO_INGEST_CONFIG,
-                                         raise_on_error=True)
-        log.info("%s: run %s %s", request.partition_key, outcome.run_id,
-                 "succeeded" if outcome.success else "FAILED")
+        outcome = job.execute_in_process(
+            instance=instance, partition_key=request.partition_key, tags=request.tags,
+            run_config=_merge(request.run_config or {}, run_config or {}), raise_on_error=True)
+        log.info("%s %s: run %s succeeded", job_name, request.partition_key, outcome.run_id)
         ran.append(request.partition_key)
     return ran
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 # The demo world has 16 prompts per RL step: hold out a fifth of them (not the library's 5%)
@@ -101,16 +120,16 @@ def train_newest(run_config: dict | None = None) -> str | None:
     """Materialize ``drafter_refresh`` for the newest ingested step (skipped if done)."""
     from dagster import AssetKey, DagsterInstance
 
+    from assets.partitions import step_key
     from definitions import defs
     from jobs.drafter import DRAFTER_ASSETS
-    from jobs.snapshots import STEP_ASSETS
+    from jobs.refresh import ingested_steps
 
     instance = DagsterInstance.get()
-    ingested = set.intersection(*(instance.get_materialized_partitions(AssetKey(name))
-                                  for name in STEP_ASSETS))
+    ingested = ingested_steps(instance)
     if not ingested:
         return None
-    newest = max(ingested)
+    newest = step_key(ingested[-1])
     trained = set.intersection(*(instance.get_materialized_partitions(AssetKey(name))
                                  for name in DRAFTER_ASSETS))
     if newest in trained:

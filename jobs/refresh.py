@@ -1,7 +1,9 @@
 """Triggers of the drafter refresh: every N ingested RL steps (sensor) or on a cron (schedule).
 
-A refresh at step s trains on the window s-K+1..s. The sensor requests one when another
-block of N steps has been ingested since the last refresh: refreshes land on steps N-1,
+A refresh at step s trains on the window s-K+1..s. N and K come from the ``refresh``
+resource (:class:`resources.refresh.RefreshPolicyResource`; env ``AERIE_REFRESH_EVERY``,
+``AERIE_REFRESH_WINDOW``); K reaches the run as typed run config. The sensor requests one
+when another block of N steps has been ingested since the last refresh: refreshes land on steps N-1,
 2N-1, ... (the newest ingested step when the block completes, if ingestion jumped ahead).
 Exactly once: the run key is ``drafter-refresh-<partition>``, so a lost cursor re-requests
 a key Dagster has already seen; never two at once: the sensor skips while a refresh run is
@@ -30,9 +32,8 @@ from assets.drafter import VocabRunConfig
 from assets.partitions import step_key, step_of
 from jobs.drafter import DRAFTER_ASSETS, drafter_refresh
 from jobs.snapshots import STEP_ASSETS
+from resources.refresh import RefreshPolicyResource
 
-REFRESH_EVERY = 4  # N: RL steps per refresh
-REFRESH_WINDOW = 4  # K: RL steps a refresh trains on
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
              DagsterRunStatus.STARTED]
 
@@ -46,7 +47,7 @@ def due_refresh(ingested: list[int], last: int, every: int) -> int | None:
     return newest if (newest + 1) // every > (last + 1) // every else None
 
 
-def refresh_request(step: int, window: int = REFRESH_WINDOW) -> RunRequest:
+def refresh_request(step: int, window: int) -> RunRequest:
     key = step_key(step)
     return RunRequest(run_key=f"drafter-refresh-{key}", partition_key=key,
                       run_config=RunConfig(ops={"vocab_mapping": VocabRunConfig(window=window)}),
@@ -67,21 +68,22 @@ def refresh_in_flight(instance) -> bool:
 
 @sensor(job=drafter_refresh, minimum_interval_seconds=60,
         default_status=DefaultSensorStatus.STOPPED)
-def refresh_sensor(context: SensorEvaluationContext):
-    """Requests one drafter refresh per completed block of REFRESH_EVERY ingested steps."""
+def refresh_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResource):
+    """Requests one drafter refresh per completed block of N ingested steps."""
     last = json.loads(context.cursor)["last"] if context.cursor else -1
-    step = due_refresh(ingested_steps(context.instance), last, REFRESH_EVERY)
+    step = due_refresh(ingested_steps(context.instance), last, refresh.every)
     if step is None:
-        return SkipReason(f"no new block of {REFRESH_EVERY} ingested steps since step {last}")
+        return SkipReason(f"no new block of {refresh.every} ingested steps since step {last}")
     if refresh_in_flight(context.instance):
         return SkipReason("a drafter refresh is still queued or running")
-    return SensorResult(run_requests=[refresh_request(step)],
+    return SensorResult(run_requests=[refresh_request(step, refresh.window)],
                         cursor=json.dumps({"last": step}))
 
 
 @schedule(job=drafter_refresh, cron_schedule="0 * * * *",
           default_status=DefaultScheduleStatus.STOPPED)
-def drafter_refresh_schedule(context: ScheduleEvaluationContext):
+def drafter_refresh_schedule(context: ScheduleEvaluationContext,
+                             refresh: RefreshPolicyResource):
     """The alternative trigger: hourly, refresh the newest ingested step if not yet done."""
     steps = ingested_steps(context.instance)
     if not steps:
@@ -92,4 +94,4 @@ def drafter_refresh_schedule(context: ScheduleEvaluationContext):
         return SkipReason(f"step {steps[-1]} is already refreshed")
     if refresh_in_flight(context.instance):
         return SkipReason("a drafter refresh is still queued or running")
-    return refresh_request(steps[-1])
+    return refresh_request(steps[-1], refresh.window)

@@ -1,4 +1,4 @@
-"""PNG charts of acceptance: per-position acceptance rates and τ over RL steps.
+"""PNG charts: per-position acceptance rates, τ over RL steps, the training curve.
 
 Pure functions from numbers to PNG bytes (matplotlib's Agg backend, no display): assets put
 them in Dagster metadata (:func:`markdown_image`), the registry logs them to MLflow, and the
@@ -53,6 +53,22 @@ def tau_curve(series: Mapping[str, Mapping[int, float]], title: str = "",
     ax.set_ylim(bottom=1.0)
     ax.set_title(title or "acceptance length over RL steps")
     ax.legend(loc="best", fontsize=8)
+    return _png(fig)
+
+
+def training_curve(history: Sequence[Mapping[str, float]], title: str = "") -> bytes:
+    """Loss (left axis) and simulated acceptance length (right axis) per logged step."""
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    steps = [h["step"] for h in history]
+    ax.plot(steps, [h["loss"] for h in history], color=_COLORS["candidate"], label="loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("TTT loss")
+    right = ax.twinx()
+    right.plot(steps, [h["sim_accept_length"] for h in history], color=_COLORS["champion"],
+               label="simulated accept length")
+    right.set_ylabel("simulated accept length")
+    ax.set_title(title or "training curve")
+    fig.legend(loc="upper center", fontsize=8, ncol=2, bbox_to_anchor=(0.5, 0.88))
     return _png(fig)
 
 

@@ -24,6 +24,7 @@ from jobs.refresh import (
     refresh_sensor,
 )
 from jobs.snapshots import STEP_ASSETS
+from resources.refresh import RefreshPolicyResource
 
 
 @pytest.mark.parametrize(("ingested", "last", "every", "due"), [
@@ -48,8 +49,10 @@ def ingest(instance, *steps: int, assets=STEP_ASSETS) -> None:
                 AssetMaterialization(asset_key=AssetKey(name), partition=step_key(s)))
 
 
-def tick(instance, cursor):
-    return refresh_sensor(build_sensor_context(instance=instance, cursor=cursor))
+def tick(instance, cursor, policy=None):
+    return refresh_sensor(build_sensor_context(
+        instance=instance, cursor=cursor,
+        resources={"refresh": policy or RefreshPolicyResource()}))
 
 
 def test_sensor_requests_exactly_one_refresh_per_block():
@@ -77,6 +80,39 @@ def test_sensor_requests_exactly_one_refresh_per_block():
         assert tick(instance, None).run_requests[0].run_key == "drafter-refresh-step-000007"
 
 
+def test_every_and_window_come_from_the_refresh_policy():
+    policy = RefreshPolicyResource(every=2, window=3)
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(6)])
+        ingest(instance, 0)
+        assert isinstance(tick(instance, None, policy), SkipReason)
+        ingest(instance, 1)
+        first = tick(instance, None, policy)
+        (req,) = first.run_requests
+        assert req.partition_key == "step-000001"
+        assert req.run_config["ops"]["vocab_mapping"]["config"]["window"] == 3
+        ingest(instance, 2, 3)
+        assert tick(instance, first.cursor, policy).run_requests[0].partition_key == \
+            "step-000003"
+
+
+def test_policy_reads_the_environment(monkeypatch):
+
+    from resources.refresh import refresh_policy_from_env
+
+    monkeypatch.setenv("AERIE_REFRESH_EVERY", "8")
+    monkeypatch.setenv("AERIE_REFRESH_WINDOW", "2")
+    resolved = refresh_policy_from_env().process_config_and_initialize()
+    assert (resolved.every, resolved.window) == (8, 2)
+    monkeypatch.delenv("AERIE_REFRESH_WINDOW")
+    assert refresh_policy_from_env().process_config_and_initialize().window == 4
+    monkeypatch.setenv("AERIE_REFRESH_EVERY", "0")
+    with instance_for_test() as instance, pytest.raises(Exception) as failed:
+        refresh_sensor(build_sensor_context(instance=instance,
+                                            resources={"refresh": refresh_policy_from_env()}))
+    assert "every must be >= 1, got 0" in str(failed.value.__cause__)
+
+
 def test_sensor_waits_while_a_refresh_is_in_flight():
     from dagster import DagsterRun
 
@@ -101,7 +137,8 @@ def _job():
 def test_schedule_refreshes_the_newest_step_once():
     with instance_for_test() as instance:
         instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(3)])
-        ctx = build_schedule_context(instance=instance)
+        ctx = build_schedule_context(instance=instance,
+                                     resources={"refresh": RefreshPolicyResource()})
         assert isinstance(drafter_refresh_schedule(ctx), SkipReason)
         ingest(instance, 0, 1, 2)
         req = drafter_refresh_schedule(ctx)

@@ -1,0 +1,46 @@
+"""Retries of the stages that talk to services: SGLang, S3 and the MLflow server.
+
+A stage that fails on a transient error (connection refused or reset, a timeout, an S3 or
+MLflow 5xx, an SGLang server still restarting) is retried by Dagster's retry policy with
+exponential backoff; every stage is safe to re-run (finished work is kept, writes are atomic
+and idempotent). A failure that another attempt cannot fix (bad input, a broken contract, a
+misconfigured server, a failed training child, a refused promotion) fails at once:
+:func:`fail_fast_on_permanent_errors` turns it into ``Failure(allow_retries=False)``, which
+bypasses the policy, so nobody waits three backoffs for a bad record.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from dagster import Backoff, Failure, Jitter, RetryPolicy
+
+from pipeline.data.capture.sglang_http import SGLangServerConfigError
+from pipeline.data.extraction import ExtractionError
+from pipeline.data.rollouts import SnapshotError
+from pipeline.registry.promotion import PromotionError
+from pipeline.registry.release import ReleaseError
+from pipeline.training.launch import TrainingFailed
+
+RETRY_DELAY_S = 5.0  # before the first retry; then 10 s, 20 s (± jitter)
+
+
+def service_retry_policy(delay: float = RETRY_DELAY_S) -> RetryPolicy:
+    return RetryPolicy(max_retries=3, delay=delay, backoff=Backoff.EXPONENTIAL,
+                       jitter=Jitter.PLUS_MINUS)
+
+
+SERVICE_RETRY = service_retry_policy()
+
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError, TypeError, LookupError, FileNotFoundError, NotADirectoryError,
+    SnapshotError, ExtractionError, SGLangServerConfigError, TrainingFailed, ReleaseError,
+    PromotionError)
+
+
+@contextmanager
+def fail_fast_on_permanent_errors() -> Iterator[None]:
+    """Let transient errors reach the retry policy; fail at once on permanent ones."""
+    try:
+        yield
+    except PERMANENT_ERRORS as e:
+        raise Failure(description=f"{type(e).__name__}: {e}", allow_retries=False) from e

@@ -1,0 +1,68 @@
+"""Retries: transient failures go to Dagster's retry policy, permanent ones fail at once."""
+
+from __future__ import annotations
+
+import pytest
+from dagster import AssetKey, DagsterEventType, asset, instance_for_test, materialize
+
+from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors, service_retry_policy
+from definitions import defs
+from pipeline.data.rollouts import SnapshotError
+
+
+def _flaky(errors: list[BaseException]):
+    """An asset that raises ``errors`` one per attempt, then succeeds; retried without delay."""
+    attempts = []
+
+    @asset(retry_policy=service_retry_policy(delay=0))
+    def flaky() -> int:
+        attempts.append(1)
+        with fail_fast_on_permanent_errors():
+            if len(attempts) <= len(errors):
+                raise errors[len(attempts) - 1]
+        return len(attempts)
+
+    return flaky, attempts
+
+
+def _restarts(instance, run_id) -> int:
+    return len(instance.get_records_for_run(
+        run_id, of_type=DagsterEventType.STEP_RESTARTED).records)
+
+
+@pytest.mark.parametrize("error", [ConnectionResetError("peer reset"), TimeoutError("slow"),
+                                   OSError("S3 503 SlowDown")])
+def test_transient_errors_are_retried_until_success(error):
+    flaky, attempts = _flaky([error, error])
+    with instance_for_test() as instance:
+        result = materialize([flaky], instance=instance)
+        assert result.success and len(attempts) == 3
+        assert _restarts(instance, result.run_id) == 2
+
+
+@pytest.mark.parametrize("error", [ValueError("record 7: field 'reward' is not a number"),
+                                   SnapshotError("no completion marker"),
+                                   FileNotFoundError("step=000003")])
+def test_permanent_errors_fail_at_once(error):
+    flaky, attempts = _flaky([error])
+    with instance_for_test() as instance:
+        result = materialize([flaky], instance=instance, raise_on_error=False)
+        assert not result.success and len(attempts) == 1
+        assert _restarts(instance, result.run_id) == 0
+        failure = result.get_step_failure_events()[0].step_failure_data.error
+        assert str(error) in failure.message  # the reason reaches the UI
+
+
+def test_retries_give_up_after_the_policy_max():
+    flaky, attempts = _flaky([ConnectionError("down")] * 10)
+    with instance_for_test() as instance:
+        result = materialize([flaky], instance=instance, raise_on_error=False)
+        assert not result.success
+        assert len(attempts) == service_retry_policy().max_retries + 1
+
+
+def test_every_stage_that_talks_to_a_service_has_the_policy():
+    graph = defs.get_repository_def().asset_graph
+    for key in graph.get_all_asset_keys():
+        node = graph.assets_def_for_key(AssetKey(key.path)).node_def
+        assert node.retry_policy == SERVICE_RETRY, key
