@@ -139,6 +139,7 @@ def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
         "resumed_from_step": res.resumed_from_step if res.resumed_from_step is not None
         else -1,
         "world_size": res.world_size, "zero_stage": res.zero_stage, "dtype": res.dtype,
+        "samples": res.samples, "tokens_trained": res.tokens_trained,
         "tokens_per_s": round(res.tokens_per_s, 1), "seconds": round(res.seconds, 3),
         "fingerprint": meta["fingerprint"],
         "training_curve": MetadataValue.md(markdown_image(training_curve(res.history), "loss")),

@@ -16,6 +16,7 @@ from pydantic import Field
 
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from assets.summary import refresh_summary
 from pipeline.evaluation.charts import alpha_chart
 from pipeline.registry.gate import GatePolicy
 from pipeline.registry.release import register_refresh, release_refresh
@@ -76,4 +77,5 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
         "previous_champion": p.previous_champion or "none",
         "reasons": MetadataValue.md("\n".join(f"- {x}" for x in p.reasons)),
         "decision": MetadataValue.json(json.loads(r.decision.to_json())),
-        "serving_sequence": p.serving.sequence if p.serving else -1})
+        "serving_sequence": p.serving.sequence if p.serving else -1,
+        "refresh_summary": MetadataValue.md(refresh_summary(context.instance, step))})

@@ -18,6 +18,19 @@ from pathlib import Path
 log = logging.getLogger("aerie")
 
 
+# The embedded default's instance: no telemetry, and at most one drafter_refresh run at a time
+# (however launched: sensor, schedule, UI), which the queued run coordinator enforces.
+INSTANCE_YAML = """telemetry:
+  enabled: false
+concurrency:
+  runs:
+    tag_concurrency_limits:
+      - key: aerie/serial
+        value: drafter_refresh
+        limit: 1
+"""
+
+
 def _prepare_dagster_home() -> Path:
     from resources.home import dagster_home
 
@@ -25,7 +38,7 @@ def _prepare_dagster_home() -> Path:
     home.mkdir(parents=True, exist_ok=True)
     config = home / "dagster.yaml"
     if not config.exists():
-        config.write_text("telemetry:\n  enabled: false\n")
+        config.write_text(INSTANCE_YAML)
     return home
 
 

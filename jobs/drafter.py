@@ -8,6 +8,7 @@ DRAFTER_ASSETS = ("vocab_mapping", "drafter_checkpoint", "acceptance_eval",
 
 drafter_refresh = define_asset_job(
     "drafter_refresh", selection=list(DRAFTER_ASSETS),
+    tags={"aerie/serial": "drafter_refresh"},  # one at a time: see jobs/cli.py INSTANCE_YAML
     description="Choose the draft vocab of the window ending at the partition's RL step, "
                 "train and publish its EAGLE-3 drafter (warm-started from the previous one), "
                 "measure it against the champion on held-out prompts, register it in MLflow "

@@ -164,6 +164,17 @@ def test_metadata_has_charts_and_stage_counts(loop):
         "training_curve"]
     shards = _meta(loop, "hidden_state_shards", "step-000005")
     assert shards["samples"] > 0 and shards["tokens"] > 0 and shards["seconds"] > 0
+    summary = _meta(loop, "serving_drafter", "step-000005")["refresh_summary"].splitlines()
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+            for r in summary[2:]}
+    assert list(rows) == ["rollout_snapshot", "tokenized_rollouts", "hidden_state_shards",
+                          "vocab_mapping", "drafter_checkpoint", "acceptance_eval",
+                          "registered_drafter"]
+    assert rows["hidden_state_shards"][:3] == ["4–5", str(sum(
+        _meta(loop, "hidden_state_shards", f"step-00000{s}")["samples"] for s in (4, 5))),
+        str(sum(_meta(loop, "hidden_state_shards", f"step-00000{s}")["tokens"]
+                for s in (4, 5)))]
+    assert all(float(r[-1]) > 0 for r in rows.values())  # wall time of every stage
 
 
 def test_z_damaged_shards_block_their_step_and_a_rerun_resumes(loop):

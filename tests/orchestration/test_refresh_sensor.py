@@ -145,3 +145,17 @@ def test_schedule_refreshes_the_newest_step_once():
         assert req.run_key == "drafter-refresh-step-000002"  # same scheme as the sensor
         ingest(instance, 2, assets=DRAFTER_ASSETS)
         assert isinstance(drafter_refresh_schedule(ctx), SkipReason)
+
+
+def test_embedded_instance_runs_one_refresh_at_a_time(tmp_path, monkeypatch):
+    from dagster import DagsterInstance
+
+    from jobs import cli
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
+    cli._prepare_dagster_home()
+    with DagsterInstance.get() as instance:
+        limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
+    tags = _job().tags
+    assert [(lim["key"], lim["value"], lim["limit"]) for lim in limits] == [
+        ("aerie/serial", tags["aerie/serial"], 1)]
