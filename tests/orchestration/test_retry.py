@@ -66,3 +66,25 @@ def test_every_stage_that_talks_to_a_service_has_the_policy():
     for key in graph.get_all_asset_keys():
         node = graph.assets_def_for_key(AssetKey(key.path)).node_def
         assert node.retry_policy == SERVICE_RETRY, key
+
+
+def test_a_failed_blocking_check_is_not_retried_and_stops_downstream():
+    from dagster import AssetCheckResult, AssetCheckSpec, MaterializeResult
+
+    attempts = []
+
+    @asset(retry_policy=service_retry_policy(delay=0),
+           check_specs=[AssetCheckSpec("sound", asset="judged", blocking=True)])
+    def judged():
+        attempts.append(1)
+        return MaterializeResult(check_results=[AssetCheckResult(passed=False)])
+
+    @asset(deps=[judged])
+    def downstream() -> None:
+        raise AssertionError("must not run after a failed blocking check")
+
+    with instance_for_test() as instance:
+        result = materialize([judged, downstream], instance=instance, raise_on_error=False)
+        assert not result.success and len(attempts) == 1
+        assert _restarts(instance, result.run_id) == 0
+        assert instance.get_latest_materialization_event(AssetKey("downstream")) is None
