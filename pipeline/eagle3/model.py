@@ -182,8 +182,8 @@ class DecoderLayer(nn.Module):
 
     def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """``residual`` (B, T, H) = the step's hidden input; ``attn_out`` (B, nh, T, d)."""
-        b, _, t, _ = attn_out.shape
-        h = residual + self.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
+        b, nh, t, d = attn_out.shape  # explicit width: T may be 0 (a step with no rows)
+        h = residual + self.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, nh * d))
         return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, H), un-normed
 
 

@@ -26,7 +26,11 @@ Invariants:
 - Attention never materialises a (B, heads, T, T) score tensor: the causal prefix goes
   through ``scaled_dot_product_attention`` (flash / memory-efficient kernels) and the ≤ K-1
   chain keys at the same position are per-position dot products; the two softmax parts are
-  merged exactly (see :func:`prefix_and_chain_attention`).
+  merged exactly (see :func:`gathered_chain_attention`).
+- The loss computes only what it reads: steps i ≥ 1 run at the positions some step j ≥ i
+  counts (:func:`needed_positions`; a chain's hidden state at t feeds only its own next
+  step at t), ``lm_head`` at the counted ones. Same loss and gradients as running every
+  step everywhere (tested).
 - Loss per step is the mean soft cross-entropy over its counted positions; the total is
   ``Σ_i decay^i · loss_i`` (decay 0.8). Batches are right-padded; every sequence starts at
   position 0 (no packing).
@@ -34,6 +38,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -46,6 +51,7 @@ from pipeline.eagle3.model import Eagle3Drafter, repeat_kv
 DEFAULT_DEPTH = 7
 DEFAULT_DECAY = 0.8
 DEFAULT_TEACHER_CHUNK = 8192
+QUERY_CHUNK = 64  # queries per attention call of a gathered chain step
 
 
 # -- the batch ---------------------------------------------------------------------------
@@ -216,53 +222,103 @@ def prefix_and_chain_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v
                                scale: float, *,
                                sink_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
                                ) -> torch.Tensor:
-    """Attention of draft step i ≥ 1: query t sees prefix keys 0..t and chain keys at t.
+    """Attention of draft step i ≥ 1 at every position: query t sees prefix keys 0..t and
+    the chain keys at t.
 
     Shapes: ``q`` (B, h, T, d); ``prefix_k``/``prefix_v`` (B, h, T, d), the step-0 keys;
-    ``chain_k``/``chain_v``: i tensors (B, h, T, d), the keys of steps 1..i (position t's
-    chain key only ever meets query t). Returns (B, h, T, d).
+    ``chain_k``/``chain_v``: i tensors (B, h, T, d), the keys of steps 1..i. Returns
+    (B, h, T, d). :func:`gathered_chain_attention` with every position as a query row (the
+    math is documented there); ``sink_prefix``: :func:`prefix_with_sink` of the prefix, if
+    already built.
+    """
+    b, nh, t, d = q.shape
 
-    The chain part is i per-position dot products: scores c (B, h, T, i), its log-sum-exp
-    lse_c and output o_c = softmax(c) · v. The prefix part goes through a single causal
-    ``scaled_dot_product_attention`` with one extra "sink" key in front that every query sees,
-    whose score for query t is exactly lse_c[t] and whose value is a unit vector in an extra
-    channel. That kernel then returns, for each t, the prefix output already weighted by
-    Z_prefix / (Z_prefix + Z_chain) in channels :d, and Z_chain / (Z_prefix + Z_chain) in
-    channel d; adding (channel d) · o_c gives the exact softmax over prefix ∪ chain keys,
-    differentiable throughout, without a (T, T) tensor. Layout (D = d + 2 rounded up to 8):
+    def as_rows(x: torch.Tensor) -> torch.Tensor:  # (B, h, T, d) -> (B·T, h, d)
+        return x.transpose(1, 2).reshape(b * t, nh, d)
 
-        query row 0       dummy zeros (lets the sink sit at key 0 under is_causal)
-        query row t + 1   [q_t, lse_c[t]/scale split hi+lo, 0…]
+    sink = sink_prefix if sink_prefix is not None else prefix_with_sink(prefix_k, prefix_v)
+    rows = torch.arange(b * t, device=q.device)
+    out = gathered_chain_attention(as_rows(q), rows, sink, [as_rows(k) for k in chain_k],
+                                   [as_rows(v) for v in chain_v], scale)
+    return out.view(b, t, nh, d).transpose(1, 2)
+
+
+def gathered_chain_attention(q: torch.Tensor, rows: torch.Tensor,
+                             sink_prefix: tuple[torch.Tensor, torch.Tensor],
+                             chain_k: Sequence[torch.Tensor], chain_v: Sequence[torch.Tensor],
+                             scale: float, *, chunk: int = QUERY_CHUNK) -> torch.Tensor:
+    """Attention of draft step i ≥ 1 for a subset of positions (the ones the loss needs).
+
+    ``q`` (N, h, d): queries at the flat positions ``rows`` (N,) = b·T + t, increasing;
+    ``sink_prefix``: the step-0 keys/values with the sink, (B, h, T+1, W) from
+    :func:`prefix_with_sink`; ``chain_k``/``chain_v``: i tensors (N, h, d), the keys of
+    steps 1..i at the same rows (position t's chain key only ever meets query t). Query
+    (b, t) sees prefix keys (b, 0..t) and its own chain keys. Returns (N, h, d).
+
+    The chain part is i per-row dot products: scores c (N, h, i), its log-sum-exp lse_c and
+    output o_c = softmax(c) · v, all on the N rows. The prefix part goes through
+    ``scaled_dot_product_attention`` (flash kernel) with one extra "sink" key in front that
+    every query sees, whose score for query t is exactly lse_c[t] and whose value is a unit
+    vector in an extra channel. That kernel then returns, for each t, the prefix output
+    already weighted by Z_prefix / (Z_prefix + Z_chain) in channels :d, and
+    Z_chain / (Z_prefix + Z_chain) in channel d; adding (channel d) · o_c gives the exact
+    softmax over prefix ∪ chain keys, differentiable throughout. Layout (W = d + 2 rounded
+    up to 8):
+
+        query row (b, t)  [q_t, lse_c[t]/scale split hi+lo, 0…]
         key row 0         [0…0, 1, 1, 0…]   (the sink; scale·q·k = lse_c)
         key row s + 1     [k_s, 0, 0, 0…]
         value row 0       [0…0, 1, 0…]
         value row s + 1   [v_s, 0, 0…]
 
-    The hi/lo split keeps lse_c exact to ~16 bits in bf16 (lo is 0 in fp32).
-    ``sink_prefix``: the key/value rows above, built once by :func:`prefix_with_sink` and
-    reused across steps (otherwise built here).
+    A subset of queries has no ``is_causal`` shortcut, so the kernel runs on chunks of
+    ≤ ``chunk`` consecutive rows of one sequence, each against the keys up to its last
+    position with a (rows, keys) boolean causal mask: about N·T/2 scores in all instead of
+    T²/2, and no tensor larger than chunk × (T+1). The hi/lo split keeps lse_c exact to
+    ~16 bits in bf16 (lo is 0 in fp32).
     """
-    b, nh, t, d = q.shape
+    n, nh, d = q.shape
     dtype = q.dtype
-    # chain part, fp32: (B, h, T, i)
+    k_aug, v_aug = sink_prefix
+    t = k_aug.shape[2] - 1
+    # chain part, fp32: (N, h, i)
     scores = torch.stack([(q.float() * k.float()).sum(-1) for k in chain_k], dim=-1) * scale
-    lse_c = torch.logsumexp(scores, dim=-1)  # (B, h, T)
-    weights = torch.exp(scores - lse_c[..., None])  # (B, h, T, i)
-    o_c = sum(weights[..., j, None] * v.float() for j, v in enumerate(chain_v))  # (B,h,T,d)
+    lse_c = torch.logsumexp(scores, dim=-1)  # (N, h)
+    weights = torch.exp(scores - lse_c[..., None])  # (N, h, i)
+    o_c = sum(weights[..., j, None] * v.float() for j, v in enumerate(chain_v))  # (N, h, d)
 
-    width = _sink_width(d)
     x = lse_c / scale
     x_hi = x.to(dtype)
     x_lo = (x - x_hi.float()).to(dtype)
-    q_aug = q.new_zeros(b, nh, t + 1, width)
-    q_aug[:, :, 1:, :d] = q
-    q_aug[:, :, 1:, d] = x_hi
-    q_aug[:, :, 1:, d + 1] = x_lo
-    k_aug, v_aug = sink_prefix if sink_prefix is not None else prefix_with_sink(prefix_k,
-                                                                                prefix_v)
-    out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, is_causal=True, scale=scale)
-    out = out[:, :, 1:]  # (B, h, T, width): drop the dummy query
+    width = k_aug.shape[-1]
+    q_aug = torch.cat([q, x_hi[..., None], x_lo[..., None],
+                       q.new_zeros(n, nh, width - d - 2)], dim=-1)  # (N, h, W)
+    outs = []
+    for b, start, end, last in _query_chunks(rows, k_aug.shape[0], t, chunk):
+        keys = last + 2  # the sink and prefix positions 0..last
+        position = rows[start:end] - b * t  # (n_c,)
+        visible = torch.arange(keys, device=rows.device) <= position[:, None] + 1  # (n_c, L)
+        out = F.scaled_dot_product_attention(
+            q_aug[start:end].transpose(0, 1)[None], k_aug[b:b + 1, :, :keys],
+            v_aug[b:b + 1, :, :keys], attn_mask=visible, scale=scale)  # (1, h, n_c, W)
+        outs.append(out[0].transpose(0, 1))
+    out = torch.cat(outs) if outs else q_aug  # (N, h, W)
     return (out[..., :d].float() + out[..., d:d + 1].float() * o_c).to(dtype)
+
+
+def _query_chunks(rows: torch.Tensor, batch: int, t: int, chunk: int
+                  ) -> list[tuple[int, int, int, int]]:
+    """Split increasing flat positions ``rows`` = b·T + pos into runs of ≤ ``chunk`` rows of
+    one sequence: ``(b, start, end, last pos)`` with ``rows[start:end]`` the run."""
+    counts = torch.bincount(rows // t, minlength=batch).tolist()
+    flat = rows.tolist()  # one host copy: the chunk bounds are Python ints
+    chunks, offset = [], 0
+    for b, count in enumerate(counts):
+        for start in range(offset, offset + count, chunk):
+            end = min(start + chunk, offset + count)
+            chunks.append((b, start, end, flat[end - 1] - b * t))
+        offset += count
+    return chunks
 
 
 def _sink_width(d: int) -> int:
@@ -283,31 +339,50 @@ def prefix_with_sink(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 class ChainAttention:
-    """The attention pattern of the parallel chain; call once per step, in order.
+    """The attention pattern of the parallel chain, for :meth:`Eagle3Drafter.step`.
 
-    Step 0 is causal over its own keys (the real prefix) and keeps them; step i ≥ 1 adds its
-    keys to the chain and attends with :func:`prefix_and_chain_attention`.
+    :meth:`prefix` is step 0's attention (causal over its own keys, the real prefix, which
+    it keeps); :meth:`chain` is step i ≥ 1's, on the rows that step runs at: it adds the
+    step's keys to the chain and attends with :func:`gathered_chain_attention`. Before a
+    step that runs at fewer rows, :meth:`keep` drops the others' chain keys.
     """
 
     def __init__(self, n_rep: int, scale: float):
         self.n_rep = n_rep
         self.scale = scale
-        self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.sink_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.chain_k: list[torch.Tensor] = []
+        self.prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # (B, h, T, d)
+        self.sink_prefix: tuple[torch.Tensor, torch.Tensor] | None = None  # built once
+        self.chain_k: list[torch.Tensor] = []  # (N, h, d) per step ≥ 1, on the current rows
         self.chain_v: list[torch.Tensor] = []
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)  # (B, h, T, d)
-        if self.prefix is None:
-            self.prefix = (k, v)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+    def prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Step 0: q (B, nh, T, d), k/v (B, nkv, T, d) -> (B, nh, T, d), causal."""
+        self.prefix_kv = (repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep))
+        return F.scaled_dot_product_attention(q, *self.prefix_kv, is_causal=True,
+                                              scale=self.scale)
+
+    def chain(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor
+              ) -> torch.Tensor:
+        """Step i ≥ 1 at flat positions ``rows`` (N,): q (1, nh, N, d), k/v (1, nkv, N, d),
+        as the drafter lays out N rows run as one sequence -> (1, nh, N, d)."""
+        if self.prefix_kv is None:
+            raise RuntimeError("ChainAttention.prefix (step 0) must run before the chain")
         if self.sink_prefix is None:
-            self.sink_prefix = prefix_with_sink(*self.prefix)
-        self.chain_k.append(k)
-        self.chain_v.append(v)
-        return prefix_and_chain_attention(q, *self.prefix, self.chain_k, self.chain_v,
-                                          self.scale, sink_prefix=self.sink_prefix)
+            self.sink_prefix = prefix_with_sink(*self.prefix_kv)
+
+        def as_rows(x: torch.Tensor) -> torch.Tensor:  # (1, heads, N, d) -> (N, h, d)
+            return repeat_kv(x, self.n_rep)[0].transpose(0, 1)
+
+        self.chain_k.append(as_rows(k))
+        self.chain_v.append(as_rows(v))
+        out = gathered_chain_attention(q[0].transpose(0, 1), rows, self.sink_prefix,
+                                       self.chain_k, self.chain_v, self.scale)
+        return out.transpose(0, 1)[None]
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep the chain keys of rows ``index`` (positions in the current rows) only."""
+        self.chain_k = [k.index_select(0, index) for k in self.chain_k]
+        self.chain_v = [v.index_select(0, index) for v in self.chain_v]
 
 
 def shift_left(x: torch.Tensor, s: int, fill: int) -> torch.Tensor:
@@ -318,26 +393,70 @@ def shift_left(x: torch.Tensor, s: int, fill: int) -> torch.Tensor:
     return y
 
 
-def ttt_hidden_states(model: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
-                      depth: int = DEFAULT_DEPTH, *, pad_token_id: int = 0
-                      ) -> Iterator[torch.Tensor]:
-    """Yield h^i (B, T, H), the un-normed output of step i = 0..depth-1 at every position.
+def needed_positions(gates: Sequence[torch.Tensor], seq_len: int) -> list[torch.Tensor]:
+    """need_i (B, T) = OR_{j ≥ i} gate_j: the positions step i must run at.
+
+    ``gates[j]`` (B, n_j ≤ T) says step j at position t is counted by the loss. A step's
+    output at t feeds only step i+1 at t (and step 0's keys, which run everywhere anyway),
+    so step i matters at t iff some step j ≥ i is counted there. need_i shrinks with i.
+    """
+    need = torch.zeros(gates[0].shape[0], seq_len, dtype=torch.bool, device=gates[0].device)
+    needs = []
+    for gate in reversed(gates):
+        need = need.clone()
+        need[:, :gate.shape[1]] |= gate
+        needs.append(need)
+    return needs[::-1]
+
+
+def ttt_chain(model: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
+              depth: int = DEFAULT_DEPTH, *, needs: Sequence[torch.Tensor] | None = None,
+              pad_token_id: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield ``(rows, h^i)`` for steps i = 0..depth-1: the flat positions ``rows`` (N_i,)
+    = b·T + t (increasing) the step ran at, and its un-normed output there, (N_i, H).
 
     ``input_ids`` (B, T) are the sequence tokens x_t (unshifted); ``aux_hidden`` (B, T, 3·Ht)
     the features f_t. Step i feeds token x_{t+1+i} (``pad_token_id`` past the end) at RoPE
     position t + i, with hidden fc(f_t) for i = 0 and h^{i-1}_t after.
+
+    Step 0 runs at every position: its keys are every later query's prefix. Step i ≥ 1 runs
+    at the positions where ``needs[i]`` (B, T) bool is set (``needs[0]`` is not read), and
+    that step 0..i-1 ran at (h^{i-1}_t is its input); ``None``: everywhere. Skipping a
+    position changes nothing at the others (its chain keys are only seen by itself), so
+    with ``needs`` from :func:`needed_positions` every counted logit is as with ``None``,
+    and the per-row work (norms, projections, MLP) shrinks to the rows the loss reads.
     """
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
     b, t = input_ids.shape
-    positions = torch.arange(t, device=input_ids.device).expand(b, t)  # (B, T)
     cfg = model.config
     attend = ChainAttention(cfg.num_attention_heads // cfg.num_key_value_heads, model.scale)
-    hidden = model.project(aux_hidden)  # (B, T, H)
-    for i in range(depth):
-        tokens = shift_left(input_ids, 1 + i, pad_token_id)  # (B, T): x_{t+1+i}
-        hidden = model.step(tokens, hidden, positions + i, attend)
-        yield hidden
+    positions = torch.arange(t, device=input_ids.device).expand(b, t)  # (B, T)
+    hidden = model.step(shift_left(input_ids, 1, pad_token_id), model.project(aux_hidden),
+                        positions, attend.prefix)  # (B, T, H)
+    rows = torch.arange(b * t, device=input_ids.device)
+    hidden = hidden.reshape(b * t, -1)
+    yield rows, hidden
+    for i in range(1, depth):
+        if needs is not None:
+            index = needs[i].reshape(-1)[rows].nonzero().squeeze(1)  # kept rows' places
+            if len(index) < len(rows):
+                rows, hidden = rows[index], hidden.index_select(0, index)
+                attend.keep(index)
+        tokens = shift_left(input_ids, 1 + i, pad_token_id).reshape(-1)[rows]  # x_{t+1+i}
+        hidden = model.step(tokens[None], hidden[None], (rows % t + i)[None],
+                            functools.partial(attend.chain, rows=rows))[0]  # (N_i, H)
+        yield rows, hidden
+
+
+def ttt_hidden_states(model: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
+                      depth: int = DEFAULT_DEPTH, *, pad_token_id: int = 0
+                      ) -> Iterator[torch.Tensor]:
+    """Yield h^i (B, T, H), the un-normed output of step i = 0..depth-1 at every position
+    (:func:`ttt_chain` run everywhere)."""
+    b, t = input_ids.shape
+    for _, hidden in ttt_chain(model, input_ids, aux_hidden, depth, pad_token_id=pad_token_id):
+        yield hidden.view(b, t, -1)
 
 
 def ttt_logits(model: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
@@ -378,13 +497,19 @@ def simulated_accept_length(accuracy: Sequence[float]) -> float:
 
 
 def ttt_loss(model: Eagle3Drafter, batch: TTTBatch, depth: int = DEFAULT_DEPTH, *,
-             decay: float = DEFAULT_DECAY, pad_token_id: int = 0
-             ) -> tuple[torch.Tensor, TTTMetrics]:
+             decay: float = DEFAULT_DECAY, pad_token_id: int = 0,
+             needs: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, TTTMetrics]:
     """The TTT training loss ``Σ_i decay^i · loss_i`` and its metrics (see module docstring).
 
-    ``norm``, ``lm_head`` and the soft cross-entropy run on the counted positions of each
-    step only (about half of all positions in chat data, and ``lm_head`` is most of a
-    step's FLOPs); the teacher softmax runs once, on the rows some step reads.
+    Only what the loss reads is computed: steps i ≥ 1 run at the positions some step j ≥ i
+    counts (:func:`needed_positions`; about half of all positions in chat data), and
+    ``norm``, ``lm_head`` and the soft cross-entropy at the counted positions of each step
+    (``lm_head`` is most of a step's FLOPs); the teacher softmax runs once, on the rows
+    some step reads.
+
+    ``needs``: the positions each step runs at, as for :func:`ttt_chain`, instead of
+    :func:`needed_positions` -- all-True masks give the full computation, for tests and
+    comparisons. A position missing there is not counted, whatever its gate says.
     """
     batch.validate(model)
     _, t = batch.input_ids.shape
@@ -396,39 +521,46 @@ def ttt_loss(model: Eagle3Drafter, batch: TTTBatch, depth: int = DEFAULT_DEPTH, 
         teacher = torch.zeros_like(trained)  # (B, T): teacher rows some step reads
         for i, gate in enumerate(gates):
             teacher[:, 1 + i:t - 1] |= gate
-        row_of = torch.cumsum(teacher.flatten(), 0).view_as(teacher) - 1  # compact index
+        row_of = torch.cumsum(teacher.flatten(), 0) - 1  # (B·T,) compact teacher index
         log_p = F.log_softmax(batch.target_logits_draft[teacher].float(), dim=-1)  # (R, Vd)
         p = log_p.exp()
-    steps = ttt_hidden_states(model, batch.input_ids, batch.aux_hidden, depth,
-                              pad_token_id=pad_token_id)
+        if needs is None:
+            needs = needed_positions(gates, t)
+        flat_gates = [F.pad(gate, (0, t - gate.shape[1])).reshape(-1) for gate in gates]
+    steps = ttt_chain(model, batch.input_ids, batch.aux_hidden, depth, needs=needs,
+                      pad_token_id=pad_token_id)
     # The counted rows of every step, then ONE norm + lm_head over all of them: the chain
     # needs each step's hidden state, never its logits, and one large matmul (forward and
     # weight gradient) runs faster than ``depth`` small ones.
-    rows = [hidden[:, :gate.shape[1]][gate] for hidden, gate in zip(steps, gates, strict=True)]
-    logits = model.compute_logits(torch.cat(rows)).float()  # (Σ N_i, Vd)
+    hidden_rows, counted = [], []  # counted[i]: flat positions b·T + t, in (b, t) order
+    for (rows, hidden), gate in zip(steps, flat_gates, strict=True):
+        keep = gate[rows]  # (N_i,) bool: the step's rows the loss counts
+        hidden_rows.append(hidden[keep])
+        counted.append(rows[keep])
+    logits = model.compute_logits(torch.cat(hidden_rows)).float()  # (Σ N_i, Vd)
     total = batch.aux_hidden.new_zeros((), dtype=torch.float32)
     step_losses, sums, counts = [], [], []
-    for i, (logits_i, gate) in enumerate(zip(logits.split([len(r) for r in rows]), gates,
-                                             strict=True)):
-        n = gate.shape[1]  # logits_i (N_i, Vd): counted positions t, predicting x_{t+2+i}
-        p_i = p[row_of[:, 1 + i:1 + i + n][gate]]  # (N_i, Vd)  teacher at t+1+i
-        argmax = batch.target_argmax[:, 1 + i:1 + i + n][gate]  # (N_i,)
+    for i, (logits_i, at) in enumerate(zip(logits.split([len(c) for c in counted]), counted,
+                                           strict=True)):
+        # logits_i (N_i, Vd) at counted positions t, predicting x_{t+2+i}; the teacher is at
+        # t+1+i, in the same sequence (t + 2 + i < T).
+        teacher_at = at + 1 + i
+        p_i = p[row_of[teacher_at]]  # (N_i, Vd)
+        argmax = batch.target_argmax.reshape(-1)[teacher_at]  # (N_i,)
         ce = soft_cross_entropy(logits_i, p_i)  # (N_i,)
-        count = gate.sum()
-        loss_i = ce.sum() / count.clamp(min=1)
+        count = len(at)
+        loss_i = ce.sum() / max(count, 1)
         total = total + decay ** i * loss_i
         with torch.no_grad():
             correct = model.to_target_ids(logits_i.argmax(-1)) == argmax
             step_losses.append(loss_i.detach())
             sums.append(correct.sum())
             counts.append(count)
-    counts_l = torch.stack(counts).tolist()
     correct_l = torch.stack(sums).tolist()
-    accuracy = [c / n if n else 0.0 for c, n in zip(correct_l, counts_l, strict=True)]
+    accuracy = [c / n if n else 0.0 for c, n in zip(correct_l, counts, strict=True)]
     metrics = TTTMetrics(loss=float(total.detach()),
                          step_loss=torch.stack(step_losses).tolist(), accuracy=accuracy,
-                         count=[int(c) for c in counts_l],
-                         sim_accept_length=simulated_accept_length(accuracy))
+                         count=counts, sim_accept_length=simulated_accept_length(accuracy))
     return total, metrics
 
 
@@ -436,7 +568,27 @@ def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """(N, V) logits, (N, V) target probabilities summing to 1 -> (N,) ``-Σ p·log_softmax``.
 
     Written as ``logsumexp(x) - <p, x>`` (equal when Σp = 1): no (N, V) log-softmax is kept
-    for backward, whose gradient is ``softmax(x) - p``.
+    for backward. The backward is written out (:class:`_SoftCrossEntropy`): autograd's
+    ``logsumexp`` and ``bmm`` backwards cost five (N, V) passes plus a per-row outer-product
+    ``bmm``, three times the four in-place passes of ``(softmax(x) - p) · g``. ``p`` is a
+    fixed target: it gets no gradient.
     """
-    return torch.logsumexp(logits, dim=-1) - torch.bmm(p.unsqueeze(1),
-                                                       logits.unsqueeze(2)).view(-1)
+    if p.requires_grad:
+        raise ValueError("soft_cross_entropy: the target p must not require grad")
+    return _SoftCrossEntropy.apply(logits, p)
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits, dim=-1)  # (N,)
+        ctx.save_for_backward(logits, p, lse)
+        return lse - torch.bmm(p.unsqueeze(1), logits.unsqueeze(2)).view(-1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, p, lse = ctx.saved_tensors
+        out = torch.sub(logits, lse[:, None])  # (N, V), then in place: softmax - p, · grad
+        out.exp_().sub_(p).mul_(grad[:, None])
+        return out, None
