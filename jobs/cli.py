@@ -92,28 +92,31 @@ def execute_requests(instance, job_name: str, requests, run_config: dict | None 
     all materialized already are skipped (what the daemon's run-key dedup does across
     restarts). Returns the partitions that ran.
     """
-
     from definitions import defs
 
     job = defs.resolve_job_def(job_name)
-    keys = [k for k in job.asset_layer.executable_asset_keys]
-    done = set.intersection(*(instance.get_materialized_partitions(k) for k in keys))
+    done = set.intersection(*(instance.get_materialized_partitions(k)
+                              for k in job.asset_layer.executable_asset_keys))
     ran = []
     for request in requests or []:
         if request.partition_key in done:
+            log.info("%s %s: already materialized", job_name, request.partition_key)
             continue
         outcome = job.execute_in_process(
             instance=instance, partition_key=request.partition_key, tags=request.tags,
-            run_config=_merge(request.run_config or {}, run_config or {}), raise_on_error=True)
+            run_config=deep_merge(request.run_config or {}, run_config or {}),
+            raise_on_error=True)
         log.info("%s %s: run %s succeeded", job_name, request.partition_key, outcome.run_id)
         ran.append(request.partition_key)
     return ran
 
 
-def _merge(base: dict, over: dict) -> dict:
+def deep_merge(base: dict, over: dict) -> dict:
+    """``base`` with ``over`` merged in, recursively for nested dicts (run configs)."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        both = isinstance(v, dict) and isinstance(out.get(k), dict)
+        out[k] = deep_merge(out[k], v) if both else v
     return out
 
 
@@ -131,11 +134,9 @@ DEMO_TRAIN_CONFIG = {"ops": {
 
 def train_newest(run_config: dict | None = None) -> str | None:
     """Materialize ``drafter_refresh`` for the newest ingested step (skipped if done)."""
-    from dagster import AssetKey, DagsterInstance
+    from dagster import DagsterInstance, RunRequest
 
     from assets.partitions import step_key
-    from definitions import defs
-    from jobs.drafter import DRAFTER_ASSETS
     from jobs.refresh import ingested_steps
 
     instance = DagsterInstance.get()
@@ -143,15 +144,8 @@ def train_newest(run_config: dict | None = None) -> str | None:
     if not ingested:
         return None
     newest = step_key(ingested[-1])
-    trained = set.intersection(*(instance.get_materialized_partitions(AssetKey(name))
-                                 for name in DRAFTER_ASSETS))
-    if newest in trained:
-        log.info("%s: drafter already trained", newest)
-        return newest
-    outcome = defs.resolve_job_def("drafter_refresh").execute_in_process(
-        instance=instance, partition_key=newest,
-        run_config=DEMO_TRAIN_CONFIG if run_config is None else run_config)
-    log.info("%s: drafter_refresh run %s succeeded", newest, outcome.run_id)
+    execute_requests(instance, "drafter_refresh", [RunRequest(partition_key=newest)],
+                     DEMO_TRAIN_CONFIG if run_config is None else run_config)
     return newest
 
 

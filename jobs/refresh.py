@@ -3,8 +3,9 @@
 A refresh at step s trains on the window s-K+1..s. N and K come from the ``refresh``
 resource (:class:`resources.refresh.RefreshPolicyResource`; env ``AERIE_REFRESH_EVERY``,
 ``AERIE_REFRESH_WINDOW``); K reaches the run as typed run config. The sensor requests one
-when another block of N steps has been ingested since the last refresh: refreshes land on steps N-1,
-2N-1, ... (the newest ingested step when the block completes, if ingestion jumped ahead).
+when another block of N steps has been ingested since the last refresh: refreshes land on
+steps N-1, 2N-1, ... (the newest ingested step when the block completes, if ingestion
+jumped ahead).
 Exactly once: the run key is ``drafter-refresh-<partition>``, so a lost cursor re-requests
 a key Dagster has already seen; never two at once: the sensor skips while a refresh run is
 queued or running. Cursor: ``{"last": s}``, the step of the last requested refresh.

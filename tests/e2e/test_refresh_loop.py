@@ -88,7 +88,7 @@ def _run_loop(home: Path) -> Loop:
         cursor = tick.cursor
         worse = len(loop.refreshed) + 1 == WORSE_CYCLE
         loop.refreshed += cli.execute_requests(loop.instance, "drafter_refresh", requests,
-                                               cli._merge(TRAIN, WORSE) if worse else TRAIN)
+                                               cli.deep_merge(TRAIN, WORSE) if worse else TRAIN)
     return loop
 
 
