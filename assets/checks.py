@@ -4,8 +4,11 @@ in the same step as the materialization they judge).
 
 Blocking checks (``shard_integrity``, ``training_loss`` on a non-finite loss,
 ``acceptance_lossless``) fail the step with ERROR severity, and Dagster then skips every
-downstream asset of the same run: damaged shards are not trained on, a diverged drafter is
-not evaluated, and an evaluation that is not lossless never reaches registration or promotion.
+downstream asset of the same run: a diverged drafter is not evaluated, and an evaluation that
+is not lossless never reaches registration or promotion. ``hidden_state_shards`` is the last
+asset of its run, so shards that rot later are caught where they are read: training re-hashes
+its window and refuses damaged files, and re-running the step's ingest re-extracts exactly
+those (:func:`pipeline.data.extraction.extract_step`).
 """
 
 from dagster import AssetCheckResult, AssetCheckSeverity, AssetCheckSpec

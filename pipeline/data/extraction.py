@@ -181,11 +181,17 @@ def extract_step(storage: Storage, step: int, backend: CaptureBackend,
     run_fp = _sha256_json(params)
 
     existing = read_manifest(storage, out_prefix)
-    if existing is not None and existing.meta.get("fingerprint") == run_fp:
+    damaged = (verify_manifest(storage, out_prefix, existing)
+               if existing is not None and existing.meta.get("fingerprint") == run_fp else None)
+    if damaged == []:
         log.info("step %d: hidden-state shards already committed (%s)", step, run_fp[:12])
         return _summary(storage, out_prefix, existing, shards_reused=len(existing.files),
                         backend_calls=0, started=started, already_committed=True)
-    if existing is not None:
+    if damaged:
+        log.warning("step %d: committed shards differ from their manifest (%s); withdrawing "
+                    "it and re-extracting the damaged shards", step, "; ".join(damaged[:3]))
+        storage.delete(manifest_key(out_prefix))
+    elif existing is not None:
         log.warning("step %d: committed shards were made with another configuration; "
                     "withdrawing the manifest and rebuilding", step)
         storage.delete(manifest_key(out_prefix))

@@ -36,7 +36,7 @@ from pipeline.training.config import TrainConfig
 from pipeline.training.launch import launch
 from pipeline.training.spec import TrainResult, TrainSpec
 from pipeline.training.vocab_stage import load_window_vocab
-from pipeline.training.window import read_window, shard_geometry
+from pipeline.training.window import read_window, shard_geometry, verify_window
 
 log = logging.getLogger(__name__)
 DRAFTER_KIND = "drafter_checkpoint"
@@ -124,6 +124,7 @@ def refresh_drafter(storage: Storage, step: int, config: TrainConfig, *, work_ro
         log.info("step %d: drafter %s already committed", step, spec.fingerprint()[:12])
         return DrafterRefresh(step, storage.url(prefix), existing,
                               TrainResult(**existing.meta["result"]), reused=True)
+    verify_window(storage, read_window(storage, spec.window_steps))
     result = launch(spec, launcher=launcher, storage_options=storage_options, on_line=on_line)
     if existing is not None:
         log.warning("step %d: replacing a drafter trained from other inputs", step)

@@ -24,8 +24,8 @@ from safetensors import safe_open
 
 from pipeline.contracts import Manifest
 from pipeline.data.policy_store import POLICY_KIND, policy_prefix
-from pipeline.data.shards import read_shards_manifest
-from pipeline.manifest import read_manifest
+from pipeline.data.shards import read_shards_manifest, shards_prefix
+from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.storage import Storage
 
 _EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight")
@@ -58,6 +58,16 @@ def read_window(storage: Storage, steps: Sequence[int],
         raise WindowError(f"the window {list(steps)} lacks committed {what} for step(s) "
                           f"{missing} under {storage.url()}")
     return found
+
+
+def verify_window(storage: Storage, manifests: Mapping[int, Manifest]) -> None:
+    """Re-hash every shard of the window against its manifest; raises naming each damaged
+    file (re-running the step's ingest re-extracts exactly those)."""
+    problems = [p for s, m in sorted(manifests.items())
+                for p in verify_manifest(storage, shards_prefix(s), m)]
+    if problems:
+        raise WindowError(f"{len(problems)} shard file(s) of the window differ from their "
+                          f"manifests, not training on them: " + "; ".join(problems[:5]))
 
 
 def shard_geometry(manifests: Mapping[int, Manifest]) -> tuple[int, tuple[int, ...]]:

@@ -201,6 +201,22 @@ def test_a_committed_step_is_not_recomputed(tmp_path, model):
                                                               first.shards)
 
 
+def test_a_damaged_committed_shard_is_re_extracted_alone(tmp_path, model):
+    storage = Storage(tmp_path.as_uri())
+    write_tokenized(storage, STEP, lengths(20))
+    first = extract_step(storage, STEP, backend(model), CONFIG)
+    clean = shard_files(storage)
+    prefix = shards_prefix(STEP)
+    shard1 = storage.local_path(f"{prefix}/shard-00001.parquet")
+    shard1.write_bytes(shard1.read_bytes()[:-1] + b"!")  # rotted after the commit
+    again = backend(model)
+    summary = extract_step(storage, STEP, again, CONFIG)
+    assert not summary.already_committed and 0 < again.calls
+    assert summary.shards_reused == first.shards - 1  # only shard 1 was extracted again
+    assert verify_manifest(storage, prefix, read_manifest(storage, prefix)) == []
+    assert shard_files(storage) == clean
+
+
 def test_another_configuration_rebuilds_and_recommits(tmp_path, model):
     storage = Storage(tmp_path.as_uri())
     write_tokenized(storage, STEP, lengths(8))

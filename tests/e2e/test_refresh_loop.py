@@ -26,6 +26,9 @@ from pipeline.demo.config import DemoConfig
 from pipeline.evaluation.stage import read_report
 from pipeline.serving.ledger import read_serving
 from pipeline.storage import Storage
+from pipeline.training.config import TrainConfig
+from pipeline.training.refresh import refresh_drafter
+from pipeline.training.window import WindowError
 from resources.mlflow import mlflow_from_environment
 from resources.refresh import RefreshPolicyResource
 from tests.conftest import free_port, wait_for_port
@@ -177,29 +180,29 @@ def test_metadata_has_charts_and_stage_counts(loop):
     assert all(float(r[-1]) > 0 for r in rows.values())  # wall time of every stage
 
 
-def test_z_damaged_shards_block_their_step_and_a_rerun_resumes(loop):
+def test_z_a_damaged_shard_is_refused_by_training_and_repaired_by_a_rerun(loop):
     """Named to run last: it damages, then repairs, the loop's own data."""
+    from definitions import defs
+
     shard = sorted((loop.home / "storage" / "shards" / "step=000005").glob("*.parquet"))[0]
     good = shard.read_bytes()
     shard.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
-    from definitions import defs
-
+    storage = Storage((loop.home / "storage").as_uri())
+    with pytest.raises(WindowError, match=shard.name):  # no refresh trains on it
+        refresh_drafter(storage, 5, TrainConfig(max_steps=1), work_root=loop.home / "t")
     ingest = defs.resolve_job_def("ingest_step")
     before = loop.instance.get_latest_materialization_event(AssetKey("tokenized_rollouts"))
-    failed = ingest.execute_in_process(instance=loop.instance, partition_key="step-000005",
-                                       run_config=cli.DEMO_INGEST_CONFIG, raise_on_error=False)
-    assert not failed.success
-    (evaluation,) = [e for e in failed.get_asset_check_evaluations()
-                     if e.check_name == "shard_integrity"]
-    assert not evaluation.passed and shard.name in evaluation.description
-    after = loop.instance.get_latest_materialization_event(AssetKey("tokenized_rollouts"))
-    assert after.run_id == failed.run_id and before.run_id != after.run_id  # re-validated
-    shard.write_bytes(good)  # repaired: the re-run passes without recomputing anything
     rerun = ingest.execute_in_process(instance=loop.instance, partition_key="step-000005",
                                       run_config=cli.DEMO_INGEST_CONFIG)
+    after = loop.instance.get_latest_materialization_event(AssetKey("tokenized_rollouts"))
+    assert after.run_id == rerun.run_id != before.run_id  # earlier assets re-validated
+    (evaluation,) = [e for e in rerun.get_asset_check_evaluations()
+                     if e.check_name == "shard_integrity"]
+    assert evaluation.passed
     meta = {e.asset_key.path[0]: e for e in rerun.get_asset_materialization_events()}
     shards = meta["hidden_state_shards"].materialization.metadata
-    assert shards["shards_reused"].value == shards["shards"].value
+    assert shards["shards_reused"].value == shards["shards"].value - 1  # only the damaged one
+    assert shard.read_bytes() == good
 
 
 # --- The UI: dagster-webserver on the loop's instance, driven by headless Chromium ----------

@@ -14,8 +14,9 @@ from pipeline.eagle3.export import load_drafter, save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.manifest import entry_for, write_manifest
 from pipeline.training.loop import build_drafter
-from pipeline.training.refresh import DRAFTER_KIND, drafter_prefix, plan
+from pipeline.training.refresh import DRAFTER_KIND, drafter_prefix, plan, refresh_drafter
 from pipeline.training.warmstart import apply_warm_start
+from pipeline.training.window import WindowError
 
 from .conftest import FAST, STEP
 
@@ -91,6 +92,18 @@ def test_plan_pins_the_data_and_names_the_run_by_content(vocab_storage, tmp_path
     assert plan(vocab_storage, STEP, replace(FAST, lr=5e-4), tmp_path, "none").work_dir != \
         a.work_dir
     assert Path(a.work_dir).name.startswith("step=000003-")
+
+
+def test_a_damaged_shard_in_the_window_stops_training_before_it_starts(vocab_storage,
+                                                                       tmp_path):
+    shard = sorted(Path(vocab_storage.path("shards/step=000002")).glob("*.parquet"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(WindowError, match=f"step=000002/{shard.name}: sha256"):
+        refresh_drafter(vocab_storage, STEP, FAST, work_root=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()  # no training process was started
+    assert not vocab_storage.exists(f"{drafter_prefix(STEP)}/_manifest.json")
 
 
 def test_loss_falls_and_acceptance_rises_on_the_toy(reference_run):
