@@ -21,9 +21,11 @@ from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.checks import MIN_VOCAB_COVERAGE, training_loss, vocab_coverage
 from pipeline.eagle3.vocab import DEFAULT_DRAFT_VOCAB_SIZE
 from pipeline.evaluation.charts import markdown_image, training_curve
+from pipeline.registry.mlflow_registry import model_name
 from pipeline.training.config import TrainConfig
 from pipeline.training.metrics import depth_table
 from pipeline.training.vocab_stage import build_window_vocab
+from resources.mlflow import MlflowResource
 from resources.storage import StorageResource
 from resources.trainer import TrainerResource
 
@@ -70,8 +72,9 @@ class DrafterRunConfig(Config):
     keep_checkpoints: int = Field(default=_T.keep_checkpoints, description="kept on disk")
     log_every: int = Field(default=_T.log_every, description="steps between log lines")
     export_dtype: str = Field(default=_T.export_dtype, description="exported weight dtype")
-    warm_start: str = Field(default="auto", description="auto (previous drafter) | none | a "
-                                                        "storage prefix or local drafter dir")
+    warm_start: str = Field(default="serving", description="serving (the drafter serving now) "
+                            "| previous (the newest committed one) | none | a storage prefix "
+                            "or local drafter dir")
 
     def to_core(self) -> TrainConfig:
         fields = {k: v for k, v in self.model_dump().items() if k != "warm_start"}
@@ -115,11 +118,15 @@ def vocab_mapping(context: AssetExecutionContext, config: VocabRunConfig,
                          "every logged loss finite (blocking) and the loss falling (warning)",
                          blocking=True)])
 def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
-                       storage: StorageResource, trainer: TrainerResource) -> MaterializeResult:
-    """EAGLE-3 drafter trained on the window (DeepSpeed, resumable), in SGLang's format."""
+                       storage: StorageResource, trainer: TrainerResource,
+                       mlflow: MlflowResource) -> MaterializeResult:
+    """EAGLE-3 drafter trained on the window (DeepSpeed, resumable), in SGLang's format;
+    warm-started from the drafter serving now (the registered model's serving ledger)."""
     with fail_fast_on_permanent_errors():
         r = trainer.refresh(storage.build(), step_of(context.partition_key), config.to_core(),
-                            warm_start=config.warm_start, on_line=context.log.info)
+                            warm_start=config.warm_start,
+                            serving_name=model_name(mlflow.target_family),
+                            on_line=context.log.info)
     res, meta = r.result, r.manifest.meta
     context.log.info(f"{r.uri}: {res.steps} steps, loss {res.final['loss']:.4f}, simulated "
                      f"acceptance {res.final['sim_accept_length']:.3f}"

@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                      work)
     refreshed = {0: stale}
     for s in refreshes[1:]:
-        refreshed[s], _ = train(storage, s, args.window, config, "auto", work)
+        refreshed[s], _ = train(storage, s, args.window, config, "previous", work)
     train_s = time.perf_counter() - t0
 
     # -- evaluation --------------------------------------------------------------------

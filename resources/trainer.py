@@ -52,10 +52,11 @@ class TrainerResource(ConfigurableResource):
         return Path(self.work_dir) if self.work_dir else aerie_home() / "training"
 
     def refresh(self, storage: Storage, step: int, config: TrainConfig, *,
-                warm_start: str = "auto",
+                warm_start: str = "serving", serving_name: str | None = None,
                 on_line: Callable[[str], None] | None = None) -> DrafterRefresh:
         """Train, export and publish the drafter of refresh step ``step``."""
         return refresh_drafter(storage, step, self.apply(config), work_root=self.work_root(),
-                               warm_start=warm_start, launcher=self.launcher,
+                               warm_start=warm_start, serving_name=serving_name,
+                               launcher=self.launcher,
                                storage_options=dict(storage.fs.storage_options),
                                on_line=on_line)

@@ -13,9 +13,11 @@ Invariants:
 - Lineage in the manifest: window steps and the sha256 of each step's shard manifest, vocab
   cache key and coverage, teacher policy, aux layer ids, warm-start source and decision,
   training config and per-depth metrics.
-- Warm start ``"auto"``: the newest committed drafter of an EARLIER step (the previous
-  refresh); ``"none"``: scratch; otherwise a storage prefix holding a drafter manifest or a
-  local drafter directory.
+- Warm start ``"serving"`` (the asset's default): the drafter serving now, from the serving
+  ledger, when it was trained on an earlier step; ``"previous"``: the newest committed drafter
+  of an earlier step, promoted or not; ``"none"``: scratch; otherwise a storage prefix holding
+  a drafter manifest or a local drafter directory. A drafter whose shapes do not fit starts
+  from scratch (:mod:`warmstart`); the decision is recorded.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 from pipeline.contracts import Manifest
 from pipeline.data.policy_store import load_policy_ref, step_dir
 from pipeline.manifest import entry_for, manifest_key, read_manifest, write_manifest
+from pipeline.serving.ledger import ServingLedger
 from pipeline.storage import Storage
 from pipeline.training.config import TrainConfig
 from pipeline.training.launch import launch
@@ -68,13 +71,37 @@ def previous_drafter(storage: Storage, step: int) -> int | None:
     return None
 
 
-def resolve_warm_start(storage: Storage, step: int, warm_start: str, cache_dir: Path
-                       ) -> tuple[str | None, str | None]:
-    """``(local directory, source label)`` of the warm start, or ``(None, None)``."""
+def served_drafter(storage: Storage, serving_name: str, step: int) -> int | None:
+    """The step of the newest drafter the ledger of ``serving_name`` has served that was
+    trained before ``step``: the drafter serving now, except when an older step is re-run
+    after later promotions (then the one that served before it, so a re-run plans the same
+    warm start). Entries that serve no drafter, or one from outside ``drafters/``, are
+    skipped. A candidate the gate refused never served, so it is never a warm start."""
+    root = storage.url("drafters") + "/"
+    for manifest in reversed(ServingLedger(storage, serving_name).history()):
+        uri = manifest.target.drafter_uri if manifest.target else ""
+        m = _STEP_DIR.match(uri[len(root):]) if uri.startswith(root) else None
+        if m and int(m.group(1)) < step:
+            return int(m.group(1))
+    return None
+
+
+def resolve_warm_start(storage: Storage, step: int, warm_start: str, cache_dir: Path,
+                       serving_name: str | None = None) -> tuple[str | None, str | None]:
+    """``(local directory, source label)`` of the warm start, or ``(None, None)``.
+
+    ``warm_start``: ``serving`` (the drafter serving ``serving_name``, see
+    :func:`served_drafter`), ``previous`` (the newest committed drafter of an earlier step,
+    promoted or not), ``none``, or a committed drafter prefix / local drafter directory.
+    """
     if warm_start == "none":
         return None, None
-    if warm_start == "auto":
-        prev = previous_drafter(storage, step)
+    if warm_start in ("serving", "previous"):
+        if warm_start == "serving" and not serving_name:
+            raise ValueError("warm_start 'serving' needs the serving name (the registered "
+                             "model)")
+        prev = (served_drafter(storage, serving_name, step) if warm_start == "serving"
+                else previous_drafter(storage, step))
         if prev is None:
             return None, None
         warm_start = drafter_prefix(prev)
@@ -96,13 +123,14 @@ def resolve_warm_start(storage: Storage, step: int, warm_start: str, cache_dir: 
 
 
 def plan(storage: Storage, step: int, config: TrainConfig, work_root: Path,
-         warm_start: str = "auto") -> TrainSpec:
+         warm_start: str = "previous", serving_name: str | None = None) -> TrainSpec:
     """The spec of ``step``'s refresh (reads manifests only)."""
     window, mapping = load_window_vocab(storage, step)
     read_window(storage, window)  # names any missing step
     shard_sha = {str(s): hashlib.sha256(storage.read_bytes(
         manifest_key(f"shards/{step_dir(s)}"))).hexdigest() for s in window}
-    warm_dir, warm_source = resolve_warm_start(storage, step, warm_start, work_root / "warm")
+    warm_dir, warm_source = resolve_warm_start(storage, step, warm_start, work_root / "warm",
+                                               serving_name)
     spec = TrainSpec(config=config, storage_url=storage.root_url, step=step,
                      window_steps=tuple(window), shard_manifest_sha256=shard_sha,
                      vocab_key=mapping.cache_key, policy_sha256=load_policy_ref(
@@ -113,11 +141,11 @@ def plan(storage: Storage, step: int, config: TrainConfig, work_root: Path,
 
 
 def refresh_drafter(storage: Storage, step: int, config: TrainConfig, *, work_root: Path,
-                    warm_start: str = "auto", launcher: str = "auto",
-                    storage_options: Mapping[str, Any] | None = None,
+                    warm_start: str = "previous", serving_name: str | None = None,
+                    launcher: str = "auto", storage_options: Mapping[str, Any] | None = None,
                     on_line: Callable[[str], None] | None = None) -> DrafterRefresh:
     """Train, export and publish the drafter of refresh step ``step``."""
-    spec = plan(storage, step, config, Path(work_root), warm_start)
+    spec = plan(storage, step, config, Path(work_root), warm_start, serving_name)
     prefix = drafter_prefix(step)
     existing = read_manifest(storage, prefix)
     if existing is not None and existing.meta.get("fingerprint") == spec.fingerprint():

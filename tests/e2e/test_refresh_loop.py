@@ -136,6 +136,15 @@ def test_promotion_follows_the_measured_gain(loop):
     assert serving.target is not None and serving.target.registry_version == promoted[-1]
 
 
+def test_a_refresh_warm_starts_from_the_drafter_serving_before_it(loop):
+    first, second = (_meta(loop, "drafter_checkpoint", p) for p in loop.refreshed[:2])
+    assert first["warm_start_source"] == "none"  # nothing served yet
+    if _meta(loop, "serving_drafter", loop.refreshed[0])["promoted"]:
+        assert "drafters/step=000001#" in second["warm_start_source"]
+    else:
+        assert second["warm_start_source"] == "none"
+
+
 def test_the_worse_cycle_was_really_worse_and_still_lossless(loop):
     report = read_report(loop.storage, 5)
     cand, champ = report.contestants["candidate"], report.contestants["champion"]

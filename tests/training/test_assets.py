@@ -8,8 +8,12 @@ from dagster import AssetKey, instance_for_test, materialize
 from assets.drafter import drafter_checkpoint, vocab_mapping
 from jobs.drafter import DRAFTER_ASSETS, drafter_refresh
 from pipeline.eagle3.export import read_drafter_config
+from pipeline.evaluation.spec import SpecParams
 from pipeline.manifest import read_manifest, verify_manifest
+from pipeline.serving.contracts import ServingTarget
+from pipeline.serving.ledger import ServingLedger
 from pipeline.training.refresh import drafter_prefix
+from resources.mlflow import MlflowResource
 from resources.storage import StorageResource
 from resources.trainer import TrainerResource
 
@@ -28,7 +32,8 @@ def run(instance, storage, tmp_path, step: int, assets, **vocab):
         assets, partition_key=key, instance=instance, raise_on_error=False,
         resources={"storage": StorageResource(url=storage.root_url),
                    "trainer": TrainerResource(work_dir=str(tmp_path / "work"), threads=1,
-                                              zero_stage=0)},
+                                              zero_stage=0),
+                   "mlflow": MlflowResource(target_family="demo")},
         run_config={"ops": {a.key.path[-1]: config[a.key.path[-1]] for a in assets}})
 
 
@@ -43,6 +48,9 @@ def test_two_refreshes_train_publish_and_warm_start_with_lineage(storage, tmp_pa
     with instance_for_test() as instance:
         first = run(instance, storage, tmp_path, 2, [vocab_mapping, drafter_checkpoint])
         assert first.success
+        ledger = ServingLedger(storage, "aerie-drafter-demo")  # as if the gate promoted it
+        ledger.publish(ServingTarget(storage.url(drafter_prefix(2)), "fp", ledger.name, "1"),
+                       SpecParams(3, 1, 4), mode="manifest", reason="promoted")
         second = run(instance, storage, tmp_path, 3, [vocab_mapping, drafter_checkpoint])
         assert second.success
         again = run(instance, storage, tmp_path, 3, [vocab_mapping])

@@ -12,9 +12,18 @@ from pipeline.contracts import Manifest
 from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.export import load_drafter, save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
+from pipeline.evaluation.spec import SpecParams
 from pipeline.manifest import entry_for, write_manifest
+from pipeline.serving.contracts import ServingTarget
+from pipeline.serving.ledger import ServingLedger
 from pipeline.training.loop import build_drafter
-from pipeline.training.refresh import DRAFTER_KIND, drafter_prefix, plan, refresh_drafter
+from pipeline.training.refresh import (
+    DRAFTER_KIND,
+    drafter_prefix,
+    plan,
+    refresh_drafter,
+    served_drafter,
+)
 from pipeline.training.warmstart import apply_warm_start
 from pipeline.training.window import WindowError
 
@@ -67,15 +76,15 @@ def publish_fake_drafter(storage, step: int, model: Eagle3Drafter, tmp_path: Pat
                                              files=tuple(entry_for(prefix, w) for w in written)))
 
 
-def test_auto_warm_start_takes_the_previous_refresh_and_enters_the_fingerprint(vocab_storage,
-                                                                              tmp_path):
+def test_previous_warm_start_takes_the_previous_refresh_and_enters_the_fingerprint(
+        vocab_storage, tmp_path):
     none = plan(vocab_storage, STEP, FAST, tmp_path, "none")
-    assert plan(vocab_storage, STEP, FAST, tmp_path, "auto").warm_start_dir is None
+    assert plan(vocab_storage, STEP, FAST, tmp_path, "previous").warm_start_dir is None
     model = build_drafter(none, vocab_storage)[0]
     publish_fake_drafter(vocab_storage, 1, model, tmp_path)
     publish_fake_drafter(vocab_storage, 2, model, tmp_path)
     publish_fake_drafter(vocab_storage, 3, model, tmp_path)  # the step itself: not a source
-    auto = plan(vocab_storage, STEP, FAST, tmp_path, "auto")
+    auto = plan(vocab_storage, STEP, FAST, tmp_path, "previous")
     assert "drafters/step=000002#" in auto.warm_start_source
     assert (Path(auto.warm_start_dir) / "model.safetensors").is_file()
     assert auto.fingerprint() != none.fingerprint() and auto.work_dir != none.work_dir
@@ -83,6 +92,33 @@ def test_auto_warm_start_takes_the_previous_refresh_and_enters_the_fingerprint(v
     assert explicit.warm_start_source.startswith((tmp_path / "d1").as_uri())
     with pytest.raises(FileNotFoundError, match="neither a committed drafter"):
         plan(vocab_storage, STEP, FAST, tmp_path, "drafters/step=000009")
+
+
+def test_serving_warm_start_takes_the_drafter_serving_not_the_newest_refused_one(
+        vocab_storage, tmp_path):
+    model = build_drafter(plan(vocab_storage, STEP, FAST, tmp_path, "none"), vocab_storage)[0]
+    for step in (1, 2, 3):
+        publish_fake_drafter(vocab_storage, step, model, tmp_path)
+    ledger = ServingLedger(vocab_storage, "aerie-drafter-demo")
+
+    def serve(step: int | None) -> None:
+        target = None if step is None else ServingTarget(
+            vocab_storage.url(drafter_prefix(step)), f"fp{step}", ledger.name, str(step))
+        ledger.publish(target, SpecParams(3, 1, 4), mode="manifest", reason="test")
+
+    assert plan(vocab_storage, STEP, FAST, tmp_path, "serving",
+                ledger.name).warm_start_dir is None  # nothing ever served: scratch
+    serve(1)  # drafter 2 was refused by the gate: it never served
+    spec = plan(vocab_storage, STEP, FAST, tmp_path, "serving", ledger.name)
+    assert "drafters/step=000001#" in spec.warm_start_source
+    serve(3)  # step 3 promoted; re-running step 3 plans the same warm start
+    assert served_drafter(vocab_storage, ledger.name, STEP) == 1
+    assert served_drafter(vocab_storage, ledger.name, 4) == 3
+    serve(None)  # a rollback to "no drafter" is not a drafter to start from
+    assert served_drafter(vocab_storage, ledger.name, 4) == 3
+    assert served_drafter(vocab_storage, "another-model", 4) is None
+    with pytest.raises(ValueError, match="needs the serving name"):
+        plan(vocab_storage, STEP, FAST, tmp_path, "serving")
 
 
 def test_plan_pins_the_data_and_names_the_run_by_content(vocab_storage, tmp_path):
