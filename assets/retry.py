@@ -4,7 +4,8 @@ A stage that fails on a transient error (connection refused or reset, a timeout,
 MLflow 5xx, an SGLang server still restarting) is retried by Dagster's retry policy with
 exponential backoff; every stage is safe to re-run (finished work is kept, writes are atomic
 and idempotent). A failure that another attempt cannot fix (bad input, a broken contract, a
-misconfigured server, a failed training child, a refused promotion) fails at once:
+misconfigured server, a request the server rejects, a drafter serving refuses, a failed
+training child) fails at once:
 :func:`fail_fast_on_permanent_errors` turns it into ``Failure(allow_retries=False)``, which
 bypasses the policy, so nobody waits three backoffs for a bad record.
 """
@@ -14,11 +15,12 @@ from contextlib import contextmanager
 
 from dagster import Backoff, Failure, Jitter, RetryPolicy
 
-from pipeline.data.capture.sglang_http import SGLangServerConfigError
+from pipeline.data.capture.sglang_http import SGLangRejectedError, SGLangServerConfigError
 from pipeline.data.extraction import ExtractionError
 from pipeline.data.rollouts import SnapshotError
-from pipeline.registry.promotion import PromotionError
+from pipeline.registry.promotion import PromotionError, PromotionNotApplied
 from pipeline.registry.release import ReleaseError
+from pipeline.serving.backend import ServingRefused
 from pipeline.training.launch import TrainingFailed
 
 RETRY_DELAY_S = 5.0  # before the first retry; then 10 s, 20 s (± jitter)
@@ -33,8 +35,16 @@ SERVICE_RETRY = service_retry_policy()
 
 PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
     ValueError, TypeError, LookupError, FileNotFoundError, NotADirectoryError,
-    SnapshotError, ExtractionError, SGLangServerConfigError, TrainingFailed, ReleaseError,
-    PromotionError)
+    SnapshotError, ExtractionError, SGLangServerConfigError, SGLangRejectedError,
+    TrainingFailed, ReleaseError, PromotionError, ServingRefused)
+
+
+def is_permanent(error: BaseException) -> bool:
+    """A promotion that moved nothing is as permanent as its cause (an SGLang server still
+    restarting: retried; a drafter it refuses: not); anything else by its type."""
+    if isinstance(error, PromotionNotApplied):
+        return error.__cause__ is not None and is_permanent(error.__cause__)
+    return isinstance(error, PERMANENT_ERRORS)
 
 
 @contextmanager
@@ -42,5 +52,7 @@ def fail_fast_on_permanent_errors() -> Iterator[None]:
     """Let transient errors reach the retry policy; fail at once on permanent ones."""
     try:
         yield
-    except PERMANENT_ERRORS as e:
-        raise Failure(description=f"{type(e).__name__}: {e}", allow_retries=False) from e
+    except Exception as e:
+        if is_permanent(e):
+            raise Failure(description=f"{type(e).__name__}: {e}", allow_retries=False) from e
+        raise

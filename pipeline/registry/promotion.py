@@ -48,6 +48,11 @@ class PromotionError(RuntimeError):
     """A promotion or rollback failed; the message says what state was left behind."""
 
 
+class PromotionNotApplied(PromotionError):
+    """A promotion that failed with nothing moved (serving and the alias as before): safe to
+    try again; whether that can help depends on its cause."""
+
+
 @dataclass(frozen=True)
 class PromotionResult:
     """What happened. ``action``: promoted | forced | rolled_back | refused | unchanged."""
@@ -167,8 +172,8 @@ def _make_champion(registry: DrafterRegistry, serving: ServingBackend, version: 
         manifest = serving.apply(target, reason=reason)
     except Exception as e:
         _best_effort_tag(registry, version, f"serving update failed: {e}")
-        raise PromotionError(f"{registry.model_name} v{version}: serving update failed, "
-                             f"nothing moved: {e}") from e
+        raise PromotionNotApplied(f"{registry.model_name} v{version}: serving update "
+                                  f"failed, nothing moved: {e}") from e
     _move_alias(registry, serving, version, before)
     log.info("%s: champion is now v%s (%s)", registry.model_name, version, reason)
     return manifest
@@ -180,8 +185,8 @@ def _clear_champion(registry: DrafterRegistry, serving: ServingBackend, *, reaso
     try:
         manifest = serving.restore(None, reason=reason)
     except Exception as e:
-        raise PromotionError(f"{registry.model_name}: serving without a drafter failed, "
-                             f"nothing moved: {e}") from e
+        raise PromotionNotApplied(f"{registry.model_name}: serving without a drafter "
+                                  f"failed, nothing moved: {e}") from e
     _move_alias(registry, serving, None, before)
     return manifest
 
@@ -216,8 +221,8 @@ def _move_alias(registry: DrafterRegistry, serving: ServingBackend, version: str
             f"drafter that is not the champion") from undo
     if version is not None:
         _best_effort_tag(registry, version, f"alias move failed: {problem}")
-    raise PromotionError(f"{registry.model_name}: moving {CHAMPION} to {version} failed "
-                         f"({problem}); the serving update was undone") from error
+    raise PromotionNotApplied(f"{registry.model_name}: moving {CHAMPION} to {version} "
+                              f"failed ({problem}); the serving update was undone") from error
 
 
 def _record_refusal(registry: DrafterRegistry, version: str, reasons: tuple[str, ...],

@@ -40,7 +40,13 @@ MODES = ("manifest", "sglang-restart", "sglang-hotswap")
 
 
 class ServingError(RuntimeError):
-    """A serving update was refused or failed; the message says which and why."""
+    """A serving update failed; the message says why. Worth another attempt (a server that is
+    restarting, a hook that timed out): nothing moved."""
+
+
+class ServingRefused(ServingError):
+    """A serving update that another attempt cannot fix (the drafter is not servable, the
+    mode cannot do what was asked); never retried."""
 
 
 @runtime_checkable
@@ -144,9 +150,9 @@ class LedgerBackend:
         try:
             committed = read_manifest(storage, storage.key_of(target.drafter_uri))
         except (StorageError, ValueError) as e:
-            raise ServingError(f"drafter {target.drafter_uri} cannot be served: {e}") from e
+            raise ServingRefused(f"drafter {target.drafter_uri} cannot be served: {e}") from e
         if committed is None:
-            raise ServingError(f"drafter {target.drafter_uri} has no committed manifest; "
+            raise ServingRefused(f"drafter {target.drafter_uri} has no committed manifest; "
                                f"readers could not fetch it")
 
     def _local(self, target: ServingTarget | None) -> Path | None:

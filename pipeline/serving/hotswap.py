@@ -38,7 +38,7 @@ from safetensors import safe_open
 
 from pipeline.eagle3.config import shapes_match
 from pipeline.eagle3.export import WEIGHTS_NAME, read_drafter_config
-from pipeline.serving.backend import ServingError
+from pipeline.serving.backend import ServingError, ServingRefused
 from pipeline.serving.contracts import ServingTarget
 
 log = logging.getLogger(__name__)
@@ -137,20 +137,20 @@ class SglangHotswap:
 
     def check(self, new_dir: Path, current_dir: Path | None) -> None:
         if current_dir is None:
-            raise ServingError("sglang-hotswap needs a drafter already being served; the "
+            raise ServingRefused("sglang-hotswap needs a drafter already being served; the "
                                "first drafter must be deployed with a restart")
         reasons = hotswap_refusals(current_dir, new_dir)
         if reasons:
-            raise ServingError("hot swap refused: " + "; ".join(reasons)
-                               + " (use serving mode 'sglang-restart')")
+            raise ServingRefused("hot swap refused: " + "; ".join(reasons)
+                                 + " (use serving mode 'sglang-restart')")
         if self.encoder is None:
-            raise ServingError(NO_ENCODER)
+            raise ServingRefused(NO_ENCODER)
 
     def activate(self, new_dir: Path | None, target: ServingTarget | None) -> dict[str, str]:
         if new_dir is None:
-            raise ServingError("sglang-hotswap cannot remove the drafter of a running server")
+            raise ServingRefused("sglang-hotswap cannot remove the drafter of a running server")
         if self.encoder is None:
-            raise ServingError(NO_ENCODER)
+            raise ServingRefused(NO_ENCODER)
         payload = self.encoder(new_dir)
         done = []
         for client in self.clients:

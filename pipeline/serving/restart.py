@@ -35,7 +35,7 @@ from pathlib import Path
 
 from pipeline.eagle3.export import read_drafter_config
 from pipeline.evaluation.spec import SpecParams
-from pipeline.serving.backend import ServingError
+from pipeline.serving.backend import ServingError, ServingRefused
 from pipeline.serving.contracts import ServingTarget
 
 log = logging.getLogger(__name__)
@@ -89,15 +89,15 @@ class RestartHook:
         try:
             read_drafter_config(new_dir)
         except (OSError, ValueError, KeyError) as e:
-            raise ServingError(f"{new_dir} is not a loadable drafter: {e}") from e
+            raise ServingRefused(f"{new_dir} is not a loadable drafter: {e}") from e
 
     def activate(self, new_dir: Path | None, target: ServingTarget | None) -> dict[str, str]:
         values = {"num_steps": self.settings.num_steps, "topk": self.settings.eagle_topk,
                   "num_draft_tokens": self.settings.num_draft_tokens}
         if new_dir is None:
             if self.no_drafter_argv is None:
-                raise ServingError("sglang-restart cannot serve 'no drafter': configure "
-                                   "no_drafter_argv to restart SGLang without speculation")
+                raise ServingRefused("sglang-restart cannot serve 'no drafter': configure "
+                                     "no_drafter_argv to restart SGLang without speculation")
             argv = [a.format_map(values) for a in self.no_drafter_argv]
         else:
             values |= {"drafter_dir": str(new_dir),

@@ -7,7 +7,15 @@ from dagster import AssetKey, DagsterEventType, asset, instance_for_test, materi
 
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors, service_retry_policy
 from definitions import defs
+from pipeline.data.capture.sglang_http import SGLangRejectedError, SGLangRequestError
 from pipeline.data.rollouts import SnapshotError
+from pipeline.registry.promotion import PromotionError, PromotionNotApplied
+from pipeline.serving.backend import ServingError, ServingRefused
+
+
+def _caused(error: BaseException, cause: BaseException) -> BaseException:
+    error.__cause__ = cause
+    return error
 
 
 def _flaky(errors: list[BaseException]):
@@ -30,8 +38,13 @@ def _restarts(instance, run_id) -> int:
         run_id, of_type=DagsterEventType.STEP_RESTARTED).records)
 
 
-@pytest.mark.parametrize("error", [ConnectionResetError("peer reset"), TimeoutError("slow"),
-                                   OSError("S3 503 SlowDown")])
+@pytest.mark.parametrize("error", [
+    ConnectionResetError("peer reset"), TimeoutError("slow"), OSError("S3 503 SlowDown"),
+    SGLangRequestError("failed after 4 attempts: connection refused", url="u", samples=()),
+    ServingError("restart hook timed out"),
+    _caused(PromotionNotApplied("serving update failed, nothing moved"),
+            ServingError("http://127.0.0.1:30000: ConnectionError")),
+    PromotionNotApplied("moving champion failed (read back '3'); undone")])
 def test_transient_errors_are_retried_until_success(error):
     flaky, attempts = _flaky([error, error])
     with instance_for_test() as instance:
@@ -40,9 +53,15 @@ def test_transient_errors_are_retried_until_success(error):
         assert _restarts(instance, result.run_id) == 2
 
 
-@pytest.mark.parametrize("error", [ValueError("record 7: field 'reward' is not a number"),
-                                   SnapshotError("no completion marker"),
-                                   FileNotFoundError("step=000003")])
+@pytest.mark.parametrize("error", [
+    ValueError("record 7: field 'reward' is not a number"),
+    SnapshotError("no completion marker"), FileNotFoundError("step=000003"),
+    SGLangRejectedError("http://127.0.0.1:30000/generate answered HTTP 400", url="u",
+                        samples=()),
+    ServingRefused("hot swap refused: draft vocab size differs"),
+    _caused(PromotionNotApplied("serving update failed, nothing moved"),
+            ServingRefused("drafter has no committed manifest")),
+    PromotionError("alias move failed AND restoring serving failed")])
 def test_permanent_errors_fail_at_once(error):
     flaky, attempts = _flaky([error])
     with instance_for_test() as instance:

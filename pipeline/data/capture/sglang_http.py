@@ -66,6 +66,11 @@ class SGLangRequestError(SGLangError):
         self.attempts = tuple(attempts)
 
 
+class SGLangRejectedError(SGLangRequestError):
+    """The server answered the request with a client error (HTTP 4xx that is not a rate limit
+    or a timeout): the same request will be refused again; never retried."""
+
+
 class TransientFailure(Exception):
     """A failure worth retrying; ``sample`` is the batch index it concerns, when one does."""
 
@@ -208,8 +213,8 @@ def raise_for_status(status: int, content: bytes, where: str) -> None:
         raise SGLangServerConfigError(
             f"server at {where} was not started with --enable-return-hidden-states "
             f"(or --return-hidden-states-mode full); it answered HTTP {status}: {message}")
-    raise SGLangRequestError(f"{where} answered HTTP {status}: {message}", url=where,
-                             samples=())
+    raise SGLangRejectedError(f"{where} answered HTTP {status}: {message}", url=where,
+                              samples=())
 
 
 def _error_message(content: bytes) -> str:
@@ -263,8 +268,8 @@ def call_with_retries(fn: Callable[[str], T], *, urls: Sequence[str], request_in
             raise
         except SGLangRequestError as e:
             stats.record(url, failed_reason="rejected")
-            raise SGLangRequestError(f"{_target(what, samples)}: {e}", url=url,
-                                     samples=samples, attempts=[f"{url}: {e}"]) from e
+            raise type(e)(f"{_target(what, samples)}: {e}", url=url, samples=samples,
+                          attempts=[f"{url}: {e}"]) from e
         else:
             stats.record(url)
             return result
