@@ -26,6 +26,7 @@ from pipeline.training.config import TrainConfig
 from pipeline.training.metrics import depth_table
 from pipeline.training.vocab_stage import build_window_vocab
 from resources.mlflow import MlflowResource
+from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
 from resources.trainer import TrainerResource
 
@@ -35,7 +36,8 @@ _T = TrainConfig()
 class VocabRunConfig(Config):
     """Run config of ``vocab_mapping``: the training window and the draft vocab size."""
 
-    window: int = Field(default=4, description="train on RL steps s-window+1 .. s")
+    window: int | None = Field(default=None, description="train on RL steps s-window+1 .. s; "
+                               "unset: the refresh resource's K (AERIE_REFRESH_WINDOW)")
     draft_vocab_size: int = Field(default=DEFAULT_DRAFT_VOCAB_SIZE,
                                   description="draft vocab size (capped by the target vocab)")
     min_coverage: float = Field(default=MIN_VOCAB_COVERAGE,
@@ -93,10 +95,11 @@ def _md_table(rows: list[dict]) -> MetadataValue:
        check_specs=[spec("vocab_mapping", "vocab_coverage",
                          "the draft vocab covers enough of the window's masked tokens")])
 def vocab_mapping(context: AssetExecutionContext, config: VocabRunConfig,
-                  storage: StorageResource) -> MaterializeResult:
+                  storage: StorageResource, refresh: RefreshPolicyResource) -> MaterializeResult:
     """Draft vocab (d2t / t2d) of the training window, counted under the loss mask; cached."""
+    window = refresh.window if config.window is None else config.window
     with fail_fast_on_permanent_errors():
-        v = build_window_vocab(storage.build(), step_of(context.partition_key), config.window,
+        v = build_window_vocab(storage.build(), step_of(context.partition_key), window,
                                config.draft_vocab_size)
     s = v.summary()
     context.log.info(f"window {list(v.window_steps)}: coverage {v.mapping.coverage:.4f}, "

@@ -127,24 +127,23 @@ DEMO_INGEST_CONFIG = {"ops": {"hidden_state_shards": {"config": {"heldout_fracti
 # The demo drafter trains from scratch on a few thousand tokens: the library defaults (lr
 # 1e-4, one epoch) are tuned for warm-started refreshes on real data and learn nothing here.
 DEMO_TRAIN_CONFIG = {"ops": {
-    "vocab_mapping": {"config": {"window": 4}},
     "drafter_checkpoint": {"config": {"lr": 1e-3, "epochs": 3, "micro_batch_size": 8}},
 }}
 
 
 def train_newest(run_config: dict | None = None) -> str | None:
     """Materialize ``drafter_refresh`` for the newest ingested step (skipped if done)."""
-    from dagster import DagsterInstance, RunRequest
+    from dagster import DagsterInstance
 
     from assets.partitions import step_key
-    from jobs.refresh import ingested_steps
+    from jobs.refresh import ingested_steps, refresh_request
 
     instance = DagsterInstance.get()
     ingested = ingested_steps(instance)
     if not ingested:
         return None
     newest = step_key(ingested[-1])
-    execute_requests(instance, "drafter_refresh", [RunRequest(partition_key=newest)],
+    execute_requests(instance, "drafter_refresh", [refresh_request(ingested[-1])],
                      DEMO_TRAIN_CONFIG if run_config is None else run_config)
     return newest
 

@@ -6,9 +6,12 @@ resource (:class:`resources.refresh.RefreshPolicyResource`; env ``AERIE_REFRESH_
 when another block of N steps has been ingested since the last refresh: refreshes land on
 steps N-1, 2N-1, ... (the newest ingested step when the block completes, if ingestion
 jumped ahead).
-Exactly once: the run key is ``drafter-refresh-<partition>``, so a lost cursor re-requests
-a key Dagster has already seen; never two at once: the sensor skips while a refresh run is
-queued or running. Cursor: ``{"last": s}``, the step of the last requested refresh.
+Exactly once: every refresh run carries the tag ``aerie/refresh_step``; both triggers treat a
+step some run was launched for (any status) as done, so the sensor after a lost cursor, and the
+schedule next to the sensor, never request it again (a failed refresh is re-run by hand, not
+every hour). Run keys are ``drafter-refresh-<partition>`` on top. Never two at once: both skip
+while a refresh run is queued or running. Cursor: ``{"last": s}``, the step of the last
+requested refresh; the sensor counts blocks from the newer of it and the newest tagged run.
 """
 
 import json
@@ -31,7 +34,7 @@ from dagster import (
 
 from assets.drafter import VocabRunConfig
 from assets.partitions import step_key, step_of
-from jobs.drafter import DRAFTER_ASSETS, drafter_refresh
+from jobs.drafter import drafter_refresh
 from jobs.snapshots import STEP_ASSETS
 from resources.refresh import RefreshPolicyResource
 
@@ -48,11 +51,21 @@ def due_refresh(ingested: list[int], last: int, every: int) -> int | None:
     return newest if (newest + 1) // every > (last + 1) // every else None
 
 
-def refresh_request(step: int, window: int) -> RunRequest:
+REFRESH_STEP_TAG = "aerie/refresh_step"
+
+
+def refresh_request(step: int, window: int | None = None) -> RunRequest:
+    """The run of the refresh at ``step``; ``window`` None leaves K to the refresh resource."""
     key = step_key(step)
     return RunRequest(run_key=f"drafter-refresh-{key}", partition_key=key,
                       run_config=RunConfig(ops={"vocab_mapping": VocabRunConfig(window=window)}),
-                      tags={"aerie/refresh_step": str(step)})
+                      tags={REFRESH_STEP_TAG: str(step)})
+
+
+def requested_steps(instance) -> set[int]:
+    """Steps a refresh run was launched for, whatever became of it."""
+    return {int(v) for _, values in instance.get_run_tags(tag_keys=[REFRESH_STEP_TAG])
+            for v in values}
 
 
 def ingested_steps(instance) -> list[int]:
@@ -71,7 +84,8 @@ def refresh_in_flight(instance) -> bool:
         default_status=DefaultSensorStatus.STOPPED)
 def refresh_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResource):
     """Requests one drafter refresh per completed block of N ingested steps."""
-    last = json.loads(context.cursor)["last"] if context.cursor else -1
+    last = max(json.loads(context.cursor)["last"] if context.cursor else -1,
+               max(requested_steps(context.instance), default=-1))
     step = due_refresh(ingested_steps(context.instance), last, refresh.every)
     if step is None:
         return SkipReason(f"no new block of {refresh.every} ingested steps since step {last}")
@@ -85,14 +99,13 @@ def refresh_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResou
           default_status=DefaultScheduleStatus.STOPPED)
 def drafter_refresh_schedule(context: ScheduleEvaluationContext,
                              refresh: RefreshPolicyResource):
-    """The alternative trigger: hourly, refresh the newest ingested step if not yet done."""
+    """The alternative trigger: hourly, refresh the newest ingested step unless a refresh
+    run was already launched for it."""
     steps = ingested_steps(context.instance)
     if not steps:
         return SkipReason("no ingested RL step yet")
-    refreshed = set.intersection(*(context.instance.get_materialized_partitions(AssetKey(a))
-                                   for a in DRAFTER_ASSETS))
-    if step_key(steps[-1]) in refreshed:
-        return SkipReason(f"step {steps[-1]} is already refreshed")
+    if steps[-1] in requested_steps(context.instance):
+        return SkipReason(f"a refresh run for step {steps[-1]} was already launched")
     if refresh_in_flight(context.instance):
         return SkipReason("a drafter refresh is still queued or running")
     return refresh_request(steps[-1], refresh.window)

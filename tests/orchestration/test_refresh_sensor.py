@@ -17,10 +17,10 @@ from dagster import (
 )
 
 from assets.partitions import step_key
-from jobs.drafter import DRAFTER_ASSETS
 from jobs.refresh import (
     drafter_refresh_schedule,
     due_refresh,
+    refresh_request,
     refresh_sensor,
 )
 from jobs.snapshots import STEP_ASSETS
@@ -76,8 +76,20 @@ def test_sensor_requests_exactly_one_refresh_per_block():
         ingest(instance, 7)
         second = tick(instance, first.cursor)
         assert [r.run_key for r in second.run_requests] == ["drafter-refresh-step-000007"]
-        # A lost cursor re-requests the newest step under its run key: Dagster dedupes it.
+        # A lost cursor counts blocks from the newest step a refresh run was launched for.
+        launched(instance, 3)
         assert tick(instance, None).run_requests[0].run_key == "drafter-refresh-step-000007"
+        launched(instance, 7)
+        ingest(instance, 8, 9)
+        assert isinstance(tick(instance, None), SkipReason)  # not a new block: 9 is not due
+        ingest(instance, 10, 11)
+        assert tick(instance, None).run_requests[0].partition_key == "step-000011"
+
+
+def launched(instance, step: int, status=DagsterRunStatus.SUCCESS) -> None:
+    """A finished refresh run of ``step``, tagged as the triggers tag theirs."""
+    instance.create_run_for_job(job_def=_job(), run_id=None, tags=refresh_request(step).tags,
+                                status=status)
 
 
 def test_every_and_window_come_from_the_refresh_policy():
@@ -136,15 +148,17 @@ def _job():
 
 def test_schedule_refreshes_the_newest_step_once():
     with instance_for_test() as instance:
-        instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(3)])
+        instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(4)])
         ctx = build_schedule_context(instance=instance,
                                      resources={"refresh": RefreshPolicyResource()})
         assert isinstance(drafter_refresh_schedule(ctx), SkipReason)
-        ingest(instance, 0, 1, 2)
+        ingest(instance, 0, 1, 2, 3)
         req = drafter_refresh_schedule(ctx)
-        assert req.run_key == "drafter-refresh-step-000002"  # same scheme as the sensor
-        ingest(instance, 2, assets=DRAFTER_ASSETS)
-        assert isinstance(drafter_refresh_schedule(ctx), SkipReason)
+        assert req.run_key == "drafter-refresh-step-000003"  # same scheme as the sensor
+        launched(instance, 3, DagsterRunStatus.FAILURE)
+        skip = drafter_refresh_schedule(ctx)  # launched, even though it failed: not again
+        assert isinstance(skip, SkipReason) and "already launched" in str(skip)
+        assert isinstance(tick(instance, None), SkipReason)  # nor by the sensor (block 0..3)
 
 
 def test_embedded_instance_runs_one_refresh_at_a_time(tmp_path, monkeypatch):

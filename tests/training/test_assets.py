@@ -14,6 +14,7 @@ from pipeline.serving.contracts import ServingTarget
 from pipeline.serving.ledger import ServingLedger
 from pipeline.training.refresh import drafter_prefix
 from resources.mlflow import MlflowResource
+from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
 from resources.trainer import TrainerResource
 
@@ -33,7 +34,8 @@ def run(instance, storage, tmp_path, step: int, assets, **vocab):
         resources={"storage": StorageResource(url=storage.root_url),
                    "trainer": TrainerResource(work_dir=str(tmp_path / "work"), threads=1,
                                               zero_stage=0),
-                   "mlflow": MlflowResource(target_family="demo")},
+                   "mlflow": MlflowResource(target_family="demo"),
+                   "refresh": RefreshPolicyResource(window=9)},  # the run config's wins
         run_config={"ops": {a.key.path[-1]: config[a.key.path[-1]] for a in assets}})
 
 
