@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from dagster import DynamicPartitionsDefinition
+from collections.abc import Iterable
+
+from dagster import AssetKey, DynamicPartitionsDefinition
 
 rl_steps = DynamicPartitionsDefinition(name="rl_steps")
 
 
 def step_key(step: int) -> str:
     return f"step-{step:06d}"
+
+
+def complete_partitions(instance, assets: Iterable[AssetKey | str]) -> set[str]:
+    """Partitions in which every one of ``assets`` is materialized."""
+    return set.intersection(*(instance.get_materialized_partitions(AssetKey.from_coercible(a))
+                              for a in assets))
 
 
 def step_of(key: str) -> int:

@@ -92,11 +92,11 @@ def execute_requests(instance, job_name: str, requests, run_config: dict | None 
     all materialized already are skipped (what the daemon's run-key dedup does across
     restarts). Returns the partitions that ran.
     """
+    from assets.partitions import complete_partitions
     from definitions import defs
 
     job = defs.resolve_job_def(job_name)
-    done = set.intersection(*(instance.get_materialized_partitions(k)
-                              for k in job.asset_layer.executable_asset_keys))
+    done = complete_partitions(instance, job.asset_layer.executable_asset_keys)
     ran = []
     for request in requests or []:
         if request.partition_key in done:

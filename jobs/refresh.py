@@ -17,7 +17,6 @@ requested refresh; the sensor counts blocks from the newer of it and the newest 
 import json
 
 from dagster import (
-    AssetKey,
     DagsterRunStatus,
     DefaultScheduleStatus,
     DefaultSensorStatus,
@@ -33,7 +32,7 @@ from dagster import (
 )
 
 from assets.drafter import VocabRunConfig
-from assets.partitions import step_key, step_of
+from assets.partitions import complete_partitions, step_key, step_of
 from jobs.drafter import drafter_refresh
 from jobs.snapshots import STEP_ASSETS
 from resources.refresh import RefreshPolicyResource
@@ -70,9 +69,7 @@ def requested_steps(instance) -> set[int]:
 
 def ingested_steps(instance) -> list[int]:
     """Steps whose whole data path (snapshot, tokens, shards) is materialized."""
-    done = set.intersection(*(instance.get_materialized_partitions(AssetKey(name))
-                              for name in STEP_ASSETS))
-    return sorted(step_of(k) for k in done)
+    return sorted(step_of(k) for k in complete_partitions(instance, STEP_ASSETS))
 
 
 def refresh_in_flight(instance) -> bool:

@@ -217,32 +217,6 @@ def teacher_targets(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
 
 
 # -- the parallel chain ------------------------------------------------------------------
-def prefix_and_chain_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
-                               chain_k: Sequence[torch.Tensor], chain_v: Sequence[torch.Tensor],
-                               scale: float, *,
-                               sink_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
-                               ) -> torch.Tensor:
-    """Attention of draft step i ≥ 1 at every position: query t sees prefix keys 0..t and
-    the chain keys at t.
-
-    Shapes: ``q`` (B, h, T, d); ``prefix_k``/``prefix_v`` (B, h, T, d), the step-0 keys;
-    ``chain_k``/``chain_v``: i tensors (B, h, T, d), the keys of steps 1..i. Returns
-    (B, h, T, d). :func:`gathered_chain_attention` with every position as a query row (the
-    math is documented there); ``sink_prefix``: :func:`prefix_with_sink` of the prefix, if
-    already built.
-    """
-    b, nh, t, d = q.shape
-
-    def as_rows(x: torch.Tensor) -> torch.Tensor:  # (B, h, T, d) -> (B·T, h, d)
-        return x.transpose(1, 2).reshape(b * t, nh, d)
-
-    sink = sink_prefix if sink_prefix is not None else prefix_with_sink(prefix_k, prefix_v)
-    rows = torch.arange(b * t, device=q.device)
-    out = gathered_chain_attention(as_rows(q), rows, sink, [as_rows(k) for k in chain_k],
-                                   [as_rows(v) for v in chain_v], scale)
-    return out.view(b, t, nh, d).transpose(1, 2)
-
-
 def gathered_chain_attention(q: torch.Tensor, rows: torch.Tensor,
                              sink_prefix: tuple[torch.Tensor, torch.Tensor],
                              chain_k: Sequence[torch.Tensor], chain_v: Sequence[torch.Tensor],

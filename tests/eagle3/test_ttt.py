@@ -4,6 +4,7 @@ mask gating of the first response tokens, memory-safe attention, teacher targets
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -16,7 +17,8 @@ from pipeline.eagle3.model import EXPORTED_NAMES
 from pipeline.eagle3.ttt import (
     TTTBatch,
     collate,
-    prefix_and_chain_attention,
+    gathered_chain_attention,
+    prefix_with_sink,
     simulated_accept_length,
     teacher_rows,
     teacher_targets,
@@ -24,6 +26,24 @@ from pipeline.eagle3.ttt import (
     ttt_loss,
 )
 from tests.eagle3.helpers import random_batch, tiny_drafter, tiny_target_config
+
+
+def prefix_and_chain_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
+                               chain_k: Sequence[torch.Tensor], chain_v: Sequence[torch.Tensor],
+                               scale: float) -> torch.Tensor:
+    """:func:`gathered_chain_attention` with every position a query, in (B, h, T, d) layout:
+    query t sees prefix keys 0..t and the i chain keys at t."""
+    b, nh, t, d = q.shape
+
+    def as_rows(x: torch.Tensor) -> torch.Tensor:  # (B, h, T, d) -> (B·T, h, d)
+        return x.transpose(1, 2).reshape(b * t, nh, d)
+
+    rows = torch.arange(b * t, device=q.device)
+    out = gathered_chain_attention(as_rows(q), rows, prefix_with_sink(prefix_k, prefix_v),
+                                   [as_rows(k) for k in chain_k],
+                                   [as_rows(v) for v in chain_v], scale)
+    return out.view(b, t, nh, d).transpose(1, 2)
+
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,

@@ -147,10 +147,9 @@ def _job():
 
 
 def test_schedule_refreshes_the_newest_step_once():
-    with instance_for_test() as instance:
+    with instance_for_test() as instance, build_schedule_context(  # `with`: it is exited
+            instance=instance, resources={"refresh": RefreshPolicyResource()}) as ctx:
         instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(4)])
-        ctx = build_schedule_context(instance=instance,
-                                     resources={"refresh": RefreshPolicyResource()})
         assert isinstance(drafter_refresh_schedule(ctx), SkipReason)
         ingest(instance, 0, 1, 2, 3)
         req = drafter_refresh_schedule(ctx)
