@@ -80,6 +80,17 @@ def test_two_refreshes_train_publish_and_warm_start_with_lineage(storage, tmp_pa
     assert read_drafter_config(local).draft_vocab_size == 64
 
 
+def test_the_window_defaults_to_the_refresh_resources_k(storage):
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_steps", ["step-000003"])
+        result = materialize(
+            [vocab_mapping], partition_key="step-000003", instance=instance,
+            resources={"storage": StorageResource(url=storage.root_url),
+                       "refresh": RefreshPolicyResource(window=1)},
+            run_config={"ops": {"vocab_mapping": {"config": {"draft_vocab_size": 64}}}})
+    assert metadata(result, "vocab_mapping")["window_steps"] == [3]
+
+
 def test_missing_inputs_fail_the_assets_with_named_steps(storage, tmp_path):
     with instance_for_test() as instance:
         result = run(instance, storage, tmp_path, 3, [vocab_mapping], window=5)
