@@ -153,7 +153,7 @@ class LedgerBackend:
             raise ServingRefused(f"drafter {target.drafter_uri} cannot be served: {e}") from e
         if committed is None:
             raise ServingRefused(f"drafter {target.drafter_uri} has no committed manifest; "
-                               f"readers could not fetch it")
+                                 f"readers could not fetch it")
 
     def _local(self, target: ServingTarget | None) -> Path | None:
         if target is None:

@@ -138,7 +138,7 @@ class SglangHotswap:
     def check(self, new_dir: Path, current_dir: Path | None) -> None:
         if current_dir is None:
             raise ServingRefused("sglang-hotswap needs a drafter already being served; the "
-                               "first drafter must be deployed with a restart")
+                                 "first drafter must be deployed with a restart")
         reasons = hotswap_refusals(current_dir, new_dir)
         if reasons:
             raise ServingRefused("hot swap refused: " + "; ".join(reasons)
