@@ -8,7 +8,7 @@ downstream asset of the same run: a diverged drafter is not evaluated, and an ev
 is not lossless never reaches registration or promotion. ``hidden_state_shards`` is the last
 asset of its run, so shards that rot later are caught where they are read: training re-hashes
 its window and refuses damaged files, and re-running the step's ingest re-extracts exactly
-those (:func:`pipeline.data.extraction.extract_step`).
+those (:func:`pipeline.capture.stage.run`).
 """
 
 from dagster import AssetCheckResult, AssetCheckSeverity, AssetCheckSpec

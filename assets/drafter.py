@@ -19,12 +19,12 @@ from assets.checks import result, spec
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.checks import MIN_VOCAB_COVERAGE, training_loss, vocab_coverage
-from pipeline.eagle3.vocab import DEFAULT_DRAFT_VOCAB_SIZE
 from pipeline.evaluation.charts import markdown_image, training_curve
-from pipeline.registry.mlflow_registry import model_name
+from pipeline.release.mlflow_registry import model_name
 from pipeline.training.config import TrainConfig
 from pipeline.training.metrics import depth_table
-from pipeline.training.vocab_stage import build_window_vocab
+from pipeline.vocab import stage as vocab_stage
+from pipeline.vocab.mapping import DEFAULT_DRAFT_VOCAB_SIZE
 from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
@@ -99,7 +99,7 @@ def vocab_mapping(context: AssetExecutionContext, config: VocabRunConfig,
     """Draft vocab (d2t / t2d) of the training window, counted under the loss mask; cached."""
     window = refresh.window if config.window is None else config.window
     with fail_fast_on_permanent_errors():
-        v = build_window_vocab(storage.build(), step_of(context.partition_key), window,
+        v = vocab_stage.run(storage.build(), step_of(context.partition_key), window,
                                config.draft_vocab_size)
     s = v.summary()
     context.log.info(f"window {list(v.window_steps)}: coverage {v.mapping.coverage:.4f}, "

@@ -1,7 +1,8 @@
 """``acceptance_eval``: how many tokens per target forward the new drafter buys, measured.
 
-Partition = the refresh step s. Candidate = the drafter of s; champion = the registry's
-champion (the drafter serving now) unless the run config names another or none; both are
+Partition = the refresh step s. Candidate = the drafter of s; champion = the drafter serving
+now (the serving record, :mod:`pipeline.serving_now`: the same record training's warm start
+and promotion read) unless the run config names another or none; both are
 measured with the policy of s on held-out prompts, next to no drafter.
 """
 
@@ -12,10 +13,12 @@ from assets.checks import result, spec
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.checks import evaluation_sound
+from pipeline.evaluation import stage as evaluation_stage
 from pipeline.evaluation.charts import alpha_chart, markdown_image, tau_curve
-from pipeline.evaluation.stage import EvalConfig, evaluate_refresh, tau_history
-from pipeline.registry.release import champion_prefix
-from pipeline.training.refresh import drafter_prefix
+from pipeline.evaluation.stage import EvalConfig, tau_history
+from pipeline.layout import drafter_prefix
+from pipeline.release.mlflow_registry import model_name
+from pipeline.serving_now import serving_drafter_key
 from resources.mlflow import MlflowResource
 from resources.serving import ServingResource
 from resources.storage import StorageResource
@@ -33,9 +36,8 @@ class EvalRunConfig(Config):
     eagle_topk: int | None = Field(default=None, description="--speculative-eagle-topk")
     num_draft_tokens: int | None = Field(default=None,
                                          description="--speculative-num-draft-tokens")
-    champion: str = Field(default="registry", description="registry (the registered champion, "
-                                                          "i.e. the drafter serving now) | "
-                                                          "none | a storage prefix")
+    champion: str = Field(default="serving", description="serving (the drafter serving now) | "
+                                                         "none | a storage prefix")
 
     def to_core(self, serving: ServingResource) -> EvalConfig:
         """Unset speculative settings are the ones the servers run (the serving resource)."""
@@ -58,9 +60,10 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
     """τ and α of the candidate, the serving champion and no drafter on held-out prompts."""
     store, step = storage.build(), step_of(context.partition_key)
     with fail_fast_on_permanent_errors():
-        champion = (champion_prefix(store, mlflow.build()) if config.champion == "registry"
+        champion = (serving_drafter_key(store, model_name(mlflow.target_family))
+                    if config.champion == "serving"
                     else None if config.champion == "none" else config.champion)
-        r = evaluate_refresh(store, step, drafter_prefix(step), champion,
+        r = evaluation_stage.run(store, step, drafter_prefix(step), champion,
                              config.to_core(serving))
     s = r.summary()
     context.log.info(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items()

@@ -3,7 +3,7 @@
 Partition = the refresh step s. ``registered_drafter`` logs the training run (params,
 per-step metrics, evaluation, charts, the SGLang directory) and registers a version with
 lineage tags and alias ``challenger``; ``serving_drafter`` asks the gate
-(:func:`pipeline.registry.gate.decide`) and promotes only when it says so. The manual
+(:func:`pipeline.release.gate.decide`) and promotes only when it says so. The manual
 override and the rollback are separate jobs (``jobs/release.py``).
 """
 
@@ -18,8 +18,9 @@ from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from assets.summary import refresh_summary
 from pipeline.evaluation.charts import alpha_chart
-from pipeline.registry.gate import GatePolicy
-from pipeline.registry.release import register_refresh, release_refresh
+from pipeline.release import register as register_stage
+from pipeline.release import serve as serve_stage
+from pipeline.release.gate import GatePolicy
 from resources.mlflow import MlflowResource
 from resources.serving import ServingResource
 from resources.storage import StorageResource
@@ -47,7 +48,7 @@ def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
     step = step_of(context.partition_key)
     with fail_fast_on_permanent_errors(), \
             tempfile.TemporaryDirectory(prefix="aerie-register-") as tmp:
-        r = register_refresh(storage.build(), mlflow.build(), step, context.run.run_id,
+        r = register_stage.run(storage.build(), mlflow.build(), step, context.run.run_id,
                              chart_dir=Path(tmp), chart=alpha_chart)
     v = r.registration.version
     context.log.info(f"step {step}: {v.model} version {v.version}"
@@ -67,7 +68,7 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
     store, registry = storage.build(), mlflow.build()
     step = step_of(context.partition_key)
     with fail_fast_on_permanent_errors():
-        r = release_refresh(store, registry, serving.build(store, registry.model_name), step,
+        r = serve_stage.run(store, registry, serving.build(store, registry.model_name), step,
                             config.to_core(), dagster_run_id=context.run.run_id)
     p = r.promotion
     context.log.info(f"step {step}: {p.action} ({'; '.join(p.reasons)})")

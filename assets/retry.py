@@ -15,12 +15,12 @@ from contextlib import contextmanager
 
 from dagster import Backoff, Failure, Jitter, RetryPolicy
 
-from pipeline.data.capture.sglang_http import SGLangRejectedError, SGLangServerConfigError
-from pipeline.data.extraction import ExtractionError
-from pipeline.data.rollouts import SnapshotError
-from pipeline.registry.promotion import PromotionError, PromotionNotApplied
-from pipeline.registry.release import ReleaseError
-from pipeline.serving.backend import ServingRefused
+from pipeline.capture.sglang_http import SGLangRejectedError, SGLangServerConfigError
+from pipeline.capture.stage import ExtractionError
+from pipeline.release.backend import ServingRefused
+from pipeline.release.promotion import PromotionError, PromotionNotApplied
+from pipeline.release.register import ReleaseError
+from pipeline.snapshot.stage import SnapshotError
 from pipeline.training.launch import TrainingFailed
 
 RETRY_DELAY_S = 5.0  # before the first retry; then 10 s, 20 s (± jitter)

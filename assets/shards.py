@@ -7,9 +7,10 @@ from pydantic import Field
 from assets.checks import result, spec
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from pipeline.capture import stage as capture_stage
+from pipeline.capture.stage import ExtractConfig
 from pipeline.checks import shard_integrity
-from pipeline.data.extraction import ExtractConfig, extract_step
-from pipeline.data.policy_store import load_policy_ref
+from pipeline.snapshot.policy import load_policy_ref
 from resources.capture import CaptureResource
 from resources.storage import StorageResource
 
@@ -58,7 +59,7 @@ def hidden_state_shards(context: AssetExecutionContext, config: ShardsConfig,
     with fail_fast_on_permanent_errors():
         policy = load_policy_ref(store, step)
         with capture.open(store, step, config.token_budget) as backend:
-            s = extract_step(store, step, backend, config.to_core(), policy=policy)
+            s = capture_stage.run(store, step, backend, config.to_core(), policy=policy)
         integrity = shard_integrity(store, step)
     context.log.info(f"step {step}: {s.shards} shards ({s.shards_reused} kept), "
                      f"{s.backend_calls} backend calls, {s.seconds:.1f}s")

@@ -13,8 +13,8 @@ from dagster import (
 
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
-from pipeline.data.rollout_schema import ROLLOUT_SCHEMA_VERSION
-from pipeline.data.rollouts import validate_snapshot
+from pipeline.snapshot import stage as snapshot_stage
+from pipeline.snapshot.schema import ROLLOUT_SCHEMA_VERSION
 from resources.storage import StorageResource
 
 MAX_QUARANTINE_RATIO = 0.05
@@ -32,7 +32,7 @@ MAX_QUARANTINE_RATIO = 0.05
 def rollout_snapshot(context: AssetExecutionContext, storage: StorageResource):
     """Validated rollouts of one RL step plus the policy checkpoint that generated them."""
     with fail_fast_on_permanent_errors():
-        summary = validate_snapshot(storage.build(), step_of(context.partition_key))
+        summary = snapshot_stage.run(storage.build(), step_of(context.partition_key))
     ratio = summary.quarantined / max(summary.records_in, 1)
     reasons = "\n".join(f"| {r} | {n} |" for r, n in sorted(summary.reasons.items()))
     yield MaterializeResult(

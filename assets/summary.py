@@ -3,9 +3,8 @@ read back from the Dagster instance (materialization metadata and step timings).
 
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance
 
+from assets.groups import DATA_ASSETS, REFRESH_ASSETS
 from assets.partitions import step_key
-from jobs.drafter import DRAFTER_ASSETS
-from jobs.snapshots import STEP_ASSETS
 
 # (samples, tokens) metadata keys per stage; "" where a stage has no such count
 _COUNTS = {"rollout_snapshot": ("accepted", "tokens"),
@@ -22,7 +21,7 @@ def refresh_summary(instance: DagsterInstance, step: int) -> str:
     vocab, _ = _latest(instance, "vocab_mapping", step_key(step))
     window = list(vocab["window_steps"]) if vocab else [step]
     rows = ["| stage | RL steps | samples | tokens | wall s |", "|---|---|---|---|---|"]
-    stages = [(a, window) for a in STEP_ASSETS] + [(a, [step]) for a in DRAFTER_ASSETS[:-1]]
+    stages = [(a, window) for a in DATA_ASSETS] + [(a, [step]) for a in REFRESH_ASSETS[:-1]]
     for asset, steps in stages:
         samples = tokens = seconds = 0.0
         for s in steps:

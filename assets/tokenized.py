@@ -6,8 +6,9 @@ from pydantic import Field
 
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
-from pipeline.data.tokenization import TokenizeConfig, tokenize_step
-from pipeline.data.tokenized_schema import TOKENIZED_SCHEMA_VERSION
+from pipeline.tokenize import stage as tokenize_stage
+from pipeline.tokenize.schema import TOKENIZED_SCHEMA_VERSION
+from pipeline.tokenize.stage import TokenizeConfig
 from resources.storage import StorageResource
 
 _DEFAULTS = TokenizeConfig()
@@ -51,7 +52,7 @@ def tokenized_rollouts(context: AssetExecutionContext, config: TokenizeRunConfig
                        storage: StorageResource) -> MaterializeResult:
     """Chat-template tokenization with loss masks; exact engine ids win and are cross-checked."""
     with fail_fast_on_permanent_errors():
-        s = tokenize_step(storage.build(), step_of(context.partition_key), config.to_core())
+        s = tokenize_stage.run(storage.build(), step_of(context.partition_key), config.to_core())
     return MaterializeResult(metadata={
         "uri": MetadataValue.path(s.url),
         "records": s.records_in,

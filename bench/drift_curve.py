@@ -67,12 +67,13 @@ def train_config(epochs_factor: int = 1, max_steps: int = 0):
 
 
 def train(storage, step: int, window: int, config, warm_start: str, work: Path):
-    from pipeline.training.refresh import drafter_prefix, refresh_drafter
-    from pipeline.training.vocab_stage import build_window_vocab
+    from pipeline.layout import drafter_prefix
+    from pipeline.training import stage as training_stage
+    from pipeline.vocab import stage as vocab_stage
 
-    build_window_vocab(storage, step, window, 32000)
+    vocab_stage.run(storage, step, window, 32000)
     started = time.perf_counter()
-    r = refresh_drafter(storage, step, config, work_root=work / "runs", warm_start=warm_start)
+    r = training_stage.run(storage, step, config, work_root=work / "runs", warm_start=warm_start)
     log.info("trained step %d (window %s, warm start %s): loss %.3f, %.0fs%s", step,
              r.manifest.meta["window_steps"], r.result.warm_start["mode"],
              r.result.final["loss"], time.perf_counter() - started,
@@ -91,12 +92,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     import torch
 
-    from pipeline.data.heldout import heldout_prompts
-    from pipeline.data.policy_store import policy_prefix
+    from pipeline.capture.heldout import heldout_prompts
     from pipeline.eagle3.export import load_drafter
+    from pipeline.eagle3.spec import SpecParams
     from pipeline.evaluation.charts import tau_curve
     from pipeline.evaluation.engine import evaluate
-    from pipeline.evaluation.spec import SpecParams
+    from pipeline.layout import policy_prefix
     from pipeline.storage import Storage
     from resources.home import aerie_home
 

@@ -7,7 +7,7 @@ Run from the repository root:
 
 Measures, on a random Llama (default H=512, 8 layers) and random token ids:
 
-1. extraction time (``extract_step``: read tokenized parts, capture, validate, bf16, write
+1. extraction time (``capture.stage.run``: read tokenized parts, capture, validate, bf16, write
    Parquet + markers + manifest) vs a bare ``model.model(...)`` forward over exactly the
    same padded batches (recorded from the extraction run) — the overhead ratio;
 2. shard write and read throughput (bf16 state bytes/s and tokens/s) for zstd and
@@ -38,26 +38,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.contracts import Manifest  # noqa: E402
-from pipeline.data.capture.hf import HFCaptureBackend  # noqa: E402
-from pipeline.data.extraction import ExtractConfig, extract_step  # noqa: E402
-from pipeline.data.parquet import write_table  # noqa: E402
-from pipeline.data.shards import (  # noqa: E402
+from pipeline.capture import stage as capture_stage
+from pipeline.capture.hf import HFCaptureBackend  # noqa: E402
+from pipeline.capture.shards import (
     ShardSample,
     ShardSpec,
     iter_shard,
     iter_step,
     read_shards_manifest,
-    shards_prefix,
     write_shard,
 )
-from pipeline.data.tokenized_schema import (  # noqa: E402
-    TOKENIZED_KIND,
-    TOKENIZED_SCHEMA,
-    tokenized_prefix,
-)
+from pipeline.capture.stage import ExtractConfig
+from pipeline.contracts import Manifest  # noqa: E402
+from pipeline.layout import shards_prefix, tokenized_prefix
 from pipeline.manifest import entry_for, write_manifest  # noqa: E402
+from pipeline.parquet import write_table  # noqa: E402
 from pipeline.storage import Storage  # noqa: E402
+from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
 
 STEP = 1
 
@@ -164,7 +161,7 @@ def overhead(model, args, workdir: Path) -> dict:
         backend = Timed(HFCaptureBackend(model, output_dtype=torch.bfloat16,
                                          token_budget=args.token_budget))
         w0, c0 = time.perf_counter(), time.process_time()
-        summary = extract_step(storage, STEP, backend, config)
+        summary = capture_stage.run(storage, STEP, backend, config)
         ext_wall, ext_cpu = time.perf_counter() - w0, time.process_time() - c0
         if tensors is None:
             batches = backend.batches
@@ -262,7 +259,7 @@ def memory_child(args: argparse.Namespace) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS watermark
         base = _status("VmRSS")
         t0 = time.perf_counter()
-        summary = extract_step(storage, STEP, backend, config)
+        summary = capture_stage.run(storage, STEP, backend, config)
         seconds = time.perf_counter() - t0
         print(json.dumps({"scale": args.scale, "tokens": tokens, "shards": summary.shards,
                           "state_mb": tokens * 8 * args.hidden / 1e6,
@@ -300,7 +297,7 @@ def report(args, ov: dict, io: dict, mem: list[dict]) -> str:
         "",
         "| measure | value |",
         "|---|---|",
-        f"| extraction (extract_step end to end), best run | {ov['extract_s']:.2f} s |",
+        f"| extraction (capture.stage.run end to end), best run | {ov['extract_s']:.2f} s |",
         f"| bare `model.model(...)` forward on the same padded batches, best run | "
         f"{ov['bare_s']:.2f} s |",
         f"| **overhead ratio**, best / best (wall) | **{ov['ratio_min']:.3f}×** |",
@@ -327,7 +324,7 @@ def report(args, ov: dict, io: dict, mem: list[dict]) -> str:
               f"{8 * h + 16} | | | | |", "",
               f"Peak memory of extraction (fresh process; shard {args.mem_shard_mb} MiB, row "
               f"group {args.mem_row_group_mb} MiB; RSS watermark reset just before "
-              "`extract_step`):", "",
+              "`capture.stage.run`):", "",
               "| data | tokens | bf16 states | shards | peak RSS − RSS before | peak RSS | "
               "Arrow pool peak | time |",
               "|---|---|---|---|---|---|---|---|"]

@@ -7,7 +7,7 @@ Run from the repository root:
 
 Builds a demo-like window in a temporary storage (random Llama target H=128, 4 layers,
 V=1536; K steps × 128 samples of 80–240 tokens, response masked from ~40%; shards captured by
-the hf backend through ``extract_step``), picks a draft vocab of 1024, and measures:
+the hf backend through ``capture.stage.run``), picks a draft vocab of 1024, and measures:
 
 1. reader samples/s: ``WindowReader`` over one epoch, each micro batch collated with
    :func:`pipeline.eagle3.ttt.collate` (right padding + teacher logits over the draft vocab +
@@ -37,25 +37,24 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.capture import stage as capture_stage
+from pipeline.capture.hf import HFCaptureBackend  # noqa: E402
+from pipeline.capture.stage import ExtractConfig
+from pipeline.capture.window import load_target, read_window  # noqa: E402
 from pipeline.contracts import Manifest  # noqa: E402
-from pipeline.data.capture.hf import HFCaptureBackend  # noqa: E402
-from pipeline.data.extraction import ExtractConfig, extract_step  # noqa: E402
-from pipeline.data.parquet import write_table  # noqa: E402
-from pipeline.data.policy_store import load_policy_ref, publish_policy  # noqa: E402
-from pipeline.data.tokenized_schema import (  # noqa: E402
-    TOKENIZED_KIND,
-    TOKENIZED_SCHEMA,
-    tokenized_prefix,
-)
 from pipeline.eagle3.ttt import collate  # noqa: E402
+from pipeline.layout import tokenized_prefix
 from pipeline.manifest import entry_for, write_manifest  # noqa: E402
+from pipeline.parquet import write_table  # noqa: E402
+from pipeline.snapshot.policy import load_policy_ref, publish_policy  # noqa: E402
 from pipeline.storage import Storage  # noqa: E402
+from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
 from pipeline.training.config import TrainConfig  # noqa: E402
 from pipeline.training.data import Position, WindowReader  # noqa: E402
 from pipeline.training.launch import launch  # noqa: E402
-from pipeline.training.refresh import plan  # noqa: E402
-from pipeline.training.vocab_stage import build_window_vocab, load_window_vocab  # noqa: E402
-from pipeline.training.window import load_target, read_window  # noqa: E402
+from pipeline.training.stage import plan  # noqa: E402
+from pipeline.vocab import stage as vocab_stage
+from pipeline.vocab.stage import load_window_vocab
 
 
 def build_window(root: Path, steps: int, samples: int, hidden: int, vocab: int) -> Storage:
@@ -83,7 +82,7 @@ def build_window(root: Path, steps: int, samples: int, hidden: int, vocab: int) 
         write_manifest(storage, prefix, Manifest(
             kind=TOKENIZED_KIND, kind_version=1,
             files=(entry_for(prefix, written, rows=len(rows)),), meta={"step": step}))
-        extract_step(storage, step, backend, ExtractConfig(token_budget=8192),
+        capture_stage.run(storage, step, backend, ExtractConfig(token_budget=8192),
                      policy=load_policy_ref(storage, step))
     return storage
 
@@ -121,7 +120,7 @@ def main() -> None:
                          ttt_depth=7, checkpoint_every=10_000, log_every=10)
     with tempfile.TemporaryDirectory(prefix="aerie-bench-") as tmp:
         storage = build_window(Path(tmp) / "storage", args.steps, args.samples, 128, 1536)
-        build_window_vocab(storage, args.steps, args.steps, 1024)
+        vocab_stage.run(storage, args.steps, args.steps, 1024)
         rates = [reader_rate(storage, args.steps, config) for _ in range(args.repeats)]
         teacher = statistics.median(r[0] for r in rates)
         plain = statistics.median(r[1] for r in rates)

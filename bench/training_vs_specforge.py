@@ -134,7 +134,7 @@ def make_data(shape: Shape, out: Path, seed: int = 0) -> dict:
     sys.path.insert(0, str(REPO))
     from pipeline.eagle3.config import DrafterConfig
     from pipeline.eagle3.model import Eagle3Drafter
-    from pipeline.eagle3.vocab import build_vocab_mapping
+    from pipeline.vocab.mapping import build_vocab_mapping
 
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)

@@ -1,4 +1,4 @@
-"""Benchmark: draft-vocab mapping (``pipeline.eagle3.vocab``) for a 128k → 32k vocab.
+"""Benchmark: draft-vocab mapping (``pipeline.vocab.mapping``) for a 128k → 32k vocab.
 
 Run from the repository root with Aerie's venv:
 
@@ -39,7 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipeline.eagle3.vocab import TokenCounter, build_vocab_mapping  # noqa: E402
+from pipeline.vocab.mapping import TokenCounter, build_vocab_mapping  # noqa: E402
 
 SPECFORGE_PYTHON = "/tmp/specforge-venv/bin/python"
 

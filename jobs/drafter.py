@@ -3,11 +3,10 @@ acceptance evaluation, registration and gated promotion."""
 
 from dagster import define_asset_job
 
-DRAFTER_ASSETS = ("vocab_mapping", "drafter_checkpoint", "acceptance_eval",
-                  "registered_drafter", "serving_drafter")
+from assets.groups import REFRESH_ASSETS
 
 drafter_refresh = define_asset_job(
-    "drafter_refresh", selection=list(DRAFTER_ASSETS),
+    "drafter_refresh", selection=list(REFRESH_ASSETS),
     tags={"aerie/serial": "drafter_refresh"},  # one at a time: see jobs/cli.py INSTANCE_YAML
     description="Choose the draft vocab of the window ending at the partition's RL step, "
                 "train and publish its EAGLE-3 drafter (warm-started from the previous one), "

@@ -32,9 +32,9 @@ from dagster import (
 )
 
 from assets.drafter import VocabRunConfig
+from assets.groups import DATA_ASSETS
 from assets.partitions import complete_partitions, step_key, step_of
 from jobs.drafter import drafter_refresh
-from jobs.snapshots import STEP_ASSETS
 from resources.refresh import RefreshPolicyResource
 
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
@@ -69,7 +69,7 @@ def requested_steps(instance) -> set[int]:
 
 def ingested_steps(instance) -> list[int]:
     """Steps whose whole data path (snapshot, tokens, shards) is materialized."""
-    return sorted(step_of(k) for k in complete_partitions(instance, STEP_ASSETS))
+    return sorted(step_of(k) for k in complete_partitions(instance, DATA_ASSETS))
 
 
 def refresh_in_flight(instance) -> bool:

@@ -8,7 +8,7 @@ with it, and Dagster runs them one at a time (the ``promotion`` concurrency pool
 from dagster import Config, OpExecutionContext, job, op
 from pydantic import Field
 
-from pipeline.registry.promotion import PromotionResult, force_promote, rollback
+from pipeline.release.promotion import PromotionResult, force_promote, rollback
 from resources.mlflow import MlflowResource
 from resources.serving import ServingResource
 from resources.storage import StorageResource

@@ -10,14 +10,13 @@ from dagster import (
     sensor,
 )
 
+from assets.groups import DATA_ASSETS
 from assets.partitions import rl_steps, step_key
-from pipeline.data.rollouts import completed_steps
+from pipeline.snapshot.stage import completed_steps
 from resources.storage import StorageResource
 
-STEP_ASSETS = ("rollout_snapshot", "tokenized_rollouts", "hidden_state_shards")
-
 ingest_step = define_asset_job(
-    "ingest_step", selection=list(STEP_ASSETS),
+    "ingest_step", selection=list(DATA_ASSETS),
     description="One RL step's data path: validate the snapshot, tokenize with loss masks, "
                 "capture hidden states into shards (partition = step).")
 

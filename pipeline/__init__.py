@@ -1,0 +1,35 @@
+"""Aerie's framework-free core, laid out like the flow it runs.
+
+One package per stage, in flow order; each has a ``stage`` module (two for ``release``)
+whose ``run`` is what the stage's Dagster asset calls:
+
+====  =============  ==========================  ==========================================
+ #    package        asset                       ``run`` does
+====  =============  ==========================  ==========================================
+ 1    ``snapshot``   ``rollout_snapshot``        validate a step's rollouts, quarantine bad
+ 2    ``tokenize``   ``tokenized_rollouts``      chat template + offset-mapping loss masks
+ 3    ``capture``    ``hidden_state_shards``     hidden states → Parquet shards
+ 4    ``vocab``      ``vocab_mapping``           draft vocab of the K-step window
+ 5    ``training``   ``drafter_checkpoint``      TTT training under DeepSpeed, export
+ 6    ``evaluation`` ``acceptance_eval``         speculative decoding on held-out prompts
+ 7    ``release``    ``registered_drafter``      MLflow version with lineage (``register``)
+      ``release``    ``serving_drafter``         gate + promotion (``serve``)
+====  =============  ==========================  ==========================================
+
+Below the stages sits the foundation every stage may use: :mod:`storage` (the fsspec
+storage layer), :mod:`layout` (every path of the storage tree), :mod:`records` (versioned
+JSON records), :mod:`contracts` + :mod:`manifest` (dataset manifests), :mod:`parquet`,
+:mod:`serving_now` (the record of the drafter serving now: release writes it, training's
+warm start and evaluation's champion read it) and :mod:`eagle3` (the drafter model, TTT
+and the SGLang format, shared by training and evaluation).
+
+Data flows one way: a stage imports the foundation and earlier stages, never a later one;
+the foundation imports no stage. :mod:`checks` (quality checks over several stages) and
+:mod:`demo` (the demo RL trainer) sit on top. ``tests/test_architecture.py`` enforces this,
+and that nothing here imports ``dagster``.
+"""
+
+STAGES = ("snapshot", "tokenize", "capture", "vocab", "training", "evaluation", "release")
+FOUNDATION = ("storage", "layout", "records", "contracts", "manifest", "parquet",
+              "serving_now", "eagle3")
+ON_TOP = ("checks", "demo")

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.data.shards import shards_prefix
 from pipeline.evaluation.stage import AcceptanceReport
+from pipeline.layout import shards_prefix
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.storage import Storage
 

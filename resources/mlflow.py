@@ -20,7 +20,7 @@ from pathlib import Path
 from dagster import ConfigurableResource, EnvVar
 from pydantic import Field
 
-from pipeline.registry.mlflow_registry import DrafterRegistry, model_name
+from pipeline.release.mlflow_registry import DrafterRegistry, model_name
 from resources.home import aerie_home
 
 _ENV = {

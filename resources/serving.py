@@ -1,15 +1,15 @@
 """The serving resource: which serving mode promotes drafters, and its parameters.
 
-Modes (see :mod:`pipeline.serving.backend`):
+Modes (see :mod:`pipeline.release.backend`):
 
 - ``manifest`` (default): publish ``serving/<name>/current.json`` in storage; the RL trainer's
-  rollout launcher reads it at weight sync (:func:`pipeline.serving.ledger.resolve_serving`).
+  rollout launcher reads it at weight sync (:func:`pipeline.release.ledger.resolve_serving`).
 - ``sglang-restart``: also run ``restart_command`` (argv list, no shell; placeholders
   ``{drafter_dir} {num_steps} {topk} {num_draft_tokens} {registry_version} {fingerprint}``).
 - ``sglang-hotswap``: also swap draft weights in ``server_urls`` in place. Aerie ships no
   payload encoder for SGLang's pickle-based ``/update_weights_from_tensor``, so this mode
   checks compatibility and then refuses with an explanation (see
-  :mod:`pipeline.serving.hotswap`).
+  :mod:`pipeline.release.hotswap`).
 """
 
 
@@ -18,11 +18,11 @@ from pathlib import Path
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from pipeline.evaluation.spec import SpecParams
-from pipeline.serving.backend import MODES, LedgerBackend
-from pipeline.serving.hotswap import SglangHotswap
-from pipeline.serving.ledger import ServingLedger
-from pipeline.serving.restart import RestartHook
+from pipeline.eagle3.spec import SpecParams
+from pipeline.release.backend import MODES, LedgerBackend
+from pipeline.release.hotswap import SglangHotswap
+from pipeline.release.ledger import ServingLedger
+from pipeline.release.restart import RestartHook
 from pipeline.storage import Storage
 from resources.home import aerie_home
 

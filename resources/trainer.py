@@ -15,15 +15,16 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from pipeline.storage import Storage
+from pipeline.training import stage as training_stage
 from pipeline.training.config import TrainConfig
-from pipeline.training.refresh import DrafterRefresh, refresh_drafter
+from pipeline.training.stage import DrafterRefresh
 from resources.home import aerie_home
 
 EXECUTION_FIELDS = ("world_size", "zero_stage", "dtype", "device", "threads")
 
 
 class TrainerResource(ConfigurableResource):
-    """Builds and runs the core trainer (:func:`pipeline.training.refresh.refresh_drafter`)."""
+    """Builds and runs the core trainer (:func:`pipeline.training.stage.run`)."""
 
     world_size: int = Field(default=1, description="training processes (ranks)")
     launcher: str = Field(default="auto", description="auto | python | torchrun | deepspeed "
@@ -55,7 +56,7 @@ class TrainerResource(ConfigurableResource):
                 warm_start: str = "serving", serving_name: str | None = None,
                 on_line: Callable[[str], None] | None = None) -> DrafterRefresh:
         """Train, export and publish the drafter of refresh step ``step``."""
-        return refresh_drafter(storage, step, self.apply(config), work_root=self.work_root(),
+        return training_stage.run(storage, step, self.apply(config), work_root=self.work_root(),
                                warm_start=warm_start, serving_name=serving_name,
                                launcher=self.launcher,
                                storage_options=dict(storage.fs.storage_options),

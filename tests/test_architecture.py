@@ -1,36 +1,148 @@
-"""The core stays framework-free: nothing under pipeline/ imports dagster."""
+"""The layering of the code base, checked on the source (AST), never by importing it.
+
+- ``pipeline/`` never imports ``dagster``;
+- data flows one way: a stage of :data:`pipeline.STAGES` imports the foundation and earlier
+  stages, never a later one; the foundation imports no stage; only ``checks`` and ``demo``
+  sit on top;
+- ``pipeline/`` imports none of ``assets``, ``jobs``, ``resources``; ``resources/`` imports
+  neither ``assets`` nor ``jobs``; ``assets/`` never imports ``jobs``;
+- nothing outside ``tests/`` imports ``tests``.
+"""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pipeline
+
 ROOT = Path(__file__).resolve().parents[1]
+CODE = ("pipeline", "assets", "jobs", "resources", "definitions.py")
 
 
-def dagster_imports(path: Path) -> list[str]:
+def imports(source: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of every absolute import in ``source``."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        names = []
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names = [node.module or ""]
-        found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
-                  if n == "dagster" or n.startswith(("dagster.", "dagster_"))]
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [(node.lineno, node.module)]
+            # ``from pipeline import stage_pkg`` imports the package named after it
+            if node.module == "pipeline":
+                found += [(node.lineno, f"pipeline.{a.name}") for a in node.names]
     return found
 
 
-def test_pipeline_never_imports_dagster():
-    files = sorted((ROOT / "pipeline").rglob("*.py"))
-    assert len(files) > 5
-    assert [hit for f in files for hit in dagster_imports(f)] == []
+def layer_of(module: str) -> tuple[str, int] | None:
+    """``(group, rank)`` of a first-party module: ranks order the pipeline's layers."""
+    parts = module.split(".")
+    top = parts[0]
+    if top != "pipeline":
+        return (top, 0) if top in ("assets", "jobs", "resources", "tests", "definitions") \
+            else None
+    if len(parts) == 1:
+        return ("pipeline", 0)
+    sub = parts[1]
+    if sub in pipeline.FOUNDATION:
+        return ("pipeline", 0)
+    if sub in pipeline.STAGES:
+        return ("pipeline", 1 + pipeline.STAGES.index(sub))
+    if sub in pipeline.ON_TOP:
+        return ("pipeline", 1 + len(pipeline.STAGES))
+    return ("pipeline", -1)  # unknown: every package must be placed
 
 
-def test_the_guard_catches_an_import(tmp_path):
-    bad = ROOT / "pipeline" / "_guard_probe.py"
-    try:
-        bad.write_text("import os\nfrom dagster import asset\n")
-        assert dagster_imports(bad) == ["pipeline/_guard_probe.py:2 imports dagster"]
-    finally:
-        bad.unlink()
+def violations(module: str, source: str, where: str) -> list[str]:
+    """Import edges from ``module`` (whose text is ``source``) that break the layering."""
+    me = layer_of(module)
+    out = []
+    for line, target in imports(source):
+        if target == "dagster" or target.startswith(("dagster.", "dagster_")):
+            if me[0] == "pipeline":
+                out.append(f"{where}:{line} imports {target} (the core is framework-free)")
+            continue
+        other = layer_of(target)
+        if other is None:
+            continue
+        if other[0] == "tests" and me[0] != "tests":
+            out.append(f"{where}:{line} imports {target} (tests are never imported)")
+        elif me[0] == "pipeline" and other[0] != "pipeline":
+            out.append(f"{where}:{line} imports {target} (pipeline/ imports no adapter)")
+        elif me[0] == "pipeline" and (me[1] < 0 or other[1] < 0):
+            out.append(f"{where}:{line} {module} → {target}: a package missing from "
+                       "pipeline.STAGES / FOUNDATION / ON_TOP")
+        elif me[0] == "pipeline" and other[1] > me[1]:
+            out.append(f"{where}:{line} {module} imports the later {target}")
+        elif me[0] == "assets" and other[0] == "jobs":
+            out.append(f"{where}:{line} assets import jobs ({target})")
+        elif me[0] == "resources" and other[0] in ("assets", "jobs"):
+            out.append(f"{where}:{line} resources import {target}")
+    return out
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def code_files() -> list[Path]:
+    files = []
+    for name in CODE:
+        p = ROOT / name
+        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+    return files
+
+
+def test_every_pipeline_package_is_placed():
+    packages = {p.name for p in (ROOT / "pipeline").iterdir()
+                if (p / "__init__.py").is_file() or p.suffix == ".py"}
+    packages = {p.removesuffix(".py") for p in packages} - {"__init__"}
+    placed = set(pipeline.STAGES) | set(pipeline.FOUNDATION) | set(pipeline.ON_TOP)
+    assert packages == placed
+
+
+def test_the_code_base_is_layered():
+    files = code_files()
+    assert len(files) > 50
+    found = [v for f in files
+             for v in violations(module_name(f), f.read_text(encoding="utf-8"),
+                                 str(f.relative_to(ROOT)))]
+    assert found == []
+
+
+def test_tests_are_imported_by_nobody_but_tests():
+    assert violations("jobs.cli", "from tests.e2e import helpers\n", "jobs/cli.py") == \
+        ["jobs/cli.py:1 imports tests.e2e (tests are never imported)"]
+
+
+def test_a_planted_upward_import_is_caught():
+    """Each rule fails on an edge planted in memory (the source tree is never written)."""
+    planted = {
+        ("pipeline.training.stage", "from pipeline.release.ledger import ServingLedger\n"):
+            "pipeline.training.stage imports the later pipeline.release.ledger",
+        ("pipeline.capture.stage", "import pipeline.evaluation.engine\n"):
+            "pipeline.capture.stage imports the later pipeline.evaluation.engine",
+        ("pipeline.eagle3.config", "from pipeline.capture.base import CaptureBackend\n"):
+            "pipeline.eagle3.config imports the later pipeline.capture.base",
+        ("pipeline.layout", "from pipeline import snapshot\n"):
+            "pipeline.layout imports the later pipeline.snapshot",
+        ("pipeline.vocab.stage", "from dagster import asset\n"):
+            "imports dagster (the core is framework-free)",
+        ("pipeline.storage", "from resources.home import aerie_home\n"):
+            "imports resources.home (pipeline/ imports no adapter)",
+        ("assets.summary", "from jobs.drafter import DRAFTER_ASSETS\n"):
+            "assets import jobs (jobs.drafter)",
+        ("resources.trainer", "from assets.partitions import step_of\n"):
+            "resources import assets.partitions",
+    }
+    for (module, source), expected in planted.items():
+        found = violations(module, source, "probe.py")
+        assert len(found) == 1 and expected in found[0], (module, found)
+    # and the allowed directions pass
+    assert violations("pipeline.release.serve", "from pipeline.training.stage import run\n",
+                      "probe.py") == []
+    assert violations("pipeline.training.stage", "from pipeline.serving_now import "
+                      "serving_history\n", "probe.py") == []
+    assert violations("pipeline.demo.world", "from pipeline.snapshot.writer import "
+                      "SnapshotWriter\n", "probe.py") == []

@@ -9,9 +9,9 @@ import pytest
 
 from pipeline.checks import evaluation_sound, shard_integrity, training_loss, vocab_coverage
 from pipeline.contracts import Manifest
-from pipeline.data.shards import shards_prefix
 from pipeline.evaluation.metrics import AcceptanceStats
 from pipeline.evaluation.stage import AcceptanceReport, Contestant
+from pipeline.layout import shards_prefix
 from pipeline.manifest import entry_for, write_manifest
 from pipeline.storage import Storage
 

@@ -24,10 +24,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipeline.data.capture.base import default_aux_layer_ids
-
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default: ``[1, N//2 - 1, N - 4]`` for a target with N decoder layers."""
+    ids = (1, num_layers // 2 - 1, num_layers - 4)
+    if min(ids) < 0 or max(ids) >= num_layers:
+        raise ValueError(f"default aux layers {ids} are invalid for {num_layers} layers; "
+                         "pass aux_layer_ids explicitly")
+    return ids
 
 
 @dataclass(frozen=True)

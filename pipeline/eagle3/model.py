@@ -40,7 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.eagle3.config import DrafterConfig
-from pipeline.eagle3.vocab import check_vocab_mapping
 
 # attend(q (B, nh, T, d), k (B, nkv, T, d), v (B, nkv, T, d)) -> (B, nh, T, d)
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -235,7 +234,7 @@ class Eagle3Drafter(nn.Module):
             self.set_vocab(d2t, t2d)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install a draft vocabulary (see :mod:`pipeline.eagle3.vocab`)."""
+        """Install a draft vocabulary (see :mod:`pipeline.vocab.mapping`)."""
         check_vocab_mapping(d2t.cpu(), t2d.cpu())
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
             raise ValueError(f"vocab mapping shapes {tuple(d2t.shape)}, {tuple(t2d.shape)} do "
@@ -311,3 +310,15 @@ def _init_weights(module: nn.Module) -> None:
     # Llama's initializer_range; RMSNorm weights start at one.
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+
+def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``d2t``/``t2d`` describe the same ascending id set."""
+    if d2t.dtype != torch.int64 or d2t.dim() != 1:
+        raise ValueError(f"d2t must be (Vd,) int64, got {d2t.dtype} {tuple(d2t.shape)}")
+    if t2d.dtype != torch.bool or t2d.dim() != 1:
+        raise ValueError(f"t2d must be (V,) bool, got {t2d.dtype} {tuple(t2d.shape)}")
+    used = torch.arange(d2t.numel(), dtype=torch.int64) + d2t
+    if not torch.equal(used, t2d.nonzero().flatten()):
+        raise ValueError("d2t and t2d disagree (d2t must map draft ids to the ascending "
+                         "target ids where t2d is True)")

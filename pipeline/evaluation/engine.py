@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from pipeline.eagle3.model import Eagle3Drafter
+from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.drafter import Drafter, as_drafter
 from pipeline.evaluation.metrics import AcceptanceStats
-from pipeline.evaluation.spec import SpecParams
 from pipeline.evaluation.target import TargetRunner
 from pipeline.evaluation.tree import VerifyTree, accept_greedy, draft_tree
 

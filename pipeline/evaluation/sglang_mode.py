@@ -43,7 +43,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from pipeline.data.capture.sglang_http import (
+from pipeline.capture.sglang_http import (
     CallStats,
     JsonHttp,
     RetryPolicy,
@@ -53,7 +53,7 @@ from pipeline.data.capture.sglang_http import (
     call_with_retries,
     raise_for_status,
 )
-from pipeline.evaluation.spec import SpecParams
+from pipeline.eagle3.spec import SpecParams
 
 __all__ = ["SCHEMA_VERSION", "SPEC_FLAGS", "ServerAcceptance", "ServerAcceptanceError",
            "ServerCounts", "SpeculativeConfigError", "measure_server_acceptance",

@@ -1,8 +1,8 @@
 """The ``acceptance_eval`` stage: candidate vs champion vs no drafter on held-out prompts.
 
-``evaluate_refresh(storage, step, candidate, champion, config)`` loads the policy of RL step
+``run(storage, step, candidate, champion, config)`` loads the policy of RL step
 ``step`` (the target whose rollouts the drafters will serve), picks the held-out prompts of
-the candidate's training window (:func:`pipeline.data.heldout.heldout_prompts`: prompts no
+the candidate's training window (:func:`pipeline.capture.heldout.heldout_prompts`: prompts no
 drafter trained on), runs greedy speculative decoding with each drafter on the same prompts
 and settings, and publishes an :class:`AcceptanceReport` at ``evals/step=NNNNNN/`` (JSON,
 manifest last).
@@ -33,14 +33,15 @@ from typing import Any
 
 import torch
 
+from pipeline.capture.heldout import heldout_prompts
 from pipeline.contracts import Manifest
-from pipeline.data.heldout import heldout_prompts
-from pipeline.data.policy_store import load_policy_ref, policy_prefix, step_dir
 from pipeline.eagle3.export import load_drafter
+from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.engine import evaluate
 from pipeline.evaluation.metrics import AcceptanceStats
-from pipeline.evaluation.spec import SpecParams
+from pipeline.layout import EVALS, eval_prefix, policy_prefix, steps_of
 from pipeline.manifest import entry_for, read_manifest, write_manifest
+from pipeline.snapshot.policy import load_policy_ref
 from pipeline.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,6 @@ EVAL_KIND = "acceptance_eval"
 REPORT_SCHEMA_VERSION = 1
 REPORT_FILE = "report.json"
 NO_DRAFTER = "no_drafter"
-
-
-def eval_prefix(step: int) -> str:
-    return f"evals/{step_dir(step)}"
-
 
 @dataclass(frozen=True)
 class EvalConfig:
@@ -142,7 +138,7 @@ class AcceptanceReport:
         return out
 
 
-def evaluate_refresh(storage: Storage, step: int, candidate: str,
+def run(storage: Storage, step: int, candidate: str,
                      champion: str | None = None, config: EvalConfig = EvalConfig()
                      ) -> AcceptanceReport:
     """Measure ``candidate`` (and ``champion``) drafters, storage prefixes of published
@@ -212,10 +208,8 @@ def read_report(storage: Storage, step: int) -> AcceptanceReport | None:
 def tau_history(storage: Storage) -> dict[str, dict[int, float]]:
     """τ per contestant per evaluated refresh step, from every committed report."""
     out: dict[str, dict[int, float]] = {}
-    for d in storage.list_dirs("evals"):
-        if not d.startswith("step="):
-            continue
-        report = read_report(storage, int(d.removeprefix("step=")))
+    for step in steps_of(storage.list_dirs(EVALS)):
+        report = read_report(storage, step)
         if report is None:
             continue
         for name, c in report.contestants.items():

@@ -15,7 +15,7 @@ Invariants:
 - After ``prefill`` / ``keep``, the cache holds one entry per verified token before the root,
   in sequence order: ``length`` == the root's position. No extra forward pass ever fixes it.
 - Aux layer id ``l`` is the OUTPUT of decoder layer ``l`` (a forward hook, as in capture:
-  ``pipeline.data.capture.hf``), concatenated in the given order: the drafter sees the same
+  ``pipeline.capture.hf``), concatenated in the given order: the drafter sees the same
   features at inference as in training, including for ``l = N - 1``.
 """
 

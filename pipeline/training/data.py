@@ -34,15 +34,15 @@ from dataclasses import dataclass, replace
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.contracts import Manifest
-from pipeline.data.shards import (
+from pipeline.capture.shards import (
     ShardInfo,
     ShardSample,
     open_parquet,
     read_shard_info,
     samples_of_batch,
-    shards_prefix,
 )
+from pipeline.contracts import Manifest
+from pipeline.layout import shards_prefix
 from pipeline.storage import Storage
 
 

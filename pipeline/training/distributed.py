@@ -3,7 +3,7 @@
 Invariants:
 
 - Under torchrun / the DeepSpeed launcher the launcher's ``RANK``/``WORLD_SIZE``/… are used
-  as given. Without them (plain ``python -m pipeline.training.run``) a one-process group is
+  as given. Without them (plain ``python -m pipeline.training.worker``) a one-process group is
   made on 127.0.0.1 with a free port.
 - CPU runs use gloo and ``DS_ACCELERATOR=cpu`` (set before DeepSpeed is imported, which is
   when it picks its accelerator); CUDA runs use NCCL and the local rank's GPU.

@@ -1,6 +1,6 @@
 """Starting training processes from a parent that must not hold a process group (Dagster).
 
-``launch(spec)`` writes the spec next to the run, starts ``pipeline.training.run`` as a child
+``launch(spec)`` writes the spec next to the run, starts ``pipeline.training.worker`` as a child
 — plain ``python`` for one process, ``torchrun`` or the ``deepspeed`` launcher for N — streams
 its output to ``<work_dir>/train.log`` (forwarding Aerie's own log lines), and returns the
 :class:`TrainResult` that rank 0 wrote. The same path is used for 1 and N processes.
@@ -32,8 +32,8 @@ from typing import Any
 
 from pipeline.training.distributed import free_port
 from pipeline.training.loop import RESULT_NAME
-from pipeline.training.run import STORAGE_OPTIONS_ENV
 from pipeline.training.spec import TrainResult, TrainSpec
+from pipeline.training.worker import STORAGE_OPTIONS_ENV
 
 log = logging.getLogger(__name__)
 LAUNCHERS = ("auto", "python", "torchrun", "deepspeed")
@@ -52,7 +52,7 @@ def training_command(spec_path: Path, world_size: int, launcher: str = "auto",
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
     if launcher == "auto":
         launcher = "python" if world_size == 1 else "torchrun"
-    entry = ["pipeline.training.run", "--spec", str(spec_path)]
+    entry = ["pipeline.training.worker", "--spec", str(spec_path)]
     if launcher == "python":
         if world_size != 1:
             raise ValueError("the plain python launcher runs one process; use torchrun or "

@@ -1,6 +1,6 @@
 """The training loop of one process (one rank): DeepSpeed, TTT loss, checkpoints, export.
 
-:func:`train` runs inside ``python -m pipeline.training.run`` (1 process) or under torchrun /
+:func:`train` runs inside ``python -m pipeline.training.worker`` (1 process) or under torchrun /
 the DeepSpeed launcher (N processes); every rank runs the same code on its share of each
 global batch (:mod:`pipeline.training.data`).
 
@@ -29,11 +29,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.capture.window import WindowError, load_target, read_window, shard_geometry
 from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.eagle3.ttt import TTTBatch, TTTMetrics, collate, ttt_loss
-from pipeline.eagle3.vocab import vocab_mapping_from_bytes
+from pipeline.layout import mapping_prefix
 from pipeline.storage import Storage
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.config import deepspeed_config, lr_factor, total_steps, warmup_steps
@@ -42,9 +43,9 @@ from pipeline.training.distributed import barrier, init_distributed
 from pipeline.training.engine_state import capture, full_fp32_params, restore
 from pipeline.training.metrics import MetricSums, aggregate, all_reduce
 from pipeline.training.spec import TrainResult, TrainSpec
-from pipeline.training.vocab_stage import MAPPING_FILE, mapping_prefix
 from pipeline.training.warmstart import apply_warm_start
-from pipeline.training.window import WindowError, load_target, read_window, shard_geometry
+from pipeline.vocab.mapping import vocab_mapping_from_bytes
+from pipeline.vocab.stage import MAPPING_FILE
 
 log = logging.getLogger(__name__)
 RESULT_NAME = "result.json"

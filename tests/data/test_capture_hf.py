@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.data.capture.base import default_aux_layer_ids
-from pipeline.data.capture.hf import HFCaptureBackend, hf_backend_for_step
-from pipeline.data.policy_store import publish_policy
+from pipeline.capture.hf import HFCaptureBackend, hf_backend_for_step
+from pipeline.eagle3.config import default_aux_layer_ids
+from pipeline.snapshot.policy import publish_policy
 from pipeline.storage import Storage
 
 VOCAB = 128

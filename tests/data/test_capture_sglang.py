@@ -13,14 +13,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.data.capture.sglang import (
+from pipeline.capture.sglang import (
     SGLangCaptureConfig,
     SGLangRequestError,
     SGLangServerConfigError,
     parse_generate_response,
     plan_requests,
 )
-from pipeline.data.capture.sglang_http import JsonHttp, RetryPolicy, TransientFailure
+from pipeline.capture.sglang_http import JsonHttp, RetryPolicy, TransientFailure
 from tests.conftest import free_port
 from tests.sglang_contract import fixtures
 from tests.sglang_contract.fixtures import AUX_IDS, HIDDEN, LAYERS
@@ -123,7 +123,7 @@ def test_capture_matches_hf(sglang_servers, hf_model):
 
 
 def test_capture_matches_the_hf_backend(sglang_servers, hf_model):
-    from pipeline.data.capture.hf import HFCaptureBackend
+    from pipeline.capture.hf import HFCaptureBackend
 
     want = HFCaptureBackend(hf_model, aux_layer_ids=AUX_IDS).capture(BATCH)
     with backend(sglang_servers) as b:

@@ -1,4 +1,5 @@
-"""extract_step with the hf backend: content, determinism, resume, bounded memory, the asset."""
+"""capture.stage.run with the hf backend: content, determinism, resume, bounded memory, the
+asset."""
 
 from __future__ import annotations
 
@@ -13,22 +14,19 @@ import torch
 from dagster import AssetKey, instance_for_test, materialize
 
 from assets.shards import ShardsConfig, hidden_state_shards
+from pipeline.capture import stage as capture_stage
+from pipeline.capture.base import CapturedStates
+from pipeline.capture.heldout import HeldoutSplit, heldout_prompts
+from pipeline.capture.hf import HFCaptureBackend
+from pipeline.capture.shards import iter_shard, iter_step, read_shards_manifest
+from pipeline.capture.stage import ExtractConfig, ExtractionError, open_backend
 from pipeline.contracts import Manifest
-from pipeline.data.capture.base import CapturedStates
-from pipeline.data.capture.hf import HFCaptureBackend
-from pipeline.data.extraction import (
-    ExtractConfig,
-    ExtractionError,
-    extract_step,
-    open_backend,
-)
-from pipeline.data.heldout import HeldoutSplit, heldout_prompts
-from pipeline.data.parquet import write_table
-from pipeline.data.policy_store import load_policy_ref, publish_policy
-from pipeline.data.shards import iter_shard, iter_step, read_shards_manifest, shards_prefix
-from pipeline.data.tokenized_schema import TOKENIZED_KIND, TOKENIZED_SCHEMA, tokenized_prefix
+from pipeline.layout import shards_prefix, tokenized_prefix
 from pipeline.manifest import entry_for, read_manifest, verify_manifest, write_manifest
+from pipeline.parquet import write_table
+from pipeline.snapshot.policy import load_policy_ref, publish_policy
 from pipeline.storage import Storage
+from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
 from resources.capture import CaptureResource
 from resources.storage import StorageResource
 from tests.data.test_capture_hf import VOCAB, tiny_llama
@@ -113,7 +111,7 @@ def shard_files(storage: Storage) -> list[tuple[str, int, str]]:
 def test_shards_hold_every_sample_with_its_states(tmp_path, model):
     storage = Storage(tmp_path.as_uri())
     rows = write_tokenized(storage, STEP, lengths(20))
-    summary = extract_step(storage, STEP, backend(model), CONFIG)
+    summary = capture_stage.run(storage, STEP, backend(model), CONFIG)
     assert (summary.samples, summary.tokens) == (20, sum(len(r["input_ids"]) for r in rows))
     assert summary.loss_tokens == sum(sum(r["loss_mask"]) for r in rows)
     assert summary.shards > 2 and summary.shards_reused == 0
@@ -141,7 +139,7 @@ def test_shards_hold_every_sample_with_its_states(tmp_path, model):
 def test_shard_i_holds_a_fixed_window_of_tokenized_order_sorted_by_length(tmp_path, model):
     storage = Storage(tmp_path.as_uri())
     rows = write_tokenized(storage, STEP, lengths(20))
-    extract_step(storage, STEP, backend(model), CONFIG)
+    capture_stage.run(storage, STEP, backend(model), CONFIG)
     seen = []
     for entry in read_shards_manifest(storage, STEP).files:
         ids = [s.sample_id for s in iter_shard(storage, f"{shards_prefix(STEP)}/{entry.path}")]
@@ -159,7 +157,7 @@ def test_identical_inputs_give_identical_names_and_bytes(tmp_path, model):
     for run in ("a", "b"):
         storage = Storage((tmp_path / run).as_uri())
         write_tokenized(storage, STEP, lengths(20))
-        extract_step(storage, STEP, backend(model), CONFIG)
+        capture_stage.run(storage, STEP, backend(model), CONFIG)
         results.append(shard_files(storage))
     assert results[0] == results[1] and len(results[0]) > 2
 
@@ -168,19 +166,19 @@ def test_resume_after_a_crash_keeps_finished_shards(tmp_path, model):
     clean = Storage((tmp_path / "clean").as_uri())
     write_tokenized(clean, STEP, lengths(20))
     full = backend(model)
-    extract_step(clean, STEP, full, CONFIG)
+    capture_stage.run(clean, STEP, full, CONFIG)
 
     storage = Storage((tmp_path / "crash").as_uri())
     write_tokenized(storage, STEP, lengths(20))
     crashed = Recording(full.inner, fail_at=5)  # mid-way: each shard takes 2–3 batches
     with pytest.raises(RuntimeError, match="injected crash"):
-        extract_step(storage, STEP, crashed, CONFIG)
+        capture_stage.run(storage, STEP, crashed, CONFIG)
     assert read_manifest(storage, shards_prefix(STEP)) is None  # nothing committed
     done = [k for k in storage.list(shards_prefix(STEP)) if k.endswith(".parquet")]
     assert 1 <= len(done) < len(shard_files(clean))
 
     again = backend(model)
-    summary = extract_step(storage, STEP, again, CONFIG)
+    summary = capture_stage.run(storage, STEP, again, CONFIG)
     assert summary.shards_reused == len(done) and summary.backend_calls == again.calls
     kept_rows = sum(s["rows"] for s in read_shards_manifest(storage, STEP).meta["shards"][
         :len(done)])
@@ -193,9 +191,9 @@ def test_resume_after_a_crash_keeps_finished_shards(tmp_path, model):
 def test_a_committed_step_is_not_recomputed(tmp_path, model):
     storage = Storage(tmp_path.as_uri())
     write_tokenized(storage, STEP, lengths(8))
-    first = extract_step(storage, STEP, backend(model), CONFIG)
+    first = capture_stage.run(storage, STEP, backend(model), CONFIG)
     again = backend(model)
-    second = extract_step(storage, STEP, again, CONFIG)
+    second = capture_stage.run(storage, STEP, again, CONFIG)
     assert again.calls == 0 and second.already_committed
     assert (second.samples, second.bytes, second.shards) == (first.samples, first.bytes,
                                                               first.shards)
@@ -204,13 +202,13 @@ def test_a_committed_step_is_not_recomputed(tmp_path, model):
 def test_a_damaged_committed_shard_is_re_extracted_alone(tmp_path, model):
     storage = Storage(tmp_path.as_uri())
     write_tokenized(storage, STEP, lengths(20))
-    first = extract_step(storage, STEP, backend(model), CONFIG)
+    first = capture_stage.run(storage, STEP, backend(model), CONFIG)
     clean = shard_files(storage)
     prefix = shards_prefix(STEP)
     shard1 = storage.local_path(f"{prefix}/shard-00001.parquet")
     shard1.write_bytes(shard1.read_bytes()[:-1] + b"!")  # rotted after the commit
     again = backend(model)
-    summary = extract_step(storage, STEP, again, CONFIG)
+    summary = capture_stage.run(storage, STEP, again, CONFIG)
     assert not summary.already_committed and 0 < again.calls
     assert summary.shards_reused == first.shards - 1  # only shard 1 was extracted again
     assert verify_manifest(storage, prefix, read_manifest(storage, prefix)) == []
@@ -220,10 +218,10 @@ def test_a_damaged_committed_shard_is_re_extracted_alone(tmp_path, model):
 def test_another_configuration_rebuilds_and_recommits(tmp_path, model):
     storage = Storage(tmp_path.as_uri())
     write_tokenized(storage, STEP, lengths(8))
-    extract_step(storage, STEP, backend(model), CONFIG)
+    capture_stage.run(storage, STEP, backend(model), CONFIG)
     before = shard_files(storage)
     other = backend(model, aux_layer_ids=(0, 3, 4))
-    summary = extract_step(storage, STEP, other, CONFIG)
+    summary = capture_stage.run(storage, STEP, other, CONFIG)
     assert other.calls > 0 and summary.shards_reused == 0
     assert summary.aux_layer_ids == (0, 3, 4)
     assert shard_files(storage) != before
@@ -233,18 +231,18 @@ def test_another_configuration_rebuilds_and_recommits(tmp_path, model):
 def test_leftovers_of_a_crash_are_checked_not_trusted(tmp_path, model):
     clean = Storage((tmp_path / "clean").as_uri())
     write_tokenized(clean, STEP, lengths(20))
-    extract_step(clean, STEP, backend(model), CONFIG)
+    capture_stage.run(clean, STEP, backend(model), CONFIG)
     storage = Storage((tmp_path / "crash").as_uri())
     write_tokenized(storage, STEP, lengths(20))
     with pytest.raises(RuntimeError):
-        extract_step(storage, STEP, Recording(backend(model).inner, fail_at=5), CONFIG)
+        capture_stage.run(storage, STEP, Recording(backend(model).inner, fail_at=5), CONFIG)
     prefix = shards_prefix(STEP)
     shard0 = storage.local_path(f"{prefix}/shard-00000.parquet")
     shard0.write_bytes(shard0.read_bytes()[:-1] + b"!")  # changed after its marker
     storage.local_path(f"{prefix}/_progress/shard-00001.parquet.json").unlink()  # died
     # between publishing shard 1 and its marker; and a hard kill left a temp file behind:
     storage.local_path(f"{prefix}/.shard-00002.parquet.dead.tmp").write_bytes(b"partial")
-    summary = extract_step(storage, STEP, backend(model), CONFIG)
+    summary = capture_stage.run(storage, STEP, backend(model), CONFIG)
     assert summary.shards_reused == 0
     assert verify_manifest(storage, prefix, read_manifest(storage, prefix)) == []
     assert shard_files(storage) == shard_files(clean)
@@ -256,7 +254,7 @@ def test_memory_is_bounded_by_a_row_group_not_the_step(tmp_path, model, scale):
     storage = Storage(tmp_path.as_uri())
     write_tokenized(storage, STEP, [8] * 12 * scale)
     rec = backend(model)
-    extract_step(storage, STEP, rec, CONFIG)
+    capture_stage.run(storage, STEP, rec, CONFIG)
     rows_per_group = CONFIG.row_group_bytes // (8 * TOKEN_BYTES)  # 3
     assert max(rec.batch_sizes) <= CONFIG.max_batch_size
     assert 1 <= rec.max_alive <= rows_per_group
@@ -276,7 +274,7 @@ def test_broken_backend_output_is_refused(tmp_path, model):
             return [CapturedStates(aux, out[0].final_hidden), *out[1:]]
 
     with pytest.raises(ExtractionError, match="non-finite"):
-        extract_step(storage, STEP, Broken(inner), CONFIG)
+        capture_stage.run(storage, STEP, Broken(inner), CONFIG)
 
     class Short(Recording):
         def capture(self, batch):
@@ -284,19 +282,19 @@ def test_broken_backend_output_is_refused(tmp_path, model):
                     for s in inner.capture(batch)]
 
     with pytest.raises(ExtractionError, match="shape"):
-        extract_step(storage, STEP, Short(inner), CONFIG)
+        capture_stage.run(storage, STEP, Short(inner), CONFIG)
     assert read_manifest(storage, shards_prefix(STEP)) is None
 
 
 def test_missing_or_corrupt_input_is_named(tmp_path, model):
     storage = Storage(tmp_path.as_uri())
     with pytest.raises(ExtractionError, match="no committed tokenized"):
-        extract_step(storage, STEP, backend(model), CONFIG)
+        capture_stage.run(storage, STEP, backend(model), CONFIG)
     write_tokenized(storage, STEP, lengths(6))
     part = storage.local_path(f"{tokenized_prefix(STEP)}/part-00000.parquet")
     part.write_bytes(part.read_bytes() + b"x")
     with pytest.raises(ExtractionError, match="part-00000.parquet"):
-        extract_step(storage, STEP, backend(model), CONFIG)
+        capture_stage.run(storage, STEP, backend(model), CONFIG)
 
 
 # -- the asset --------------------------------------------------------------------------
@@ -366,7 +364,8 @@ def test_heldout_prompts_never_reach_the_shards(tmp_path, model):
     held = {r["sample_id"] for r in rows
             if split.holds_out(np.array(r["input_ids"]), np.array(r["loss_mask"]))}
     assert 0 < len(held) < len(rows) and len(held) % 3 == 0  # whole groups
-    summary = extract_step(storage, STEP, backend(model), replace(CONFIG, heldout_fraction=0.3))
+    summary = capture_stage.run(storage, STEP, backend(model),
+                                replace(CONFIG, heldout_fraction=0.3))
     got = {s.sample_id for s in iter_step(storage, STEP)}
     assert got == {r["sample_id"] for r in rows} - held
     assert summary.heldout == len(held) and summary.samples == len(rows) - len(held)

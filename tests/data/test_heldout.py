@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.data.heldout import HeldoutSplit, prompt_of
+from pipeline.capture.heldout import HeldoutSplit, prompt_of
 
 
 def test_prompt_is_the_tokens_before_the_first_trained_one():

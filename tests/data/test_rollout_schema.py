@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.data.rollout_schema import ROLLOUT_SCHEMA, Limits, RecordError, validate_record
+from pipeline.snapshot.schema import ROLLOUT_SCHEMA, Limits, RecordError, validate_record
 
 from .conftest import VOCAB
 

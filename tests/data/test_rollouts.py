@@ -9,18 +9,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.contracts import Manifest
-from pipeline.data.parquet import ParquetFileError, read_table, write_table
-from pipeline.data.rollouts import (
+from pipeline.layout import raw_prefix, snapshot_prefix
+from pipeline.manifest import entry_for, read_manifest, write_manifest
+from pipeline.parquet import ParquetFileError, read_table, write_table
+from pipeline.snapshot import stage as snapshot_stage
+from pipeline.snapshot.stage import (
     QUARANTINE_SCHEMA,
     SnapshotError,
     SnapshotWriter,
     completed_steps,
-    raw_prefix,
     read_accepted,
-    snapshot_prefix,
-    validate_snapshot,
 )
-from pipeline.manifest import entry_for, read_manifest, write_manifest
 from pipeline.storage import Storage
 
 from .conftest import good_record, make_policy_dir
@@ -48,7 +47,7 @@ def test_writer_and_reader_keep_every_record(storage, policy_dir):
         "rollout_id: duplicate of": 1}
     assert completed_steps(storage) == [3]
 
-    validated = validate_snapshot(storage, 3)
+    validated = snapshot_stage.run(storage, 3)
     assert (validated.records_in, validated.accepted, validated.quarantined) == (17, 12, 5)
     table = read_accepted(storage, 3)
     assert table.column("rollout_id").to_pylist() == [r["rollout_id"] for r in good]
@@ -78,7 +77,7 @@ def test_unfinished_step_is_not_listed_and_not_readable(tmp_path, policy_dir):
     storage.write_bytes(f"{raw_prefix(2)}/part-00000.parquet", b"half a step")
     assert completed_steps(storage) == [1]
     with pytest.raises(SnapshotError, match="no completion marker"):
-        validate_snapshot(storage, 2)
+        snapshot_stage.run(storage, 2)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
@@ -93,7 +92,7 @@ def test_corrupt_file_is_an_error_naming_it(tmp_path, policy_dir, damage):
         data = data[: len(data) // 2]
     storage.write_bytes(key, bytes(data))
     with pytest.raises(SnapshotError, match="part-00000.parquet"):
-        validate_snapshot(storage, 3)  # caught by the manifest's sha256
+        snapshot_stage.run(storage, 3)  # caught by the manifest's sha256
     with pytest.raises(ParquetFileError, match="part-00000.parquet"):
         read_table(storage, key)  # and by Parquet itself (page CRC / footer)
 
@@ -120,7 +119,7 @@ def test_foreign_parquet_with_bad_values_is_quarantined_per_record(tmp_path):
     write_manifest(storage, prefix, Manifest(kind=manifest.kind,
                                              kind_version=manifest.kind_version,
                                              files=files, meta=meta))
-    summary = validate_snapshot(storage, 3)
+    summary = snapshot_stage.run(storage, 3)
     assert (summary.records_in, summary.accepted, summary.quarantined) == (4, 2, 2)
     assert summary.reasons == {"reward: expected": 1, "rollout_id: invalid UTF-8": 1}
     assert read_accepted(storage, 3).column("rollout_id").to_pylist() == ["r3-0", "f-2"]
@@ -135,7 +134,7 @@ def test_records_in_equals_accepted_plus_quarantined(tmp_path_factory, plan):
     records = [good_record(i) if ok else bad_records()[kind] | {"rollout_id": f"bad-{i}"}
                for i, (ok, kind) in enumerate(plan)]
     summary = SnapshotWriter(storage).write_step(3, records, make_policy_dir(tmp / "p"), 3)
-    validated = validate_snapshot(storage, 3)
+    validated = snapshot_stage.run(storage, 3)
     expected_good = sum(ok for ok, _ in plan)
     assert summary.accepted == validated.accepted == expected_good
     assert validated.accepted + validated.quarantined == len(records)

@@ -9,9 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.contracts import Manifest
-from pipeline.data.parquet import ParquetFileError
-from pipeline.data.shards import (
+from pipeline.capture.shards import (
     SHARD_SCHEMA_VERSION,
     SHARDS_KIND,
     ShardSample,
@@ -22,7 +20,9 @@ from pipeline.data.shards import (
     samples_of_batch,
     write_shard,
 )
+from pipeline.contracts import Manifest
 from pipeline.manifest import entry_for, read_manifest, verify_manifest, write_manifest
+from pipeline.parquet import ParquetFileError
 from pipeline.storage import Storage
 
 H = 16

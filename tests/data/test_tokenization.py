@@ -1,4 +1,4 @@
-"""Tokenization stage: exact ids, truncation window, counts, tokenize_step and the asset."""
+"""Tokenization stage: exact ids, truncation window, counts, tokenize.stage.run and the asset."""
 
 from __future__ import annotations
 
@@ -9,27 +9,29 @@ import pytest
 from dagster import AssetKey, instance_for_test, materialize
 
 from assets.tokenized import TokenizeRunConfig, tokenized_rollouts
-from pipeline.data.chat_masks import (
+from pipeline.layout import policy_prefix, tokenized_prefix
+from pipeline.manifest import read_manifest, verify_manifest
+from pipeline.parquet import read_table
+from pipeline.snapshot import stage as snapshot_stage
+from pipeline.snapshot.policy import load_policy_ref, publish_policy
+from pipeline.snapshot.stage import SnapshotError, SnapshotWriter
+from pipeline.storage import Storage
+from pipeline.tokenize import stage as tokenize_stage
+from pipeline.tokenize.chat_masks import (
     ChatMaskError,
     check_offsets,
     encode_chat,
     encode_prompt,
     mask_from_offsets,
 )
-from pipeline.data.parquet import read_table
-from pipeline.data.policy_store import load_policy_ref, policy_prefix, publish_policy
-from pipeline.data.rollouts import SnapshotError, SnapshotWriter, validate_snapshot
-from pipeline.data.tokenization import (
+from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
+from pipeline.tokenize.stage import (
     TokenizeConfig,
     first_difference,
     load_step_tokenizer,
     tokenize_record,
-    tokenize_step,
     truncate,
 )
-from pipeline.data.tokenized_schema import TOKENIZED_KIND, TOKENIZED_SCHEMA, tokenized_prefix
-from pipeline.manifest import read_manifest, verify_manifest
-from pipeline.storage import Storage
 from resources.storage import StorageResource
 
 from .test_tokenization_templates import chatml_think_tokenizer, chatml_tokenizer, demo_tokenizer
@@ -211,7 +213,7 @@ def snapshot(tmp_path):
     storage = Storage((tmp_path / "storage").as_uri())
     tok = chatml_tokenizer()
     SnapshotWriter(storage).write_step(2, step_records(tok), write_policy(tmp_path, tok), 1)
-    validate_snapshot(storage, 2)
+    snapshot_stage.run(storage, 2)
     return storage
 
 
@@ -244,7 +246,7 @@ def test_a_corrupt_tokenizer_file_is_refused(snapshot):
 
 def test_tokenize_step_writes_samples_counts_and_a_manifest(snapshot):
     cfg = TokenizeConfig(max_length=64, keep_tail=32, rows_per_file=4)
-    s = tokenize_step(snapshot, 2, cfg)
+    s = tokenize_stage.run(snapshot, 2, cfg)
     assert (s.records_in, s.samples, s.dropped) == (10, 9, 1)
     assert s.dropped_reasons == {"no_masked_tokens": 1}
     assert s.dropped_examples[0]["sample_id"] == "z"
@@ -270,9 +272,9 @@ def test_tokenize_step_writes_samples_counts_and_a_manifest(snapshot):
 
 
 def test_tokenize_step_is_deterministic(snapshot):
-    tokenize_step(snapshot, 2)
+    tokenize_stage.run(snapshot, 2)
     first = {k: snapshot.read_bytes(k) for k in snapshot.list(tokenized_prefix(2))}
-    tokenize_step(snapshot, 2)
+    tokenize_stage.run(snapshot, 2)
     assert {k: snapshot.read_bytes(k) for k in snapshot.list(tokenized_prefix(2))} == first
 
 

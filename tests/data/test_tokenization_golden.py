@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.data.chat_masks import ChatMaskError, encode_chat, render_with_spans
+from pipeline.tokenize.chat_masks import ChatMaskError, encode_chat, render_with_spans
 
 from .test_tokenization_templates import TOKENIZERS, chatml_tokenizer, llama3_tokenizer
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.data.chat_masks import encode_chat, render_with_spans
+from pipeline.tokenize.chat_masks import encode_chat, render_with_spans
 
 from .test_tokenization_templates import ORACLES, TOKENIZERS
 

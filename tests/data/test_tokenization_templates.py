@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AddedToken, PreTrainedTokenizerFast
 
-from pipeline.data.chat_masks import end_of_turn_tokens, render_with_spans
+from pipeline.tokenize.chat_masks import end_of_turn_tokens, render_with_spans
 
 # The pre-tokenizer regex of Llama-3 (Qwen2 uses the same shape): `\s*[\r\n]+` can join a
 # header's newline with newlines that start the content, which the straddling rule handles.

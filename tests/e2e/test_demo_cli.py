@@ -6,9 +6,9 @@ import pytest
 from dagster import AssetKey, DagsterInstance
 
 from jobs import cli
-from pipeline.data.rollouts import completed_steps, read_accepted
 from pipeline.demo.config import DemoConfig
 from pipeline.evaluation.stage import read_report
+from pipeline.snapshot.stage import completed_steps, read_accepted
 from pipeline.storage import Storage
 
 

@@ -22,13 +22,13 @@ from dagster import AssetCheckKey, AssetKey, DagsterInstance, build_sensor_conte
 
 from jobs import cli
 from jobs.refresh import refresh_sensor
+from pipeline.capture.window import WindowError
 from pipeline.demo.config import DemoConfig
 from pipeline.evaluation.stage import read_report
-from pipeline.serving.ledger import read_serving
+from pipeline.serving_now import read_serving
 from pipeline.storage import Storage
+from pipeline.training import stage as training_stage
 from pipeline.training.config import TrainConfig
-from pipeline.training.refresh import refresh_drafter
-from pipeline.training.window import WindowError
 from resources.mlflow import mlflow_from_environment
 from resources.refresh import RefreshPolicyResource
 from tests.conftest import free_port, wait_for_port
@@ -69,8 +69,8 @@ def loop(tmp_path_factory):
 
 
 def _run_loop(home: Path) -> Loop:
-    from pipeline.data.rollouts import SnapshotWriter
     from pipeline.demo.world import generate_world
+    from pipeline.snapshot.stage import SnapshotWriter
 
     outputs = []  # the trainer's steps, published one at a time below
     generate_world(DemoConfig.small(num_steps=6), home / "demo-world", outputs.append,
@@ -198,7 +198,7 @@ def test_z_a_damaged_shard_is_refused_by_training_and_repaired_by_a_rerun(loop):
     shard.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
     storage = Storage((loop.home / "storage").as_uri())
     with pytest.raises(WindowError, match=shard.name):  # no refresh trains on it
-        refresh_drafter(storage, 5, TrainConfig(max_steps=1), work_root=loop.home / "t")
+        training_stage.run(storage, 5, TrainConfig(max_steps=1), work_root=loop.home / "t")
     ingest = defs.resolve_job_def("ingest_step")
     before = loop.instance.get_latest_materialization_event(AssetKey("tokenized_rollouts"))
     rerun = ingest.execute_in_process(instance=loop.instance, partition_key="step-000005",

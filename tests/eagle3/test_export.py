@@ -13,7 +13,7 @@ from torch import nn
 from pipeline.eagle3 import export
 from pipeline.eagle3.export import load_drafter, save_drafter, warm_start
 from pipeline.eagle3.model import EXPORTED_NAMES, Eagle3Drafter
-from pipeline.eagle3.vocab import build_vocab_mapping
+from pipeline.vocab.mapping import build_vocab_mapping
 from tests.eagle3.helpers import tiny_drafter
 
 WEIGHT_NAMES = set(EXPORTED_NAMES) - {"d2t", "t2d"}

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.contracts import FileEntry, Manifest
-from pipeline.eagle3.vocab import (
+from pipeline.vocab.mapping import (
     TokenCounter,
     build_vocab_mapping,
     count_masked_tokens,

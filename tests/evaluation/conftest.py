@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.model import Eagle3Drafter
-from pipeline.eagle3.vocab import build_vocab_mapping
+from pipeline.vocab.mapping import build_vocab_mapping
 
 VOCAB = 300
 DRAFT_VOCAB = 200

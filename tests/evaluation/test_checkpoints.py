@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pipeline.eagle3.export import load_drafter, save_drafter
-from pipeline.evaluation import SpecParams, evaluate
+from pipeline.eagle3.spec import SpecParams
+from pipeline.evaluation.engine import evaluate
 from tests.evaluation.conftest import expected
 
 

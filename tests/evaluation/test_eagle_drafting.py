@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.data.capture.hf import HFCaptureBackend
+from pipeline.capture.hf import HFCaptureBackend
 from pipeline.eagle3.drafting import KVCache, decode
-from pipeline.evaluation import SpecParams, evaluate
+from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.eagle import Eagle3Proposer
+from pipeline.evaluation.engine import evaluate
 from tests.evaluation.conftest import AUX_LAYER_IDS
 
 

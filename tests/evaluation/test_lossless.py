@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.evaluation import SpecParams, evaluate
-from pipeline.evaluation.synthetic import OracleDrafter, RandomDrafter, context_seed
+from pipeline.eagle3.spec import SpecParams
+from pipeline.evaluation.engine import evaluate
 from pipeline.evaluation.target import TargetRunner
 from pipeline.evaluation.tree import VerifyTree
 from tests.evaluation.conftest import MAX_NEW, VOCAB, expected
+from tests.evaluation.synthetic import OracleDrafter, RandomDrafter, context_seed
 
 
 def mixed_rank(context, position):

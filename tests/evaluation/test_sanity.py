@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from pipeline.evaluation import SpecParams, evaluate
-from pipeline.evaluation.synthetic import OracleDrafter, RandomDrafter
+from pipeline.eagle3.spec import SpecParams
+from pipeline.evaluation.engine import evaluate
 from tests.evaluation.conftest import VOCAB
+from tests.evaluation.synthetic import OracleDrafter, RandomDrafter
 
 # 1 prefill token + whole cycles: no truncation (and no EOS) interferes with tau
 CHAIN5 = SpecParams(5, 1, 6)

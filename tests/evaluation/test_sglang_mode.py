@@ -15,13 +15,12 @@ import pytest
 import requests
 import torch
 
-from pipeline.data.capture.sglang_http import SGLangRequestError, TransientFailure
+from pipeline.capture.sglang_http import SGLangRequestError, TransientFailure
 from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.export import load_drafter, save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
-from pipeline.eagle3.vocab import build_vocab_mapping
-from pipeline.evaluation import EvalRun, SpecParams, evaluate
-from pipeline.evaluation.engine import CycleTrace
+from pipeline.eagle3.spec import SpecParams
+from pipeline.evaluation.engine import CycleTrace, EvalRun, evaluate
 from pipeline.evaluation.sglang_mode import (
     ServerAcceptance,
     ServerAcceptanceError,
@@ -29,6 +28,7 @@ from pipeline.evaluation.sglang_mode import (
     measure_server_acceptance,
     parse_spec_response,
 )
+from pipeline.vocab.mapping import build_vocab_mapping
 from tests.sglang_contract import fixtures
 from tests.sglang_contract.fixtures import HIDDEN, LAYERS, VOCAB, ContractServer
 

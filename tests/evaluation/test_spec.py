@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from pipeline.evaluation.spec import SpecParams
+from pipeline.eagle3.spec import SpecParams
 
 
 @pytest.mark.parametrize("args", [(5, 1, 6), (3, 1, 4), (1, 1, 2), (5, 4, 8), (2, 4, 21),

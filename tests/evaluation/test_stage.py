@@ -8,19 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.capture.heldout import heldout_prompts
 from pipeline.contracts import Manifest
-from pipeline.data.heldout import heldout_prompts
 from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.evaluation import stage
-from pipeline.evaluation.stage import (
-    NO_DRAFTER,
-    EvalConfig,
-    evaluate_refresh,
-    read_report,
-    tau_history,
-)
+from pipeline.evaluation.stage import NO_DRAFTER, EvalConfig, read_report, tau_history
 from pipeline.manifest import entry_for, write_manifest
 from pipeline.storage import Storage
 from tests.training.world import EXTRACT, build_world, tiny_target
@@ -62,7 +56,7 @@ def test_three_contestants_on_the_same_heldout_prompts(world, tmp_path, monkeypa
     candidate = publish_drafter(storage, target, 2, seed=1, tmp=tmp_path)
     champion = publish_drafter(storage, target, 1, seed=2, tmp=tmp_path)
     config = EvalConfig(max_prompts=6, max_new_tokens=12, **SETTINGS)
-    report = evaluate_refresh(storage, 2, candidate, champion, config)
+    report = stage.run(storage, 2, candidate, champion, config)
 
     split, prompts = heldout_prompts(storage, list(STEPS), 6)
     assert report.prompt_keys == [p.key for p in prompts] and len(prompts) >= 2
@@ -87,21 +81,21 @@ def test_three_contestants_on_the_same_heldout_prompts(world, tmp_path, monkeypa
         raise AssertionError("a committed report must not be recomputed")
 
     monkeypatch.setattr(stage, "evaluate", boom)
-    assert evaluate_refresh(storage, 2, candidate, champion, config) == report
+    assert stage.run(storage, 2, candidate, champion, config) == report
     # Other settings are other inputs.
     with pytest.raises(AssertionError, match="recomputed"):
-        evaluate_refresh(storage, 2, candidate, champion,
+        stage.run(storage, 2, candidate, champion,
                          EvalConfig(max_prompts=6, max_new_tokens=13, **SETTINGS))
 
 
 def test_report_keys_track_prompts_and_settings(world, tmp_path):
     storage, target = world
     candidate = publish_drafter(storage, target, 2, seed=3, tmp=tmp_path)
-    a = evaluate_refresh(storage, 2, candidate, None, EvalConfig(max_prompts=2,
+    a = stage.run(storage, 2, candidate, None, EvalConfig(max_prompts=2,
                                                                  max_new_tokens=6, **SETTINGS))
-    b = evaluate_refresh(storage, 2, candidate, None, EvalConfig(max_prompts=3,
+    b = stage.run(storage, 2, candidate, None, EvalConfig(max_prompts=3,
                                                                  max_new_tokens=6, **SETTINGS))
-    c = evaluate_refresh(storage, 2, candidate, None, EvalConfig(max_prompts=3,
+    c = stage.run(storage, 2, candidate, None, EvalConfig(max_prompts=3,
                                                                  max_new_tokens=7, **SETTINGS))
     assert set(a.contestants) == {"candidate", NO_DRAFTER}
     assert a.heldout_key != b.heldout_key and b.heldout_key == c.heldout_key
@@ -118,7 +112,7 @@ def test_settings_are_all_or_none():
 def test_a_drafter_without_lineage_is_refused(world):
     storage, _ = world
     with pytest.raises(FileNotFoundError, match="no committed drafter"):
-        evaluate_refresh(storage, 2, "drafters/step=000009", None)
+        stage.run(storage, 2, "drafters/step=000009", None)
 
 
 def test_charts_are_png_and_embed_as_markdown():

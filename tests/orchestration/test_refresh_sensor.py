@@ -16,6 +16,7 @@ from dagster import (
     instance_for_test,
 )
 
+from assets.groups import DATA_ASSETS
 from assets.partitions import step_key
 from jobs.refresh import (
     drafter_refresh_schedule,
@@ -23,7 +24,6 @@ from jobs.refresh import (
     refresh_request,
     refresh_sensor,
 )
-from jobs.snapshots import STEP_ASSETS
 from resources.refresh import RefreshPolicyResource
 
 
@@ -42,7 +42,7 @@ def test_due_refresh(ingested, last, every, due):
     assert due_refresh(ingested, last, every) == due
 
 
-def ingest(instance, *steps: int, assets=STEP_ASSETS) -> None:
+def ingest(instance, *steps: int, assets=DATA_ASSETS) -> None:
     for s in steps:
         for name in assets:
             instance.report_runless_asset_event(
@@ -60,7 +60,7 @@ def test_sensor_requests_exactly_one_refresh_per_block():
         instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(12)])
         ingest(instance, 0, 1, 2)
         assert isinstance(tick(instance, None), SkipReason)
-        ingest(instance, 3, assets=STEP_ASSETS[:2])  # shards not done yet: not ingested
+        ingest(instance, 3, assets=DATA_ASSETS[:2])  # shards not done yet: not ingested
         assert isinstance(tick(instance, None), SkipReason)
         ingest(instance, 3)
         first = tick(instance, None)

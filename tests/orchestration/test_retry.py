@@ -7,10 +7,10 @@ from dagster import AssetKey, DagsterEventType, asset, instance_for_test, materi
 
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors, service_retry_policy
 from definitions import defs
-from pipeline.data.capture.sglang_http import SGLangRejectedError, SGLangRequestError
-from pipeline.data.rollouts import SnapshotError
-from pipeline.registry.promotion import PromotionError, PromotionNotApplied
-from pipeline.serving.backend import ServingError, ServingRefused
+from pipeline.capture.sglang_http import SGLangRejectedError, SGLangRequestError
+from pipeline.release.backend import ServingError, ServingRefused
+from pipeline.release.promotion import PromotionError, PromotionNotApplied
+from pipeline.snapshot.stage import SnapshotError
 
 
 def _caused(error: BaseException, cause: BaseException) -> BaseException:

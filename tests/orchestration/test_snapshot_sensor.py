@@ -5,7 +5,7 @@ from __future__ import annotations
 from dagster import SensorResult, SkipReason, build_sensor_context
 
 from jobs.snapshots import snapshot_sensor
-from pipeline.data.rollouts import raw_prefix
+from pipeline.layout import raw_prefix
 
 from .conftest import write_step
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pipeline.registry.mlflow_registry import DrafterRegistry
+from pipeline.release.mlflow_registry import DrafterRegistry
 from tests.conftest import free_port
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")

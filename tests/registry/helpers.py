@@ -23,7 +23,7 @@ def make_drafter_dir(path: Path, seed: int = 0, *, draft_vocab_size: int = 24,
 
     from pipeline.eagle3.config import DrafterConfig
     from pipeline.eagle3.model import Eagle3Drafter
-    from pipeline.eagle3.vocab import build_vocab_mapping
+    from pipeline.vocab.mapping import build_vocab_mapping
 
     target = {"hidden_size": hidden_size, "intermediate_size": 48, "num_hidden_layers": 8,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": TARGET_VOCAB,

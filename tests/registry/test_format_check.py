@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.registry.format_check import drafter_format_errors
+from pipeline.release.format_check import drafter_format_errors
 from tests.registry.helpers import make_drafter_dir
 
 

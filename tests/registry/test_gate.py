@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pipeline.registry.gate import Candidate, Decision, EvalSummary, GatePolicy, decide
+from pipeline.release.gate import Candidate, Decision, EvalSummary, GatePolicy, decide
 
 POLICY = GatePolicy(min_relative_gain=0.05, min_cycles=100)
 BASE_TAU = 2.0

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pipeline.registry.lineage import (
+from pipeline.release.lineage import (
     MAX_TAG_VALUE,
     REQUIRED_LINEAGE_KEYS,
     LineageError,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.registry.lock import FileLock, LockTimeout
+from pipeline.release.lock import FileLock, LockTimeout
 
 
 def test_second_holder_times_out_then_gets_it(tmp_path):
@@ -47,7 +47,7 @@ def test_a_dead_holder_releases_the_lock(tmp_path):
     path = tmp_path / "p.lock"
     root = str(Path(__file__).resolve().parents[2])
     code = (f"import sys; sys.path.insert(0, {root!r}); "
-            "from pipeline.registry.lock import FileLock; "
+            "from pipeline.release.lock import FileLock; "
             f"l = FileLock({str(path)!r}); l.acquire(); print('held', flush=True); "
             "import time; time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from mlflow.artifacts import download_artifacts
 
-from pipeline.registry.lineage import LineageError
-from pipeline.registry.mlflow_registry import (
+from pipeline.release.lineage import LineageError
+from pipeline.release.mlflow_registry import (
     CHALLENGER,
     CHAMPION,
     DrafterRegistry,

@@ -9,19 +9,20 @@ import uuid
 
 import pytest
 
-from pipeline.evaluation.spec import SpecParams
-from pipeline.registry.gate import Candidate, EvalSummary, GatePolicy, decide
-from pipeline.registry.lock import LockTimeout
-from pipeline.registry.mlflow_registry import CHAMPION, DrafterRegistry
-from pipeline.registry.promotion import (
+from pipeline.eagle3.spec import SpecParams
+from pipeline.release.backend import LedgerBackend
+from pipeline.release.gate import Candidate, EvalSummary, GatePolicy, decide
+from pipeline.release.ledger import ServingLedger
+from pipeline.release.lock import LockTimeout
+from pipeline.release.mlflow_registry import CHAMPION, DrafterRegistry
+from pipeline.release.promotion import (
     PromotionError,
     force_promote,
     promote,
     rollback,
 )
-from pipeline.serving.backend import LedgerBackend
-from pipeline.serving.ledger import ServingLedger, resolve_serving
-from pipeline.serving.restart import RestartHook
+from pipeline.release.restart import RestartHook
+from pipeline.serving_now import resolve_serving
 from pipeline.storage import Storage
 from tests.registry.helpers import lineage, make_drafter_dir, publish_drafter
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.registry.mlflow_registry import DrafterRegistry
+from pipeline.release.mlflow_registry import DrafterRegistry
 from tests.registry.conftest import new_family
 from tests.registry.test_mlflow_registry import (  # noqa: F401 - re-collected here
     chart,

@@ -11,22 +11,21 @@ import uuid
 
 import pytest
 
+from pipeline.eagle3.spec import SpecParams
+from pipeline.evaluation import stage as evaluation_stage
 from pipeline.evaluation.charts import alpha_chart
-from pipeline.evaluation.spec import SpecParams
-from pipeline.evaluation.stage import EvalConfig, evaluate_refresh
+from pipeline.evaluation.stage import EvalConfig
+from pipeline.layout import drafter_prefix
 from pipeline.manifest import entry_for, read_manifest, write_manifest
-from pipeline.registry.gate import GatePolicy
-from pipeline.registry.mlflow_registry import DrafterRegistry
-from pipeline.registry.promotion import force_promote
-from pipeline.registry.release import (
-    ReleaseError,
-    champion_prefix,
-    register_refresh,
-    release_refresh,
-)
-from pipeline.serving.backend import LedgerBackend
-from pipeline.serving.ledger import ServingLedger
-from pipeline.training.refresh import drafter_prefix
+from pipeline.release import register as register_stage
+from pipeline.release import serve as serve_stage
+from pipeline.release.backend import LedgerBackend
+from pipeline.release.gate import GatePolicy
+from pipeline.release.ledger import ServingLedger
+from pipeline.release.mlflow_registry import DrafterRegistry
+from pipeline.release.promotion import force_promote
+from pipeline.release.register import ReleaseError
+from pipeline.serving_now import serving_drafter_key
 from tests.evaluation.test_stage import SETTINGS, STEPS, publish_drafter
 from tests.evaluation.test_stage import world as world  # noqa: F401 (fixture)
 
@@ -67,33 +66,33 @@ def test_a_worse_candidate_is_registered_but_refused(world, registry, tmp_path):
     storage, target = world
     prefix = as_refresh(storage, 2, publish_drafter(storage, target, 2, seed=5, tmp=tmp_path),
                         "f" * 64)
-    report = evaluate_refresh(storage, 2, prefix, None, CONFIG)
-    reg = register_refresh(storage, registry, 2, "run-1", chart_dir=tmp_path,
+    report = evaluation_stage.run(storage, 2, prefix, None, CONFIG)
+    reg = register_stage.run(storage, registry, 2, "run-1", chart_dir=tmp_path,
                            chart=lambda a, t: alpha_chart(a, t))
     v = reg.registration.version
     assert v.fingerprint == "f" * 64 and "challenger" in v.aliases
     assert json.loads(v.tags["rl_step_window"]) == list(STEPS)
     assert v.tags["heldout_key"] == report.heldout_key
     assert float(v.tags["tau"]) == pytest.approx(report.contestants["candidate"].tau)
-    again = register_refresh(storage, registry, 2, "run-2", chart_dir=tmp_path)
+    again = register_stage.run(storage, registry, 2, "run-2", chart_dir=tmp_path)
     assert again.registration.version.version == v.version  # idempotent
 
     serving = LedgerBackend(ServingLedger(storage, registry.model_name),
                             SpecParams(3, 1, 4))
-    r = release_refresh(storage, registry, serving, 2, STRICT)
+    r = serve_stage.run(storage, registry, serving, 2, STRICT)
     assert not r.decision.promote and r.promotion.action == "refused"
     assert any(x.startswith("gain:") for x in r.decision.reasons)  # τ ≈ 1 cannot beat 1
     assert registry.champion() is None and serving.current() is None
-    assert champion_prefix(storage, registry) is None
+    assert serving_drafter_key(storage, registry.model_name) is None
 
     # A forced champion is what the next report measures, and the gate compares with it.
     force_promote(registry, serving, v.version, actor="test", reason="seed a champion")
-    assert champion_prefix(storage, registry) == prefix
+    assert serving_drafter_key(storage, registry.model_name) == prefix
     nxt = as_refresh(storage, 1, publish_drafter(storage, target, 1, seed=6, tmp=tmp_path),
                      "e" * 64)
-    evaluate_refresh(storage, 1, nxt, champion_prefix(storage, registry), CONFIG)
-    register_refresh(storage, registry, 1, "run-3", chart_dir=tmp_path)
-    r3 = release_refresh(storage, registry, serving, 1, STRICT)
+    evaluation_stage.run(storage, 1, nxt, serving_drafter_key(storage, registry.model_name), CONFIG)
+    register_stage.run(storage, registry, 1, "run-3", chart_dir=tmp_path)
+    r3 = serve_stage.run(storage, registry, serving, 1, STRICT)
     assert r3.decision.baseline == "champion" and r3.decision.champion_version == v.version
     assert not r3.decision.promote and r3.promotion.action == "refused"
     assert registry.champion().version == v.version
@@ -104,7 +103,7 @@ def test_registration_refuses_a_report_of_another_drafter(world, registry, tmp_p
     storage, target = world
     prefix = as_refresh(storage, 2, publish_drafter(storage, target, 2, seed=7, tmp=tmp_path),
                         "a" * 64)
-    evaluate_refresh(storage, 2, prefix, None, CONFIG)
+    evaluation_stage.run(storage, 2, prefix, None, CONFIG)
     as_refresh(storage, 2, publish_drafter(storage, target, 2, seed=8, tmp=tmp_path), "b" * 64)
     with pytest.raises(ReleaseError, match="re-run acceptance_eval"):
-        register_refresh(storage, registry, 2, "run", chart_dir=tmp_path)
+        register_stage.run(storage, registry, 2, "run", chart_dir=tmp_path)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.evaluation.spec import SpecParams
-from pipeline.serving.backend import LedgerBackend, ServingError
-from pipeline.serving.contracts import ServingTarget
-from pipeline.serving.hotswap import NO_ENCODER, SglangHotswap, hotswap_refusals
-from pipeline.serving.ledger import ServingLedger
+from pipeline.eagle3.spec import SpecParams
+from pipeline.release.backend import LedgerBackend, ServingError
+from pipeline.release.hotswap import NO_ENCODER, SglangHotswap, hotswap_refusals
+from pipeline.release.ledger import ServingLedger
+from pipeline.serving_now import ServingTarget
 from pipeline.storage import Storage
 from tests.registry.helpers import make_drafter_dir, publish_drafter
 

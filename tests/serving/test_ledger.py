@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from pipeline.evaluation.spec import SpecParams
-from pipeline.serving.backend import LedgerBackend, ServingError
-from pipeline.serving.contracts import ServingManifest, ServingTarget
-from pipeline.serving.ledger import ServingLedger, read_serving, resolve_serving
+from pipeline.eagle3.spec import SpecParams
+from pipeline.release.backend import LedgerBackend, ServingError
+from pipeline.release.ledger import ServingLedger
+from pipeline.serving_now import ServingManifest, ServingTarget, read_serving, resolve_serving
 from pipeline.storage import Storage
 from tests.registry.helpers import make_drafter_dir, publish_drafter
 

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from pipeline.evaluation.spec import SpecParams
-from pipeline.serving.backend import LedgerBackend, ServingError
-from pipeline.serving.contracts import ServingTarget
-from pipeline.serving.ledger import ServingLedger
-from pipeline.serving.restart import RestartHook, placeholders, run_hook
+from pipeline.eagle3.spec import SpecParams
+from pipeline.release.backend import LedgerBackend, ServingError
+from pipeline.release.ledger import ServingLedger
+from pipeline.release.restart import RestartHook, placeholders, run_hook
+from pipeline.serving_now import ServingTarget
 from pipeline.storage import Storage
 from tests.registry.helpers import make_drafter_dir, publish_drafter
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.serving.hotswap import SglangHotswap
-from pipeline.serving.restart import RestartHook
+from pipeline.release.hotswap import SglangHotswap
+from pipeline.release.restart import RestartHook
 from pipeline.storage import Storage
 from resources.serving import ServingResource
 

@@ -160,7 +160,7 @@ class SpecDecoder:
 
     def __init__(self, config: EndpointConfig, model: Model) -> None:
         from pipeline.eagle3.export import load_drafter
-        from pipeline.evaluation.spec import SpecParams
+        from pipeline.eagle3.spec import SpecParams
 
         target = model.model
         self.model = model

@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.storage import Storage
 from pipeline.training.config import TrainConfig
-from pipeline.training.vocab_stage import build_window_vocab
+from pipeline.vocab import stage as vocab_stage
 
 from .world import build_world
 
@@ -41,7 +41,7 @@ def storage(world_root, tmp_path) -> Storage:
 @pytest.fixture
 def vocab_storage(storage) -> Storage:
     """The world with the vocab stage done for ``STEP``."""
-    build_window_vocab(storage, STEP, WINDOW, DRAFT_VOCAB)
+    vocab_stage.run(storage, STEP, WINDOW, DRAFT_VOCAB)
     return storage
 
 
@@ -60,14 +60,14 @@ def shared_storage(world_root, tmp_path_factory) -> Storage:
     root = tmp_path_factory.mktemp("shared") / "storage"
     shutil.copytree(world_root, root)
     storage = Storage(root.as_uri())
-    build_window_vocab(storage, STEP, WINDOW, DRAFT_VOCAB)
+    vocab_stage.run(storage, STEP, WINDOW, DRAFT_VOCAB)
     return storage
 
 
 @pytest.fixture(scope="session")
 def reference_run(shared_storage, tmp_path_factory):
     from pipeline.training.launch import launch
-    from pipeline.training.refresh import plan
+    from pipeline.training.stage import plan
 
     root = tmp_path_factory.mktemp("reference")
     return launch(plan(shared_storage, STEP, REFERENCE, root, "none"))

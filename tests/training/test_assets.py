@@ -6,13 +6,14 @@ import pytest
 from dagster import AssetKey, instance_for_test, materialize
 
 from assets.drafter import drafter_checkpoint, vocab_mapping
-from jobs.drafter import DRAFTER_ASSETS, drafter_refresh
+from assets.groups import REFRESH_ASSETS
+from jobs.drafter import drafter_refresh
 from pipeline.eagle3.export import read_drafter_config
-from pipeline.evaluation.spec import SpecParams
+from pipeline.eagle3.spec import SpecParams
+from pipeline.layout import drafter_prefix
 from pipeline.manifest import read_manifest, verify_manifest
-from pipeline.serving.contracts import ServingTarget
-from pipeline.serving.ledger import ServingLedger
-from pipeline.training.refresh import drafter_prefix
+from pipeline.release.ledger import ServingLedger
+from pipeline.serving_now import ServingTarget
 from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
@@ -105,7 +106,7 @@ def test_missing_inputs_fail_the_assets_with_named_steps(storage, tmp_path):
 
 def test_the_job_selects_the_refresh_assets():
     assert drafter_refresh.name == "drafter_refresh"
-    assert DRAFTER_ASSETS == ("vocab_mapping", "drafter_checkpoint", "acceptance_eval",
+    assert REFRESH_ASSETS == ("vocab_mapping", "drafter_checkpoint", "acceptance_eval",
                               "registered_drafter", "serving_drafter")
     assert vocab_mapping.partitions_def.name == drafter_checkpoint.partitions_def.name == \
         "rl_steps"

@@ -9,17 +9,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.data.shards import shards_prefix
-from pipeline.manifest import manifest_key
-from pipeline.training import data as data_mod
-from pipeline.training.data import Position, WindowReader, truncate
-from pipeline.training.window import (
+from pipeline.capture.window import (
     WindowError,
     load_target,
     read_window,
     shard_geometry,
     window_steps,
 )
+from pipeline.layout import shards_prefix
+from pipeline.manifest import manifest_key
+from pipeline.training import data as data_mod
+from pipeline.training.data import Position, WindowReader, truncate
 
 from .world import HIDDEN, VOCAB
 
@@ -142,7 +142,7 @@ def test_window_geometry_and_target_weights_come_from_the_policy(storage, world_
 
 
 def test_tied_embeddings_serve_as_the_teacher_head(tmp_path):
-    from pipeline.data.policy_store import publish_policy
+    from pipeline.snapshot.policy import publish_policy
     from pipeline.storage import Storage
 
     from .world import tiny_target

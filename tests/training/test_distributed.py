@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from pipeline.training.checkpoint import complete_checkpoints
 from pipeline.training.launch import launch
 from pipeline.training.loop import build_drafter
-from pipeline.training.refresh import plan
+from pipeline.training.stage import plan
 
 from .conftest import REFERENCE, STEP
 

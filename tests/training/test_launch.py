@@ -15,20 +15,20 @@ from pipeline.training.launch import (
     launch,
     training_command,
 )
-from pipeline.training.refresh import plan
-from pipeline.training.run import STORAGE_OPTIONS_ENV
+from pipeline.training.stage import plan
+from pipeline.training.worker import STORAGE_OPTIONS_ENV
 
 from .conftest import FAST, STEP
 
 
 def test_one_process_runs_plainly_and_n_go_through_a_launcher(tmp_path):
     spec = tmp_path / "spec.json"
-    assert training_command(spec, 1) == [sys.executable, "-m", "pipeline.training.run",
+    assert training_command(spec, 1) == [sys.executable, "-m", "pipeline.training.worker",
                                          "--spec", str(spec)]
     torchrun = training_command(spec, 2)
     assert torchrun[1:3] == ["-m", "torch.distributed.run"]
     assert torchrun[torchrun.index("--nproc_per_node") + 1] == "2"
-    assert torchrun[-4:] == ["-m", "pipeline.training.run", "--spec", str(spec)]
+    assert torchrun[-4:] == ["-m", "pipeline.training.worker", "--spec", str(spec)]
     ds = training_command(spec, 4, "deepspeed")
     assert ds[1:3] == ["-m", "deepspeed.launcher.runner"]
     assert ds[ds.index("--num_accelerators") + 1] == "4" and "--module" in ds

@@ -8,24 +8,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.capture.window import WindowError
 from pipeline.contracts import Manifest
 from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.export import load_drafter, save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
-from pipeline.evaluation.spec import SpecParams
+from pipeline.eagle3.spec import SpecParams
+from pipeline.layout import drafter_prefix
 from pipeline.manifest import entry_for, write_manifest
-from pipeline.serving.contracts import ServingTarget
-from pipeline.serving.ledger import ServingLedger
+from pipeline.release.ledger import ServingLedger
+from pipeline.serving_now import ServingTarget
+from pipeline.training import stage as training_stage
 from pipeline.training.loop import build_drafter
-from pipeline.training.refresh import (
-    DRAFTER_KIND,
-    drafter_prefix,
-    plan,
-    refresh_drafter,
-    served_drafter,
-)
+from pipeline.training.stage import DRAFTER_KIND, plan, served_drafter
 from pipeline.training.warmstart import apply_warm_start
-from pipeline.training.window import WindowError
 
 from .conftest import FAST, STEP
 
@@ -137,7 +133,7 @@ def test_a_damaged_shard_in_the_window_stops_training_before_it_starts(vocab_sto
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
     with pytest.raises(WindowError, match=f"step=000002/{shard.name}: sha256"):
-        refresh_drafter(vocab_storage, STEP, FAST, work_root=tmp_path / "runs")
+        training_stage.run(vocab_storage, STEP, FAST, work_root=tmp_path / "runs")
     assert not (tmp_path / "runs").exists()  # no training process was started
     assert not vocab_storage.exists(f"{drafter_prefix(STEP)}/_manifest.json")
 
@@ -153,8 +149,8 @@ def test_loss_falls_and_acceptance_rises_on_the_toy(reference_run):
 
 
 def test_the_export_is_an_sglang_drafter_with_the_window_vocab(reference_run, shared_storage):
-    from pipeline.training.vocab_stage import load_window_vocab
-    from pipeline.training.window import load_target
+    from pipeline.capture.window import load_target
+    from pipeline.vocab.stage import load_window_vocab
 
     out = Path(reference_run.out_dir)
     drafter = load_drafter(out, load_target(shared_storage, STEP).embed)

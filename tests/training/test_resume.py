@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from pipeline.training.checkpoint import MARKER, checkpoint_name, complete_checkpoints
 from pipeline.training.launch import TrainingProcess, launch
 from pipeline.training.loop import RESULT_NAME
-from pipeline.training.refresh import plan
+from pipeline.training.stage import plan
 
 from .conftest import REFERENCE, STEP, fast
 

@@ -6,15 +6,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.data.tokenized_schema import tokenized_prefix
+from pipeline.capture.window import WindowError
+from pipeline.layout import mapping_prefix, tokenized_prefix, vocab_pointer_prefix
 from pipeline.manifest import manifest_key, read_manifest
-from pipeline.training.vocab_stage import (
-    build_window_vocab,
-    load_window_vocab,
-    mapping_prefix,
-    pointer_prefix,
-)
-from pipeline.training.window import WindowError
+from pipeline.vocab import stage as vocab_stage
+from pipeline.vocab.stage import load_window_vocab
 
 from .world import VOCAB
 
@@ -35,7 +31,7 @@ def reference_counts(storage, steps) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_counts_only_masked_tokens_of_the_window(storage):
-    v = build_window_vocab(storage, 3, 2, 40)
+    v = vocab_stage.run(storage, 3, 2, 40)
     masked, every = reference_counts(storage, [2, 3])
     assert v.window_steps == (2, 3) and not v.cache_hit
     assert torch.equal(v.mapping.counts, masked)
@@ -49,33 +45,33 @@ def test_counts_only_masked_tokens_of_the_window(storage):
 
 
 def test_rerun_hits_the_cache_and_a_size_change_misses_it(storage, monkeypatch):
-    first = build_window_vocab(storage, 3, 3, 64)
-    from pipeline.training import vocab_stage
+    first = vocab_stage.run(storage, 3, 3, 64)
 
     def no_counting(*_a, **_k):
         raise AssertionError("a cache hit must not read the data")
 
     monkeypatch.setattr(vocab_stage, "_count_step", no_counting)
-    again = build_window_vocab(storage, 3, 3, 64)
+    again = vocab_stage.run(storage, 3, 3, 64)
     assert again.cache_hit and again.cache_key == first.cache_key
     assert torch.equal(again.mapping.t2d, first.mapping.t2d)
     monkeypatch.undo()
-    other_draft = build_window_vocab(storage, 3, 3, 32)
-    other_target = build_window_vocab(storage, 3, 3, 64, target_vocab_size=VOCAB + 8)
+    other_draft = vocab_stage.run(storage, 3, 3, 32)
+    other_target = vocab_stage.run(storage, 3, 3, 64, target_vocab_size=VOCAB + 8)
     assert not other_draft.cache_hit and not other_target.cache_hit
     assert len({first.cache_key, other_draft.cache_key, other_target.cache_key}) == 3
     assert other_target.mapping.target_vocab_size == VOCAB + 8
     assert read_manifest(storage, mapping_prefix(first.cache_key)).meta["coverage"] == \
         pytest.approx(first.mapping.coverage)
     # the pointer follows the latest materialization of the step
-    assert read_manifest(storage, pointer_prefix(3)).meta["cache_key"] == other_target.cache_key
+    pointer = read_manifest(storage, vocab_pointer_prefix(3))
+    assert pointer.meta["cache_key"] == other_target.cache_key
 
 
 def test_a_window_step_without_data_is_named(storage):
     with pytest.raises(WindowError, match=r"hidden-state shards for step\(s\) \[0\]"):
-        build_window_vocab(storage, 3, 4, 64)
+        vocab_stage.run(storage, 3, 4, 64)
     storage.delete(manifest_key("shards/step=000002"))
     with pytest.raises(WindowError, match=r"hidden-state shards for step\(s\) \[2\]"):
-        build_window_vocab(storage, 3, 3, 64)
+        vocab_stage.run(storage, 3, 3, 64)
     with pytest.raises(WindowError, match="materialize vocab_mapping"):
         load_window_vocab(storage, 3)

@@ -3,7 +3,7 @@
 A random 4-layer Llama (H=32, V=300, a deliberately peaky lm_head so the teacher has
 something to teach) is published as the policy of every step; each step gets tokenized
 samples (prompt unmasked, response masked) and hidden-state shards captured by the real hf
-backend through ``extract_step`` — the production path.
+backend through ``capture.stage.run`` — the production path.
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ import pyarrow as pa
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from pipeline.capture import stage as capture_stage
+from pipeline.capture.hf import HFCaptureBackend
+from pipeline.capture.stage import ExtractConfig
 from pipeline.contracts import Manifest
-from pipeline.data.capture.hf import HFCaptureBackend
-from pipeline.data.extraction import ExtractConfig, extract_step
-from pipeline.data.parquet import write_table
-from pipeline.data.policy_store import load_policy_ref, publish_policy
-from pipeline.data.tokenized_schema import TOKENIZED_KIND, TOKENIZED_SCHEMA, tokenized_prefix
+from pipeline.layout import tokenized_prefix
 from pipeline.manifest import entry_for, write_manifest
+from pipeline.parquet import write_table
+from pipeline.snapshot.policy import load_policy_ref, publish_policy
 from pipeline.storage import Storage
+from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
 
 VOCAB = 300
 HIDDEN = 32
@@ -83,5 +85,5 @@ def build_world(root: Path, steps: Sequence[int] = (1, 2, 3), samples: int = 32,
     for step in steps:
         publish_policy(storage, step, policy_dir)
         write_tokenized(storage, step, samples, seed=step)
-        extract_step(storage, step, backend, extract, policy=load_policy_ref(storage, step))
+        capture_stage.run(storage, step, backend, extract, policy=load_policy_ref(storage, step))
     return storage

@@ -1,0 +1,10 @@
+"""Stage 3, ``hidden_state_shards``: the policy's EAGLE-3 hidden states in Parquet shards.
+
+- :mod:`.base`: the capture backend protocol; :mod:`.hf` (in-process) and :mod:`.sglang` /
+  :mod:`.sglang_http` (SGLang servers over HTTP) implement it; :mod:`.backends` opens one.
+- :mod:`.shards`: the shard schema, writer and reader.
+- :mod:`.heldout`: the salted held-out split that keeps evaluation prompts out of shards.
+- :mod:`.stage`: ``run`` extracts one step, resumably, shard by shard.
+- :mod:`.window`: reading the committed shards and policy of a K-step window (for vocab,
+  training and evaluation).
+"""

@@ -1,0 +1,513 @@
+"""Extraction: a step's tokenized samples → hidden-state shards (DESIGN §3, §4).
+
+``capture.stage.run`` streams ``tokenized/step=NNNNNN/`` (verified against its manifest), cuts
+it into shards of at most ``shard_bytes`` of bf16 states, runs each shard's samples through
+a :class:`~pipeline.capture.base.CaptureBackend` in batches under a token budget,
+validates what comes back and writes ``shards/step=NNNNNN/shard-*.parquet``; the manifest
+is written last.
+
+Invariants:
+
+- **Deterministic plan.** Shard ``i`` always holds the same samples: tokenized order is cut
+  greedily by token count. Inside a shard, samples are sorted by length (longest first,
+  ties in tokenized order) so that batches carry little padding, and rows are written in
+  that order. Same inputs, config, backend and software → same shard names and bytes.
+- **Resumable.** After a shard is published, a marker ``_progress/shard-NNNNN.json`` records
+  its fingerprint (inputs + batch plan + backend + options) and sha256. A re-run keeps a
+  shard whose marker fingerprint matches and whose bytes still hash to the marker, and
+  computes only the rest. A committed manifest with the same run fingerprint makes the
+  whole call a no-op; a manifest from a different configuration is withdrawn first, so
+  readers never see a half-rewritten dataset as committed.
+- **Bounded memory.** At any time: one shard's token ids, one batch of captured states and
+  at most one row group of pending rows — never the step.
+- **Validated states.** Per sample: one result per input, ``aux_hidden`` ``(T, 3H)`` and
+  ``final_hidden`` ``(T, H)`` with the backend's H and ``len(aux_layer_ids)``, floating,
+  finite. Stored as bf16 (round to nearest even).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from pipeline.capture.base import CaptureBackend, CapturedStates
+from pipeline.capture.heldout import HeldoutSplit
+from pipeline.capture.shards import (
+    DEFAULT_ROW_GROUP_BYTES,
+    SHARD_DTYPE,
+    SHARD_SCHEMA_VERSION,
+    SHARDS_KIND,
+    ShardSample,
+    ShardSpec,
+    WrittenShard,
+    open_parquet,
+    shard_name,
+    write_shard,
+)
+from pipeline.contracts import FileEntry, Manifest
+from pipeline.eagle3.config import default_aux_layer_ids
+from pipeline.layout import policy_prefix, shards_prefix, tokenized_prefix
+from pipeline.manifest import (
+    entry_for,
+    manifest_key,
+    read_manifest,
+    verify_manifest,
+    write_manifest,
+)
+from pipeline.parquet import ParquetFileError
+from pipeline.snapshot.policy import PolicyRef
+from pipeline.storage import Storage, WrittenObject
+from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
+
+log = logging.getLogger(__name__)
+
+PROGRESS_DIR = "_progress"
+_TOKENIZED_COLUMNS = ["sample_id", "step", "input_ids", "loss_mask"]
+
+
+class ExtractionError(RuntimeError):
+    """The inputs or a backend's output break the contract; the message says where."""
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    """How a step is batched and sharded. Every field changes the bytes written."""
+
+    token_budget: int = 16384  # max padded tokens per backend call: B * T_max
+    max_batch_size: int = 64
+    shard_bytes: int = 512 << 20  # bf16 state bytes per shard (before compression)
+    row_group_bytes: int = DEFAULT_ROW_GROUP_BYTES
+    compression: str = "zstd"  # Parquet codec: "zstd" (~20% smaller) or "none" (faster)
+    sort_by_length: bool = True  # inside a shard: longest first, less padding
+    heldout_fraction: float = 0.05  # prompts kept out of the shards for evaluation
+
+    def __post_init__(self) -> None:
+        for name in ("token_budget", "max_batch_size", "shard_bytes", "row_group_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        HeldoutSplit(self.heldout_fraction)  # validates the fraction
+        if self.compression not in ("zstd", "none", "lz4", "snappy"):
+            raise ValueError(f"unsupported compression {self.compression!r}")
+
+
+@dataclass(frozen=True)
+class ExtractSummary:
+    """What one ``capture.stage.run`` call produced (or found already committed)."""
+
+    step: int
+    url: str
+    manifest_url: str
+    samples: int
+    tokens: int
+    loss_tokens: int
+    padded_tokens: int  # tokens the planned batches run, padding included
+    shards: int
+    shards_reused: int
+    bytes: int
+    hidden_size: int
+    aux_layer_ids: tuple[int, ...]
+    backend: str
+    backend_calls: int
+    seconds: float
+    already_committed: bool = False
+    schema_version: int = SHARD_SCHEMA_VERSION
+    heldout: int = 0  # samples whose prompt is held out (not in the shards)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes / max(self.tokens, 1)
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """A tokenized sample awaiting capture; ``position`` is its index in the step."""
+
+    position: int
+    sample_id: str
+    input_ids: np.ndarray  # (T,) int32
+    loss_mask: np.ndarray  # (T,) int8, 0/1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class _Counts:
+    """Running totals of one call (backend_calls grows while shards are being written)."""
+
+    samples: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    padded_tokens: int = 0
+    backend_calls: int = 0
+    heldout: int = 0  # samples skipped: their prompt is held out for evaluation
+    shard_meta: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run(storage: Storage, step: int, backend: CaptureBackend,
+                 config: ExtractConfig = ExtractConfig(), *,
+                 policy: PolicyRef | None = None) -> ExtractSummary:
+    """Capture and shard the hidden states of ``step``'s tokenized samples.
+
+    ``policy`` (the checkpoint ``backend`` runs) is recorded as lineage and is part of the
+    fingerprint. Raises :class:`ExtractionError` on missing or corrupt input and on states
+    that break the contract; whatever shards were finished stay for the next call.
+    """
+    started = time.perf_counter()
+    in_prefix, out_prefix = tokenized_prefix(step), shards_prefix(step)
+    tokenized = _read_tokenized_manifest(storage, in_prefix)
+    identity = _backend_identity(backend)
+    spec = ShardSpec(step=step, hidden_size=int(backend.hidden_size),
+                     aux_layer_ids=tuple(int(i) for i in backend.aux_layer_ids),
+                     extra={"backend": json.dumps(identity, sort_keys=True),
+                            "policy_sha256": policy.sha256 if policy else ""})
+    params = {
+        "kind": SHARDS_KIND, "schema_version": SHARD_SCHEMA_VERSION, "step": step,
+        "hidden_size": spec.hidden_size, "aux_layer_ids": list(spec.aux_layer_ids),
+        "backend": identity, "policy_sha256": policy.sha256 if policy else None,
+        "config": asdict(config),
+        "tokenized": [[f.path, f.sha256] for f in tokenized.files],
+    }
+    run_fp = _sha256_json(params)
+
+    existing = read_manifest(storage, out_prefix)
+    damaged = (verify_manifest(storage, out_prefix, existing)
+               if existing is not None and existing.meta.get("fingerprint") == run_fp else None)
+    if damaged == []:
+        log.info("step %d: hidden-state shards already committed (%s)", step, run_fp[:12])
+        return _summary(storage, out_prefix, existing, shards_reused=len(existing.files),
+                        backend_calls=0, started=started, already_committed=True)
+    if damaged:
+        log.warning("step %d: committed shards differ from their manifest (%s); withdrawing "
+                    "it and re-extracting the damaged shards", step, "; ".join(damaged[:3]))
+        storage.delete(manifest_key(out_prefix))
+    elif existing is not None:
+        log.warning("step %d: committed shards were made with another configuration; "
+                    "withdrawing the manifest and rebuilding", step)
+        storage.delete(manifest_key(out_prefix))
+
+    problems = verify_manifest(storage, in_prefix, tokenized)
+    if problems:
+        raise ExtractionError("corrupt tokenized input: " + "; ".join(problems))
+
+    tokens_per_shard = max(1, config.shard_bytes // spec.state_bytes_per_token)
+    counts = _Counts()
+    entries: list[FileEntry] = []
+    reused = 0
+    split = HeldoutSplit(config.heldout_fraction)
+    samples = _without_heldout(_iter_tokenized(storage, in_prefix, tokenized, step), split,
+                               counts)
+    for index, shard_samples in enumerate(_cut_shards(samples, tokens_per_shard)):
+        batches = _plan_batches(shard_samples, config)
+        shard_fp = _shard_fingerprint(run_fp, index, batches)
+        name = shard_name(index)
+        written = _finished_shard(storage, out_prefix, name, shard_fp)
+        if written is None:
+            written = _write_one_shard(storage, f"{out_prefix}/{name}", spec, shard_fp,
+                                       batches, backend, config, counts)
+        else:
+            reused += 1
+            log.info("step %d: kept finished %s", step, name)
+        counts.samples += written.rows
+        counts.tokens += written.tokens
+        counts.loss_tokens += sum(int(s.loss_mask.sum()) for s in shard_samples)
+        counts.padded_tokens += sum(len(b) * max(s.num_tokens for s in b) for b in batches)
+        counts.shard_meta.append({"path": name, "rows": written.rows, "tokens": written.tokens,
+                                  "row_groups": written.row_groups, "fingerprint": shard_fp})
+        entries.append(entry_for(out_prefix, written.obj, rows=written.rows))
+
+    manifest = Manifest(kind=SHARDS_KIND, kind_version=SHARD_SCHEMA_VERSION,
+                        files=tuple(entries), meta={
+                            "step": step, "fingerprint": run_fp,
+                            "samples": counts.samples, "tokens": counts.tokens,
+                            "loss_tokens": counts.loss_tokens,
+                            "padded_tokens": counts.padded_tokens,
+                            "heldout": {**split.to_dict(), "samples": counts.heldout},
+                            "hidden_size": spec.hidden_size, "aux_width": spec.aux_width,
+                            "aux_layer_ids": list(spec.aux_layer_ids), "dtype": SHARD_DTYPE,
+                            "backend": identity.get("backend", "?"), "backend_config": identity,
+                            "policy_uri": policy.uri if policy else None,
+                            "policy_sha256": policy.sha256 if policy else None,
+                            "tokenized_uri": storage.url(in_prefix),
+                            "config": asdict(config), "shards": counts.shard_meta})
+    write_manifest(storage, out_prefix, manifest)
+    return _summary(storage, out_prefix, manifest, shards_reused=reused,
+                    backend_calls=counts.backend_calls, started=started)
+
+
+def _summary(storage: Storage, prefix: str, manifest: Manifest, *, shards_reused: int,
+             backend_calls: int, started: float, already_committed: bool = False
+             ) -> ExtractSummary:
+    m = manifest.meta
+    return ExtractSummary(
+        step=m["step"], url=storage.url(prefix), manifest_url=storage.url(manifest_key(prefix)),
+        samples=m["samples"], tokens=m["tokens"], loss_tokens=m["loss_tokens"],
+        padded_tokens=m["padded_tokens"], shards=len(manifest.files),
+        shards_reused=shards_reused, bytes=manifest.total_bytes, hidden_size=m["hidden_size"],
+        aux_layer_ids=tuple(m["aux_layer_ids"]), backend=m["backend"],
+        backend_calls=backend_calls, seconds=time.perf_counter() - started,
+        already_committed=already_committed, schema_version=manifest.kind_version,
+        heldout=m["heldout"]["samples"])
+
+
+# -- backends ---------------------------------------------------------------------------
+BACKENDS = ("hf", "sglang")
+
+
+@contextlib.contextmanager
+def open_backend(storage: Storage, step: int, kind: str = "hf", *,
+                 aux_layer_ids: Sequence[int] | None = None,
+                 token_budget: int = ExtractConfig.token_budget, hf_dtype: str = "float32",
+                 sglang_aux_urls: Sequence[str] = (), sglang_final_urls: Sequence[str] = ()
+                 ) -> Iterator[CaptureBackend]:
+    """The capture backend for ``step``'s policy checkpoint, closed on exit.
+
+    ``hf`` loads ``policies/step=NNNNNN/`` in-process (``hf_dtype``: float32 | bfloat16) and
+    hands states out as bf16. ``sglang`` talks to servers already serving that checkpoint
+    (an aux-capture server and a final-state server, see ``capture/sglang.py``); H and the
+    default aux ids come from the checkpoint's ``config.json``.
+    """
+    if kind == "hf":
+        from pipeline.capture.hf import hf_backend_for_step
+
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+        if hf_dtype not in dtypes:
+            raise ValueError(f"hf_dtype must be one of {sorted(dtypes)}, got {hf_dtype!r}")
+        with hf_backend_for_step(storage, step, aux_layer_ids=aux_layer_ids,
+                                 dtype=dtypes[hf_dtype], output_dtype=torch.bfloat16,
+                                 token_budget=token_budget) as backend:
+            yield backend
+    elif kind == "sglang":
+        from pipeline.capture.sglang import SGLangCaptureConfig
+
+        config = json.loads(storage.read_bytes(f"{policy_prefix(step)}/config.json"))
+        layers = int(config["num_hidden_layers"])
+        ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(
+            layers)
+        with SGLangCaptureConfig(
+                aux_urls=tuple(sglang_aux_urls), final_urls=tuple(sglang_final_urls),
+                hidden_size=int(config["hidden_size"]), aux_layer_ids=ids,
+                num_target_layers=layers, request_token_budget=token_budget).build() as backend:
+            yield backend
+    else:
+        raise ValueError(f"unknown capture backend {kind!r}; expected one of {BACKENDS}")
+
+
+# -- input ------------------------------------------------------------------------------
+def _read_tokenized_manifest(storage: Storage, prefix: str) -> Manifest:
+    manifest = read_manifest(storage, prefix)
+    if manifest is None:
+        raise ExtractionError(f"{storage.url(prefix)}: no committed tokenized samples")
+    if manifest.kind != TOKENIZED_KIND:
+        raise ExtractionError(f"{storage.url(prefix)}: manifest kind {manifest.kind!r} is not "
+                              f"{TOKENIZED_KIND!r}")
+    return manifest
+
+
+def _iter_tokenized(storage: Storage, prefix: str, manifest: Manifest, step: int
+                    ) -> Iterator[_Sample]:
+    """The step's samples in tokenized order (manifest order of ``part-*`` files)."""
+    position = 0
+    for entry in manifest.files:
+        if not (entry.path.startswith("part-") and entry.path.endswith(".parquet")):
+            continue
+        key = f"{prefix}/{entry.path}"
+        url = storage.url(key)
+        try:
+            with open_parquet(storage, key) as pf:
+                missing = set(_TOKENIZED_COLUMNS) - set(pf.schema_arrow.names)
+                if missing:
+                    raise ExtractionError(f"{url}: missing columns {sorted(missing)}")
+                for batch in pf.iter_batches(batch_size=1024, columns=_TOKENIZED_COLUMNS):
+                    batch = pa.RecordBatch.from_arrays(
+                        [batch.column(f.name).cast(f.type) for f in TOKENIZED_SCHEMA],
+                        schema=TOKENIZED_SCHEMA)
+                    for sample in _samples_of(batch, url, step, position):
+                        position += 1
+                        yield sample
+        except (pa.ArrowException, OSError) as e:
+            raise ExtractionError(f"{url}: unreadable tokenized part ({e})") from e
+        except ParquetFileError as e:
+            raise ExtractionError(str(e)) from e
+
+
+def _samples_of(batch: pa.RecordBatch, url: str, step: int, position: int
+                ) -> Iterator[_Sample]:
+    ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
+    ids_off, mask_off = ids_col.offsets.to_numpy(), mask_col.offsets.to_numpy()
+    ids_all = ids_col.values.to_numpy(zero_copy_only=False)
+    mask_all = mask_col.values.to_numpy(zero_copy_only=False)
+    for r, (sample_id, row_step) in enumerate(zip(batch.column("sample_id").to_pylist(),
+                                                  batch.column("step").to_pylist(),
+                                                  strict=True)):
+        ids = ids_all[ids_off[r]:ids_off[r + 1]]
+        mask = mask_all[mask_off[r]:mask_off[r + 1]]
+        where = f"{url}: sample {sample_id!r}"
+        if row_step != step:
+            raise ExtractionError(f"{where} has step {row_step}, expected {step}")
+        if len(ids) == 0 or len(ids) != len(mask):
+            raise ExtractionError(f"{where}: {len(ids)} input_ids vs {len(mask)} loss_mask")
+        if ((mask != 0) & (mask != 1)).any():
+            raise ExtractionError(f"{where}: loss_mask values outside 0/1")
+        # Own copies (small: 5 bytes/token): the Arrow batch can go, and torch gets
+        # writable arrays.
+        yield _Sample(position + r, sample_id, ids.astype(np.int32), mask.astype(np.int8))
+
+
+def _without_heldout(samples: Iterator[_Sample], split: HeldoutSplit, counts: _Counts
+                     ) -> Iterator[_Sample]:
+    for s in samples:
+        if split.holds_out(s.input_ids, s.loss_mask):
+            counts.heldout += 1
+        else:
+            yield s
+
+
+# -- planning ---------------------------------------------------------------------------
+def _cut_shards(samples: Iterator[_Sample], tokens_per_shard: int) -> Iterator[list[_Sample]]:
+    """Consecutive samples, a shard closing before it would exceed ``tokens_per_shard``."""
+    shard: list[_Sample] = []
+    tokens = 0
+    for s in samples:
+        if shard and tokens + s.num_tokens > tokens_per_shard:
+            yield shard
+            shard, tokens = [], 0
+        shard.append(s)
+        tokens += s.num_tokens
+    if shard:
+        yield shard
+
+
+def _plan_batches(shard: list[_Sample], config: ExtractConfig) -> list[list[_Sample]]:
+    """Batches under the token budget (``B * T_max``) and ``max_batch_size``."""
+    order = sorted(shard, key=lambda s: (-s.num_tokens, s.position)) if (
+        config.sort_by_length) else shard
+    batches: list[list[_Sample]] = []
+    current: list[_Sample] = []
+    longest = 0
+    for s in order:
+        if current and ((len(current) + 1) * max(longest, s.num_tokens) > config.token_budget
+                        or len(current) == config.max_batch_size):
+            batches.append(current)
+            current, longest = [], 0
+        current.append(s)
+        longest = max(longest, s.num_tokens)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _shard_fingerprint(run_fp: str, index: int, batches: list[list[_Sample]]) -> str:
+    sha = hashlib.sha256(f"{run_fp}\0shard {index}\0".encode())
+    for batch in batches:
+        sha.update(b"\0batch\0")
+        for s in batch:
+            sha.update(s.sample_id.encode() + b"\0")
+            sha.update(s.input_ids.tobytes() + b"\0" + s.loss_mask.tobytes())
+    return sha.hexdigest()
+
+
+def _sha256_json(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _backend_identity(backend: CaptureBackend) -> dict[str, Any]:
+    describe = getattr(backend, "describe", None)
+    identity = dict(describe()) if callable(describe) else {}
+    identity.setdefault("backend", getattr(backend, "name", type(backend).__name__))
+    return identity
+
+
+# -- capture ----------------------------------------------------------------------------
+def _write_one_shard(storage: Storage, key: str, spec: ShardSpec, fingerprint: str,
+                     batches: Sequence[list[_Sample]], backend: CaptureBackend,
+                     config: ExtractConfig, counts: _Counts) -> WrittenShard:
+    """Capture ``batches`` and publish them as shard ``key``, then its progress marker."""
+    shard_spec = ShardSpec(step=spec.step, hidden_size=spec.hidden_size,
+                           aux_layer_ids=spec.aux_layer_ids,
+                           extra={**spec.extra, "fingerprint": fingerprint})
+    written = write_shard(storage, key, shard_spec,
+                          _captured_rows(backend, batches, spec, counts),
+                          row_group_bytes=config.row_group_bytes,
+                          compression=config.compression)
+    prefix, name = key.rsplit("/", 1)
+    _write_marker(storage, prefix, name, fingerprint, written)
+    log.info("%s: %d samples, %d tokens, %d bytes", storage.url(key), written.rows,
+             written.tokens, written.obj.bytes)
+    return written
+
+
+def _captured_rows(backend: CaptureBackend, batches: Sequence[list[_Sample]], spec: ShardSpec,
+                   counts: _Counts) -> Iterator[ShardSample]:
+    """Rows of one shard, capturing batch by batch as the writer asks for them."""
+    for batch in batches:
+        states = backend.capture([s.input_ids.tolist() for s in batch])
+        counts.backend_calls += 1
+        if len(states) != len(batch):
+            raise ExtractionError(f"backend returned {len(states)} results for a batch of "
+                                  f"{len(batch)}")
+        yield from (_to_row(sample, st, spec) for sample, st in zip(batch, states, strict=True))
+        del states  # before the next capture: hold one batch of states, not two
+
+
+def _to_row(sample: _Sample, st: CapturedStates, spec: ShardSpec) -> ShardSample:
+    t = sample.num_tokens
+    for name, x, width in (("aux_hidden", st.aux_hidden, spec.aux_width),
+                           ("final_hidden", st.final_hidden, spec.hidden_size)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise ExtractionError(f"sample {sample.sample_id!r}: {name} is not a float tensor")
+        if tuple(x.shape) != (t, width):
+            raise ExtractionError(f"sample {sample.sample_id!r}: {name} has shape "
+                                  f"{tuple(x.shape)}, expected ({t}, {width})")
+        if not bool(torch.isfinite(x).all()):
+            raise ExtractionError(f"sample {sample.sample_id!r}: {name} has non-finite values")
+    return ShardSample(
+        sample_id=sample.sample_id, step=spec.step,
+        input_ids=torch.from_numpy(sample.input_ids),
+        loss_mask=torch.from_numpy(sample.loss_mask).view(torch.bool),
+        aux_hidden=st.aux_hidden.to(torch.bfloat16).contiguous(),  # (T, 3H)
+        final_hidden=st.final_hidden.to(torch.bfloat16).contiguous())  # (T, H)
+
+
+# -- resume markers ---------------------------------------------------------------------
+def _marker_key(prefix: str, name: str) -> str:
+    return f"{prefix}/{PROGRESS_DIR}/{name}.json"
+
+
+def _write_marker(storage: Storage, prefix: str, name: str, fingerprint: str,
+                  written: WrittenShard) -> None:
+    storage.write_bytes(_marker_key(prefix, name), json.dumps({
+        "fingerprint": fingerprint, "bytes": written.obj.bytes, "sha256": written.obj.sha256,
+        "rows": written.rows, "tokens": written.tokens, "row_groups": written.row_groups,
+    }, sort_keys=True).encode())
+
+
+def _finished_shard(storage: Storage, prefix: str, name: str, fingerprint: str
+                    ) -> WrittenShard | None:
+    """The shard a previous run finished for the same fingerprint, if intact."""
+    marker_key, key = _marker_key(prefix, name), f"{prefix}/{name}"
+    if not storage.exists(marker_key) or not storage.exists(key):
+        return None
+    try:
+        marker: Mapping[str, Any] = json.loads(storage.read_bytes(marker_key))
+    except ValueError:
+        return None
+    if marker.get("fingerprint") != fingerprint:
+        return None
+    size, digest = storage.sha256(key)
+    if (size, digest) != (marker.get("bytes"), marker.get("sha256")):
+        log.warning("%s: bytes differ from its progress marker; rewriting it", storage.url(key))
+        return None
+    return WrittenShard(WrittenObject(key, size, digest), int(marker["rows"]),
+                        int(marker["tokens"]), int(marker["row_groups"]))

@@ -1,0 +1,144 @@
+"""The training window of a refresh step and the target weights the drafter trains against.
+
+A refresh at RL step ``s`` with window ``K`` trains on steps ``s-K+1 .. s`` (clipped at 0).
+Every step of the window must be committed; a missing one is an error that names it, never a
+silently shorter window.
+
+The teacher and the drafter's frozen embedding come from the policy checkpoint of ``s`` (the
+newest policy of the window, the one the drafter will serve): ``lm_head.weight`` and
+``model.embed_tokens.weight`` read from its safetensors, or the embedding for both when the
+config ties them. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from pipeline.capture.shards import read_shards_manifest
+from pipeline.contracts import Manifest
+from pipeline.layout import policy_prefix, shards_prefix
+from pipeline.manifest import read_manifest, verify_manifest
+from pipeline.snapshot.policy import POLICY_KIND
+from pipeline.storage import Storage
+
+_EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight")
+_HEAD_NAMES = ("lm_head.weight",)
+
+
+class WindowError(ValueError):
+    """The window cannot be trained on (missing or inconsistent steps); names them."""
+
+
+def window_steps(step: int, window: int) -> list[int]:
+    """``[max(0, step-window+1), …, step]``."""
+    if step < 0 or window < 1:
+        raise ValueError(f"need step >= 0 and window >= 1, got {step}, {window}")
+    return list(range(max(0, step - window + 1), step + 1))
+
+
+def read_window(storage: Storage, steps: Sequence[int],
+                read: Callable[[Storage, int], Manifest] = read_shards_manifest,
+                what: str = "hidden-state shards") -> dict[int, Manifest]:
+    """The committed manifests of ``steps`` (via ``read``); raises naming every missing step."""
+    found: dict[int, Manifest] = {}
+    missing: list[int] = []
+    for s in steps:
+        try:
+            found[s] = read(storage, s)
+        except FileNotFoundError:
+            missing.append(s)
+    if missing:
+        raise WindowError(f"the window {list(steps)} lacks committed {what} for step(s) "
+                          f"{missing} under {storage.url()}")
+    return found
+
+
+def verify_window(storage: Storage, manifests: Mapping[int, Manifest]) -> None:
+    """Re-hash every shard of the window against its manifest; raises naming each damaged
+    file (re-running the step's ingest re-extracts exactly those)."""
+    problems = [p for s, m in sorted(manifests.items())
+                for p in verify_manifest(storage, shards_prefix(s), m)]
+    if problems:
+        raise WindowError(f"{len(problems)} shard file(s) of the window differ from their "
+                          f"manifests, not training on them: " + "; ".join(problems[:5]))
+
+
+def shard_geometry(manifests: Mapping[int, Manifest]) -> tuple[int, tuple[int, ...]]:
+    """``(hidden_size, aux_layer_ids)`` shared by every step of the window."""
+    seen = {(int(m.meta["hidden_size"]), tuple(m.meta["aux_layer_ids"]))
+            for m in manifests.values()}
+    if len(seen) != 1:
+        detail = {s: (m.meta["hidden_size"], m.meta["aux_layer_ids"])
+                  for s, m in sorted(manifests.items())}
+        raise WindowError(f"the window's shards disagree on (hidden_size, aux_layer_ids): "
+                          f"{detail}")
+    return seen.pop()
+
+
+@dataclass(frozen=True, eq=False)
+class TargetWeights:
+    """What training needs from the target policy (fp32, CPU)."""
+
+    step: int
+    uri: str
+    sha256: str
+    config: dict[str, Any]  # the checkpoint's config.json
+    embed: torch.Tensor  # (V, H) token embedding (frozen inside the drafter)
+    lm_head: torch.Tensor  # (V, H) teacher head; the embedding itself when tied
+
+
+def load_target(storage: Storage, step: int) -> TargetWeights:
+    """Config, embedding and lm_head of the committed policy checkpoint of ``step``."""
+    prefix = policy_prefix(step)
+    manifest = read_manifest(storage, prefix)
+    if manifest is None or manifest.kind != POLICY_KIND:
+        raise WindowError(f"{storage.url(prefix)}: no committed policy checkpoint")
+    config = json.loads(storage.read_bytes(f"{prefix}/config.json"))
+    weights = sorted(f.path for f in manifest.files if f.path.endswith(".safetensors"))
+    if not weights:
+        raise WindowError(f"{storage.url(prefix)}: the policy has no safetensors weights")
+    tied = bool(config.get("tie_word_embeddings", False))
+    wanted = {"embed": _EMBED_NAMES} if tied else {"embed": _EMBED_NAMES, "head": _HEAD_NAMES}
+    found: dict[str, torch.Tensor] = {}
+    with tempfile.TemporaryDirectory(prefix="aerie-target-") as tmp:
+        for name in weights:
+            path = _local_copy(storage, f"{prefix}/{name}", Path(tmp) / name)
+            with safe_open(str(path), framework="pt") as f:
+                keys = set(f.keys())
+                for role, candidates in wanted.items():
+                    hit = next((k for k in candidates if k in keys), None)
+                    if hit is not None and role not in found:
+                        found[role] = f.get_tensor(hit).float()
+            if len(found) == len(wanted):
+                break
+    missing = [wanted[r][0] for r in wanted if r not in found]
+    if missing:
+        raise WindowError(f"{storage.url(prefix)}: tensors {missing} not found in {weights}")
+    embed = found["embed"]
+    head = embed if tied else found["head"]
+    vocab, hidden = int(config["vocab_size"]), int(config["hidden_size"])
+    for role, x in (("embedding", embed), ("lm_head", head)):
+        if tuple(x.shape) != (vocab, hidden):
+            raise WindowError(f"{storage.url(prefix)}: {role} has shape {tuple(x.shape)}, "
+                              f"config says ({vocab}, {hidden})")
+    return TargetWeights(step=step, uri=storage.url(prefix), sha256=manifest.meta["sha256"],
+                         config=config, embed=embed, lm_head=head)
+
+
+def _local_copy(storage: Storage, key: str, dest: Path) -> Path:
+    local = storage.local_path(key)
+    if local is not None:
+        return local
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with storage.open_read(key) as src, open(dest, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
+    return dest

@@ -1,1 +1,0 @@
-"""Hidden-state capture backends (``hf`` in-process, ``sglang`` over HTTP)."""

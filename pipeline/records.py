@@ -1,0 +1,89 @@
+"""Versioned JSON records: frozen dataclasses to JSON and back, in one place.
+
+A record class is a dataclass whose fields are JSON values, other records, ``tuple``/``list``
+/``dict`` of those, or ``X | None``. :func:`to_json` writes it with sorted keys;
+:func:`from_json` rebuilds it from the class's type hints (nested records, tuples) and, when
+the class has a ``schema_version`` field, refuses any other version than the class's
+default, so a reader never misreads a record written by a newer, incompatible writer.
+
+Unknown or missing keys are errors that name the record class and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class RecordError(ValueError):
+    """A JSON value does not fit the record class it is read as."""
+
+
+def to_dict(record: Any) -> dict[str, Any]:
+    return dataclasses.asdict(record)
+
+
+def to_json(record: Any) -> str:
+    return json.dumps(to_dict(record), indent=2, sort_keys=True)
+
+
+def from_json(cls: type[T], text: str | bytes) -> T:
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RecordError(f"{cls.__name__}: not JSON ({e})") from e
+    return from_dict(cls, raw)
+
+
+def from_dict(cls: type[T], raw: Any) -> T:
+    """``cls`` rebuilt from ``raw`` (the output of :func:`to_dict`, or parsed JSON)."""
+    if not isinstance(raw, Mapping):
+        raise RecordError(f"{cls.__name__}: expected an object, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    if "schema_version" in fields:
+        expected = fields["schema_version"].default
+        if raw.get("schema_version") != expected:
+            raise RecordError(f"{cls.__name__} schema_version {raw.get('schema_version')!r} "
+                              f"is not supported (expected {expected})")
+    unknown = set(raw) - set(fields)
+    if unknown:
+        raise RecordError(f"{cls.__name__}: unknown keys {sorted(unknown)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name in fields:
+        if name in raw:
+            kwargs[name] = _value(hints[name], raw[name], f"{cls.__name__}.{name}")
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required key is missing
+        raise RecordError(f"{cls.__name__}: {e}") from e
+
+
+def _value(hint: Any, value: Any, where: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _value(inner[0], value, where) if len(inner) == 1 else value
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value)
+    if origin in (tuple, list):
+        if not isinstance(value, list | tuple):
+            raise RecordError(f"{where}: expected a list, got {type(value).__name__}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            items = [_value(a, v, where) for a, v in zip(args, value, strict=True)]
+        else:
+            items = [_value(args[0], v, where) for v in value] if args else list(value)
+        return tuple(items) if origin is tuple else items
+    if origin is dict and args:
+        if not isinstance(value, Mapping):
+            raise RecordError(f"{where}: expected an object, got {type(value).__name__}")
+        return {k: _value(args[1], v, where) for k, v in value.items()}
+    return value

@@ -1,0 +1,92 @@
+"""The serving ledger: versioned serving manifests plus an atomically replaced ``current.json``.
+
+Layout in storage, for serving name ``<name>`` (usually the registered model)::
+
+    serving/<name>/manifest-000001.json   immutable, one per change
+    serving/<name>/manifest-000002.json
+    serving/<name>/current.json           a copy of the newest manifest
+
+Readers (the RL trainer's rollout launcher at weight sync) call :func:`read_serving` or
+:func:`resolve_serving`; they read ``current.json`` only.
+
+Invariants:
+
+- Readers never see a partial manifest: every object is written whole by the storage layer
+  (local: temp file + rename; S3: one PUT), the versioned manifest first and
+  ``current.json`` last. A failure anywhere leaves the previous ``current.json`` in place;
+  at worst an orphan ``manifest-N.json`` that no reader follows (the next write takes the
+  next free number).
+- ``current.json`` holds the whole manifest, not a key: one read gives a consistent record.
+- Writers are expected to hold the promotion lock; the ledger itself does not lock.
+- Materialised drafters are verified against the drafter's ``_manifest.json`` (size and
+  sha256 per file) before use, and appear in the cache directory by rename only.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+from pipeline.eagle3.spec import SpecParams
+from pipeline.layout import serving_prefix
+from pipeline.serving_now import (
+    ServingManifest,
+    ServingTarget,
+    current_key,
+    entry_key,
+    read_serving,
+    read_serving_entry,
+    serving_args,
+    serving_history,
+    serving_sequences,
+)
+from pipeline.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+class ServingLedger:
+    """Writes and reads the serving manifests of one serving name."""
+
+    def __init__(self, storage: Storage, name: str):
+        self.storage = storage
+        self.name = name
+        self.prefix = serving_prefix(name)
+
+    def __repr__(self) -> str:
+        return f"ServingLedger({self.storage.url(self.prefix)!r})"
+
+    def current(self) -> ServingManifest | None:
+        return read_serving(self.storage, self.name)
+
+    def get(self, sequence: int) -> ServingManifest:
+        return read_serving_entry(self.storage, self.name, sequence)
+
+    def sequences(self) -> list[int]:
+        return serving_sequences(self.storage, self.name)
+
+    def history(self) -> list[ServingManifest]:
+        return serving_history(self.storage, self.name)
+
+    def publish(self, target: ServingTarget | None, settings: SpecParams, *,
+                mode: str, reason: str, restored_from: int | None = None,
+                details: dict[str, str] | None = None) -> ServingManifest:
+        """Record ``target`` as what is served now; returns the manifest written."""
+        previous = self.current()
+        sequences = self.sequences()
+        manifest = ServingManifest(
+            name=self.name, sequence=(sequences[-1] if sequences else 0) + 1, mode=mode,
+            target=target, settings=settings,
+            sglang_args=serving_args(settings) if target is not None else (),
+            written_at=datetime.now(UTC).isoformat(timespec="milliseconds"), reason=reason,
+            previous_sequence=previous.sequence if previous else None,
+            restored_from=restored_from, details=dict(details or {}))
+        data = manifest.to_json().encode()
+        self.storage.write_bytes(self._key(manifest.sequence), data)
+        self.storage.write_bytes(current_key(self.name), data)  # the commit point
+        log.info("serving %s: manifest %d (%s) -> %s", self.name, manifest.sequence, reason,
+                 target.drafter_uri if target else "no drafter")
+        return manifest
+
+    def _key(self, sequence: int) -> str:
+        return entry_key(self.name, sequence)

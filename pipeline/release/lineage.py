@@ -1,0 +1,109 @@
+"""Lineage tags of a registered drafter version: required keys, string values, size limits.
+
+A registered version must say where it came from: the RL-step window and the shard
+manifests it learned from, the teacher policy, the aux layer ids, the vocab mapping, its
+evaluation (τ, α), where the drafter files live and which Dagster run made it.
+
+Invariants:
+
+- :func:`lineage_tags` refuses a lineage that lacks any of :data:`REQUIRED_LINEAGE_KEYS` or
+  has an empty value, and returns only strings (MLflow tag values are strings): ``str``
+  values as they are, everything else as compact, key-sorted JSON (floats keep full
+  precision), so a tag can be parsed back with :func:`parse_tag`.
+- No value exceeds :data:`MAX_TAG_VALUE` characters (MLflow's limit for model-version tags);
+  a longer one is refused, never silently truncated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+MAX_TAG_VALUE = 5000
+
+FINGERPRINT = "fingerprint"
+DRAFTER_URI = "drafter_uri"
+REQUIRED_LINEAGE_KEYS = (
+    FINGERPRINT,  # the training spec's fingerprint: the idempotency key of a registration
+    DRAFTER_URI,  # storage URL of the published drafter directory
+    "rl_step",  # the refresh step the drafter was trained for
+    "rl_step_window",  # RL steps whose rollouts it learned from
+    "policy_uri",  # the teacher policy checkpoint
+    "policy_sha256",
+    "shard_manifest_sha256",  # {step: sha256 of that step's hidden-state shard manifest}
+    "aux_layer_ids",
+    "vocab_mapping_key",  # content hash of the vocab mapping's inputs and sizes
+    "tau",
+    "alpha",
+    "dagster_run_id",
+)
+
+
+class LineageError(ValueError):
+    """A lineage record is incomplete or cannot be stored as tags."""
+
+
+def tag_value(value: Any) -> str:
+    """``value`` as an MLflow tag string (``str`` unchanged, else compact sorted JSON)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # "nan" / "inf": JSON has no spelling for them
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=_jsonable)
+
+
+def parse_tag(text: str) -> Any:
+    """Inverse of :func:`tag_value` for non-string values (strings come back as they are)."""
+    if text in ("nan", "inf", "-inf"):
+        return float(text)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def lineage_tags(lineage: Mapping[str, Any], *,
+                 required: tuple[str, ...] = REQUIRED_LINEAGE_KEYS) -> dict[str, str]:
+    """Validated string tags for ``lineage`` (extra keys are kept)."""
+    missing = [k for k in required if k not in lineage]
+    empty = [k for k in required if k in lineage and lineage[k] in (None, "", [], {}, ())]
+    if missing or empty:
+        raise LineageError(f"lineage lacks required keys {missing} and has empty values for "
+                           f"{empty}")
+    tags = {str(k): tag_value(v) for k, v in lineage.items()}
+    too_long = {k: len(v) for k, v in tags.items() if len(v) > MAX_TAG_VALUE}
+    if too_long:
+        raise LineageError(f"tag values longer than {MAX_TAG_VALUE} characters: {too_long}")
+    return tags
+
+
+def lineage_from_manifest(meta: Mapping[str, Any], *, drafter_uri: str, policy_uri: str,
+                          tau: float, alpha: tuple[float, ...] | list[float],
+                          dagster_run_id: str, **extra: Any) -> dict[str, str]:
+    """Lineage tags from a drafter manifest's ``meta`` (see ``pipeline.training.stage``)
+    plus what the manifest does not know: where it lives, the policy URI, its evaluation and
+    the Dagster run. ``extra`` adds more tags (e.g. ``heldout_key``, ``settings_key``)."""
+    return lineage_tags({
+        FINGERPRINT: meta.get("fingerprint"),
+        DRAFTER_URI: drafter_uri,
+        "rl_step": meta.get("step"),
+        "rl_step_window": meta.get("window_steps"),
+        "policy_uri": policy_uri,
+        "policy_sha256": meta.get("policy_sha256"),
+        "shard_manifest_sha256": meta.get("shard_manifest_sha256"),
+        "aux_layer_ids": meta.get("aux_layer_ids"),
+        "vocab_mapping_key": meta.get("vocab_cache_key"),
+        "coverage": meta.get("coverage"),
+        "tau": float(tau),
+        "alpha": [float(a) for a in alpha],
+        "dagster_run_id": dagster_run_id,
+        **extra,
+    })
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple | set | frozenset):
+        return sorted(value) if isinstance(value, set | frozenset) else list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")

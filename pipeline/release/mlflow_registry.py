@@ -1,0 +1,288 @@
+"""The drafter registry: one MLflow registered model per target family, versions with lineage.
+
+:class:`DrafterRegistry` wraps an ``MlflowClient`` (tracking + model registry; an embedded
+sqlite database or a server URL) and knows Aerie's conventions:
+
+- one experiment and one registered model per target family, both named
+  :func:`model_name` (``aerie-drafter-<family>``);
+- a training run (:mod:`pipeline.release.mlflow_runs`, ``registry.runs``) holds params,
+  per-step training metrics, evaluation metrics, PNG charts and the drafter directory;
+- a version is created with ``create_model_version`` pointing at the run's ``drafter/``
+  artifact directory (MLflow 3's ``register_model`` wants a LoggedModel; a plain directory
+  is what SGLang loads), with the lineage tags of :mod:`pipeline.release.lineage`;
+- aliases, not stages: ``challenger`` marks the newest registered version, ``champion`` the
+  one being served (moved only by :mod:`pipeline.release.promotion`).
+
+Invariants:
+
+- Idempotent: registering a drafter whose ``fingerprint`` tag already exists returns that
+  version (no duplicate); a finished run with the same fingerprint is reused rather than
+  logged again. The lineage tags are passed to ``create_model_version`` itself, so a
+  version never exists without them.
+- Every tag value is a string; alias reads go to the server (no caching), because alias
+  moves are last-writer-wins and promotion must read them back.
+- ``mlflow`` is imported only inside :meth:`DrafterRegistry.connect`; this module never
+  reads the environment (MLflow itself reads credentials such as ``MLFLOW_TRACKING_TOKEN``
+  or ``AWS_*``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.release.lineage import DRAFTER_URI, FINGERPRINT, lineage_tags, tag_value
+from pipeline.release.lock import FileLock
+from pipeline.release.mlflow_runs import TrainingRuns, check_fingerprint, error_code
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+log = logging.getLogger(__name__)
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+_FAMILY = re.compile(r"^[a-z0-9][a-z0-9._-]{0,99}$")
+_PROCESS_LOCKS: dict[str, threading.Lock] = {}
+_PROCESS_LOCKS_GUARD = threading.Lock()
+
+
+def model_name(family: str) -> str:
+    """The registered model (and experiment) of a target family: ``aerie-drafter-<family>``."""
+    slug = re.sub(r"[^a-z0-9._-]+", "-", family.strip().lower()).strip("-")
+    if not _FAMILY.match(slug):
+        raise ValueError(f"target family {family!r} does not give a usable model name")
+    return f"aerie-drafter-{slug}"
+
+
+@dataclass(frozen=True)
+class DrafterVersion:
+    """One registered drafter version as the registry reports it."""
+
+    model: str
+    version: str
+    source: str  # the artifact URI of the drafter directory
+    run_id: str | None
+    tags: dict[str, str] = field(default_factory=dict, hash=False)
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.tags.get(FINGERPRINT)
+
+    @property
+    def drafter_uri(self) -> str | None:
+        """Storage URL of the published drafter (lineage tag), if recorded."""
+        return self.tags.get(DRAFTER_URI)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """The outcome of :meth:`DrafterRegistry.publish`."""
+
+    version: DrafterVersion
+    run_id: str | None
+    reused: bool  # the fingerprint was already registered; nothing new was written
+
+
+class DrafterRegistry:
+    """Aerie's view of one target family's registered model."""
+
+    def __init__(self, client: MlflowClient, family: str, *,
+                 artifact_location: str | None = None, lock_path: str | Path | None = None,
+                 lock_timeout_s: float = 120.0):
+        self.client = client
+        self.family = family
+        self.model_name = model_name(family)
+        self.runs = TrainingRuns(client, self.model_name, artifact_location=artifact_location,
+                                 family=family)
+        self.lock_path = Path(lock_path) if lock_path else None
+        self.lock_timeout_s = lock_timeout_s
+
+    @classmethod
+    def connect(cls, tracking_uri: str, family: str, *, registry_uri: str | None = None,
+                artifact_location: str | None = None, lock_path: str | Path | None = None,
+                lock_timeout_s: float = 120.0) -> DrafterRegistry:
+        """A registry over ``MlflowClient(tracking_uri, registry_uri or tracking_uri)``.
+
+        With a ``sqlite:`` tracking store ``artifact_location`` is required: MLflow would
+        otherwise put artifacts in ``./mlruns`` relative to the working directory.
+        """
+        from mlflow import MlflowClient
+
+        if tracking_uri.startswith("sqlite:") and not artifact_location:
+            raise ValueError("a sqlite tracking store needs an explicit artifact_location")
+        client = MlflowClient(tracking_uri=tracking_uri,
+                              registry_uri=registry_uri or tracking_uri)
+        return cls(client, family, artifact_location=artifact_location, lock_path=lock_path,
+                   lock_timeout_s=lock_timeout_s)
+
+    def __repr__(self) -> str:
+        return f"DrafterRegistry({self.model_name!r}, {self.client.tracking_uri!r})"
+
+    # -- locking ----------------------------------------------------------------------
+    def promotion_lock(self) -> AbstractContextManager[Any]:
+        """The lock that serialises alias moves of this model: a file lock when
+        ``lock_path`` is configured, else a lock shared by this process only."""
+        if self.lock_path is not None:
+            return FileLock(self.lock_path, timeout_s=self.lock_timeout_s)
+        with _PROCESS_LOCKS_GUARD:
+            lock = _PROCESS_LOCKS.setdefault(self.model_name, threading.Lock())
+        return _timed(lock, self.lock_timeout_s, self.model_name)
+
+    # -- registered model ---------------------------------------------------------------
+    def ensure_model(self) -> None:
+        """Create the registered model if it does not exist yet."""
+        try:
+            self.client.create_registered_model(
+                self.model_name, tags={"aerie.family": self.family},
+                description=f"EAGLE-3 drafters for target family {self.family} (Aerie)")
+        except Exception as e:
+            if error_code(e) != "RESOURCE_ALREADY_EXISTS":
+                raise
+
+    # -- versions ---------------------------------------------------------------------
+    def find_version(self, fingerprint: str) -> DrafterVersion | None:
+        """The version registered for ``fingerprint`` (the oldest, should several exist)."""
+        check_fingerprint(fingerprint)
+        try:
+            found = self.client.search_model_versions(
+                f"name = '{self.model_name}' and tag.{FINGERPRINT} = '{fingerprint}'")
+        except Exception as e:
+            if error_code(e) == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise
+        if not found:
+            return None
+        oldest = min(found, key=lambda v: int(v.version))
+        return self.get_version(str(oldest.version))
+
+    def register(self, run_id: str | None, source: str,
+                 lineage: Mapping[str, Any]) -> Registration:
+        """Register ``source`` with validated lineage tags and alias it ``challenger``;
+        returns the existing version instead when the fingerprint is already registered."""
+        tags = lineage_tags(lineage)
+        fingerprint = tags[FINGERPRINT]
+        check_fingerprint(fingerprint)
+        with self.promotion_lock():
+            existing = self.find_version(fingerprint)
+            if existing is not None:
+                self._ensure_challenger(existing)
+                return Registration(self.get_version(existing.version), existing.run_id,
+                                    reused=True)
+            self.ensure_model()
+            created = self.client.create_model_version(
+                self.model_name, source, run_id=run_id, tags=tags,
+                description=f"drafter {fingerprint[:12]}")
+            version = str(created.version)
+            self.set_alias(CHALLENGER, version)
+            log.info("registered %s version %s (%s)", self.model_name, version,
+                     fingerprint[:12])
+            return Registration(self.get_version(version), run_id, reused=False)
+
+    def publish(self, *, drafter_dir: str | Path, lineage: Mapping[str, Any],
+                params: Mapping[str, Any] | None = None,
+                history: Sequence[Mapping[str, Any]] = (),
+                metrics: Mapping[str, float] | None = None,
+                charts: Sequence[str | Path] = (), run_name: str | None = None,
+                run_tags: Mapping[str, Any] | None = None) -> Registration:
+        """Log a training run (params, per-step history, evaluation metrics, charts, the
+        drafter directory) and register its drafter; idempotent by ``lineage['fingerprint']``.
+        """
+        tags = lineage_tags(lineage)
+        fingerprint = tags[FINGERPRINT]
+        existing = self.find_version(fingerprint)
+        if existing is not None:
+            return self.register(existing.run_id, existing.source, lineage)
+        run_id = self.runs.find_run(fingerprint)
+        if run_id is None:
+            run_id = self.runs.start_run(fingerprint, params=params, run_name=run_name,
+                                         tags={**tags, **(run_tags or {})})
+            try:
+                self.runs.log_history(run_id, history)
+                if metrics:
+                    self.runs.log_metrics(run_id, metrics, step=_step_of(lineage))
+                self.runs.log_charts(run_id, charts)
+                self.runs.log_drafter(run_id, drafter_dir)
+            except BaseException:
+                self.runs.finish_run(run_id, failed=True)
+                raise
+            self.runs.finish_run(run_id)
+        else:
+            log.info("reusing finished run %s for drafter %s", run_id, fingerprint[:12])
+        return self.register(run_id, self.runs.drafter_source(run_id), lineage)
+
+    def get_version(self, version: str | int) -> DrafterVersion:
+        mv = self.client.get_model_version(self.model_name, str(version))
+        return DrafterVersion(model=self.model_name, version=str(mv.version), source=mv.source,
+                              run_id=mv.run_id or None, tags=dict(mv.tags or {}),
+                              aliases=tuple(sorted(mv.aliases or ())))
+
+    def versions(self) -> list[DrafterVersion]:
+        """All versions, oldest first."""
+        found = self.client.search_model_versions(f"name = '{self.model_name}'")
+        return [self.get_version(str(v.version))
+                for v in sorted(found, key=lambda v: int(v.version))]
+
+    def set_tags(self, version: str, tags: Mapping[str, Any]) -> None:
+        for key, value in tags.items():
+            self.client.set_model_version_tag(self.model_name, str(version), key,
+                                              tag_value(value))
+
+    # -- aliases ----------------------------------------------------------------------
+    def alias(self, alias: str) -> str | None:
+        """The version ``alias`` points at, read from the server now (None if unset)."""
+        try:
+            aliases = self.client.get_registered_model(self.model_name).aliases or {}
+        except Exception as e:
+            if error_code(e) == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise
+        value = aliases.get(alias)
+        return None if value is None else str(value)
+
+    def set_alias(self, alias: str, version: str) -> None:
+        self.client.set_registered_model_alias(self.model_name, alias, str(version))
+
+    def delete_alias(self, alias: str) -> None:
+        self.client.delete_registered_model_alias(self.model_name, alias)
+
+    def champion(self) -> DrafterVersion | None:
+        version = self.alias(CHAMPION)
+        return None if version is None else self.get_version(version)
+
+    def challenger(self) -> DrafterVersion | None:
+        version = self.alias(CHALLENGER)
+        return None if version is None else self.get_version(version)
+
+    def _ensure_challenger(self, version: DrafterVersion) -> None:
+        """Re-run after a crash between creating a version and aliasing it: the newest
+        version that is not champion should be the challenger."""
+        newest = max(int(v.version) for v in self.client.search_model_versions(
+            f"name = '{self.model_name}'"))
+        if int(version.version) == newest and self.alias(CHAMPION) != version.version \
+                and self.alias(CHALLENGER) != version.version:
+            self.set_alias(CHALLENGER, version.version)
+
+
+def _step_of(lineage: Mapping[str, Any]) -> int:
+    try:
+        return int(lineage.get("rl_step", 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+@contextmanager
+def _timed(lock: threading.Lock, timeout_s: float, name: str) -> Iterator[None]:
+    if not lock.acquire(timeout=timeout_s):
+        raise TimeoutError(f"promotion lock of {name} held for more than {timeout_s}s")
+    try:
+        yield
+    finally:
+        lock.release()

@@ -1,0 +1,262 @@
+"""Promotion, manual override and rollback: move alias ``champion`` and the servers together.
+
+Three entry points, each a separately named function (no flag bypasses the gate):
+
+- :func:`promote` acts on a gate :class:`~pipeline.release.gate.Decision`. A refusal only
+  records its reasons as tags on the candidate; nothing else moves.
+- :func:`force_promote` is the manual override: no gate, but ``actor`` and ``reason`` are
+  required and recorded.
+- :func:`rollback` makes the current champion's recorded ``previous_champion`` the champion
+  again (or "no drafter" when there was none).
+
+Invariants:
+
+- Serialised: the read-champion → update-serving → move-alias sequence runs under the
+  registry's promotion lock (or the lock passed in), because alias moves are last-writer-
+  wins. The alias is read back after the move.
+- All or nothing: tags describing the switch are written first (they move nothing); then
+  the serving update — if it fails, neither the alias nor the servers changed; then the alias
+  move — if it or its read-back fails, the serving update is undone (the previous manifest
+  restored) and :class:`PromotionError` is raised.
+- A decision made against another champion than the current one is stale and refused.
+- The champion's ``previous_champion`` tag (a version, or ``none``) is the rollback chain.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from pipeline.release.backend import ServingBackend
+from pipeline.release.gate import Decision
+from pipeline.release.lineage import MAX_TAG_VALUE
+from pipeline.release.mlflow_registry import CHAMPION, DrafterRegistry, DrafterVersion
+from pipeline.serving_now import ServingManifest, ServingTarget
+
+log = logging.getLogger(__name__)
+
+NONE = "none"
+PREVIOUS_CHAMPION = "previous_champion"
+
+
+class PromotionError(RuntimeError):
+    """A promotion or rollback failed; the message says what state was left behind."""
+
+
+class PromotionNotApplied(PromotionError):
+    """A promotion that failed with nothing moved (serving and the alias as before): safe to
+    try again; whether that can help depends on its cause."""
+
+
+@dataclass(frozen=True)
+class PromotionResult:
+    """What happened. ``action``: promoted | forced | rolled_back | refused | unchanged."""
+
+    action: str
+    model: str
+    version: str | None  # the champion after the call (the candidate, if refused)
+    previous_champion: str | None
+    serving: ServingManifest | None
+    reasons: tuple[str, ...]
+
+    @property
+    def moved(self) -> bool:
+        return self.action in ("promoted", "forced", "rolled_back")
+
+
+def serving_target(version: DrafterVersion) -> ServingTarget:
+    """What to serve for a registered version (its ``drafter_uri`` lineage tag)."""
+    if not version.drafter_uri or not version.fingerprint:
+        raise PromotionError(f"{version.model} v{version.version} lacks the drafter_uri or "
+                             f"fingerprint tag; it cannot be served")
+    return ServingTarget(drafter_uri=version.drafter_uri, fingerprint=version.fingerprint,
+                         registry_model=version.model, registry_version=version.version,
+                         registry_source=version.source)
+
+
+def promote(registry: DrafterRegistry, serving: ServingBackend, candidate_version: str,
+            decision: Decision, *, actor: str = "aerie", dagster_run_id: str | None = None,
+            lock: AbstractContextManager[Any] | None = None) -> PromotionResult:
+    """Make ``candidate_version`` the champion if ``decision`` says so (see module doc)."""
+    candidate_version = str(candidate_version)
+    if not decision.promote:
+        _record_refusal(registry, candidate_version, decision.reasons, decision)
+        return PromotionResult("refused", registry.model_name, candidate_version,
+                               registry.alias(CHAMPION), serving.current(), decision.reasons)
+    with lock if lock is not None else registry.promotion_lock():
+        current = registry.alias(CHAMPION)
+        if current == candidate_version:  # a re-run after success
+            return PromotionResult("unchanged", registry.model_name, current, current,
+                                   serving.current(), ("candidate is already the champion",))
+        stale = _staleness(decision, current)
+        if stale:
+            _record_refusal(registry, candidate_version, (stale,), decision)
+            return PromotionResult("refused", registry.model_name, candidate_version,
+                                   current, serving.current(), (stale,))
+        tags = {PREVIOUS_CHAMPION: current or NONE, "promoted_at": _now(),
+                "promoted_by": actor, "gate.decision": "promoted",
+                "gate.reasons": _reasons_tag(decision.reasons),
+                "gate.relative_gain": decision.relative_gain,
+                "gate.baseline": decision.baseline}
+        if dagster_run_id:
+            tags["promoted_in_run"] = dagster_run_id
+        manifest = _make_champion(registry, serving, candidate_version, tags,
+                                  reason=f"promote v{candidate_version}")
+        return PromotionResult("promoted", registry.model_name, candidate_version, current,
+                               manifest, decision.reasons)
+
+
+def force_promote(registry: DrafterRegistry, serving: ServingBackend, candidate_version: str,
+                  *, actor: str, reason: str, dagster_run_id: str | None = None,
+                  lock: AbstractContextManager[Any] | None = None) -> PromotionResult:
+    """The manual override: make ``candidate_version`` champion without the gate, recording
+    who did it and why."""
+    candidate_version = str(candidate_version)
+    if not actor.strip() or not reason.strip():
+        raise ValueError("force_promote needs a non-empty actor and reason")
+    with lock if lock is not None else registry.promotion_lock():
+        current = registry.alias(CHAMPION)
+        if current == candidate_version:
+            return PromotionResult("unchanged", registry.model_name, current, current,
+                                   serving.current(), ("candidate is already the champion",))
+        tags = {PREVIOUS_CHAMPION: current or NONE, "promoted_at": _now(),
+                "promoted_by": actor, "gate.decision": "forced", "forced_by": actor,
+                "force_reason": reason}
+        if dagster_run_id:
+            tags["promoted_in_run"] = dagster_run_id
+        manifest = _make_champion(registry, serving, candidate_version, tags,
+                                  reason=f"force v{candidate_version} by {actor}: {reason}")
+        return PromotionResult("forced", registry.model_name, candidate_version, current,
+                               manifest, (f"forced by {actor}: {reason}",))
+
+
+def rollback(registry: DrafterRegistry, serving: ServingBackend, *, actor: str = "aerie",
+             reason: str = "rollback", dagster_run_id: str | None = None,
+             lock: AbstractContextManager[Any] | None = None) -> PromotionResult:
+    """Restore the champion before the current one (alias and serving)."""
+    with lock if lock is not None else registry.promotion_lock():
+        current = registry.champion()
+        if current is None:
+            raise PromotionError(f"{registry.model_name} has no champion to roll back")
+        previous = current.tags.get(PREVIOUS_CHAMPION)
+        if previous is None:
+            raise PromotionError(f"{registry.model_name} v{current.version} has no "
+                                 f"{PREVIOUS_CHAMPION} tag; nothing to roll back to")
+        registry.set_tags(current.version, {
+            "rolled_back_at": _now(), "rolled_back_by": actor, "rollback_reason": reason,
+            **({"rolled_back_in_run": dagster_run_id} if dagster_run_id else {})})
+        why = f"rollback v{current.version} -> {previous} by {actor}: {reason}"
+        if previous == NONE:
+            manifest = _clear_champion(registry, serving, reason=why)
+            return PromotionResult("rolled_back", registry.model_name, None, current.version,
+                                   manifest, (why,))
+        manifest = _make_champion(registry, serving, previous, {}, reason=why)
+        return PromotionResult("rolled_back", registry.model_name, previous, current.version,
+                               manifest, (why,))
+
+
+def _make_champion(registry: DrafterRegistry, serving: ServingBackend, version: str,
+                   tags: Mapping[str, Any], *, reason: str) -> ServingManifest:
+    """Tags, then serving, then the alias (read back); undo serving if the alias fails."""
+    new = registry.get_version(version)
+    target = serving_target(new)
+    if tags:
+        registry.set_tags(version, tags)
+    before = serving.current()
+    try:
+        manifest = serving.apply(target, reason=reason)
+    except Exception as e:
+        _best_effort_tag(registry, version, f"serving update failed: {e}")
+        raise PromotionNotApplied(f"{registry.model_name} v{version}: serving update "
+                                  f"failed, nothing moved: {e}") from e
+    _move_alias(registry, serving, version, before)
+    log.info("%s: champion is now v%s (%s)", registry.model_name, version, reason)
+    return manifest
+
+
+def _clear_champion(registry: DrafterRegistry, serving: ServingBackend, *, reason: str
+                    ) -> ServingManifest:
+    before = serving.current()
+    try:
+        manifest = serving.restore(None, reason=reason)
+    except Exception as e:
+        raise PromotionNotApplied(f"{registry.model_name}: serving without a drafter "
+                                  f"failed, nothing moved: {e}") from e
+    _move_alias(registry, serving, None, before)
+    return manifest
+
+
+def _move_alias(registry: DrafterRegistry, serving: ServingBackend, version: str | None,
+                before: ServingManifest | None) -> None:
+    error: Exception | None = None
+    readback: str | None = "unread"
+    try:
+        if version is None:
+            registry.delete_alias(CHAMPION)
+        else:
+            registry.set_alias(CHAMPION, version)
+    except Exception as e:
+        error = e
+    try:
+        readback = registry.alias(CHAMPION)
+    except Exception as e:
+        error = error or e
+    if readback == version:
+        if error is not None:
+            log.warning("%s: alias call raised (%s) but the read-back shows v%s",
+                        registry.model_name, error, version)
+        return
+    problem = f"{error}" if error is not None else f"read back {readback!r}"
+    try:
+        serving.restore(before, reason=f"undo: moving {CHAMPION} to {version} failed")
+    except Exception as undo:
+        raise PromotionError(
+            f"{registry.model_name}: moving {CHAMPION} to {version} failed ({problem}) AND "
+            f"restoring the previous serving manifest failed ({undo}); servers may run a "
+            f"drafter that is not the champion") from undo
+    if version is not None:
+        _best_effort_tag(registry, version, f"alias move failed: {problem}")
+    raise PromotionNotApplied(f"{registry.model_name}: moving {CHAMPION} to {version} "
+                              f"failed ({problem}); the serving update was undone") from error
+
+
+def _record_refusal(registry: DrafterRegistry, version: str, reasons: tuple[str, ...],
+                    decision: Decision) -> None:
+    registry.set_tags(version, {"gate.decision": "refused", "gate.decided_at": _now(),
+                                "gate.reasons": _reasons_tag(reasons),
+                                "gate.relative_gain": decision.relative_gain,
+                                "gate.baseline": decision.baseline})
+    log.info("%s v%s refused: %s", registry.model_name, version, "; ".join(reasons))
+
+
+def _staleness(decision: Decision, champion: str | None) -> str | None:
+    """Why ``decision`` no longer applies to the registry's ``champion``, if it doesn't."""
+    if decision.baseline == "no-drafter" and champion is not None:
+        return (f"stale decision: made against no drafter, but v{champion} became champion "
+                f"since; evaluate again")
+    if decision.baseline == "champion" and decision.champion_version is not None \
+            and decision.champion_version != champion:
+        return (f"stale decision: made against champion v{decision.champion_version}, but "
+                f"the champion is now {champion}; evaluate again")
+    return None
+
+
+def _best_effort_tag(registry: DrafterRegistry, version: str, error: str) -> None:
+    try:
+        registry.set_tags(version, {"promotion.error": error[:MAX_TAG_VALUE]})
+    except Exception as e:  # noqa: BLE001 - the original failure is what gets raised
+        log.warning("could not tag v%s with its promotion error: %s", version, e)
+
+
+def _reasons_tag(reasons: tuple[str, ...]) -> str:
+    text = json.dumps(list(reasons), ensure_ascii=False)
+    return text if len(text) <= MAX_TAG_VALUE else text[:MAX_TAG_VALUE - 3] + "..."
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")

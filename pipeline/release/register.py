@@ -1,0 +1,90 @@
+"""Stage 7a, ``registered_drafter``: register a refresh step's evaluated drafter.
+
+``run`` joins what the earlier stages committed for step s (the drafter manifest's lineage
+and the acceptance report) and publishes it to the MLflow registry (alias ``challenger``).
+
+Invariant: the report must have measured exactly the drafter being registered (same
+fingerprint), or registration refuses: numbers are never attached to another drafter.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.evaluation.stage import NO_DRAFTER, AcceptanceReport, read_report
+from pipeline.layout import drafter_prefix
+from pipeline.manifest import read_manifest
+from pipeline.release.lineage import lineage_from_manifest
+from pipeline.release.mlflow_registry import DrafterRegistry, Registration
+from pipeline.storage import Storage
+
+
+class ReleaseError(RuntimeError):
+    """The committed stages of a refresh step do not fit together."""
+
+
+@dataclass(frozen=True)
+class Registered:
+    registration: Registration
+    tau: float
+
+
+def run(storage: Storage, registry: DrafterRegistry, step: int, dagster_run_id: str,
+                     *, chart_dir: Path,
+                     chart: Callable[[Mapping[str, Sequence[float]], str], bytes] | None = None
+                     ) -> Registered:
+    """Log and register the drafter of ``step`` with its lineage and evaluation."""
+    prefix = drafter_prefix(step)
+    manifest = read_manifest(storage, prefix)
+    if manifest is None:
+        raise ReleaseError(f"{storage.url(prefix)}: no committed drafter for step {step}")
+    report = read_refresh_report(storage, step)
+    candidate = report.contestants["candidate"]
+    if candidate.fingerprint != manifest.meta["fingerprint"]:
+        raise ReleaseError(f"the acceptance report of step {step} measured drafter "
+                           f"{candidate.fingerprint}, not the committed "
+                           f"{manifest.meta['fingerprint']}: re-run acceptance_eval")
+    stats = candidate.acceptance
+    lineage = lineage_from_manifest(
+        manifest.meta, drafter_uri=storage.url(prefix), policy_uri=report.policy_uri,
+        tau=stats.tau, alpha=stats.alpha, dagster_run_id=dagster_run_id,
+        heldout_key=report.heldout_key, settings_key=report.settings_key,
+        settings=report.settings, eval_fingerprint=report.fingerprint)
+    charts = []
+    if chart is not None:
+        png = chart({n: c.acceptance.alpha for n, c in report.contestants.items()
+                     if n != NO_DRAFTER}, f"step {step}: α per draft position")
+        charts.append(chart_dir / "acceptance_per_position.png")
+        charts[-1].write_bytes(png)
+    with tempfile.TemporaryDirectory(prefix="aerie-drafter-", dir=chart_dir) as tmp:
+        local = storage.download_dir(prefix, Path(tmp) / "drafter")
+        (local / "_manifest.json").unlink(missing_ok=True)
+        registration = registry.publish(
+            drafter_dir=local, lineage=lineage, params=manifest.meta.get("config"),
+            history=manifest.meta["result"]["history"], metrics=_eval_metrics(report),
+            charts=charts,
+            run_name=f"drafter-step-{step:06d}")
+    return Registered(registration, stats.tau)
+
+
+def read_refresh_report(storage: Storage, step: int) -> AcceptanceReport:
+    report = read_report(storage, step)
+    if report is None:
+        raise ReleaseError(f"no acceptance report for step {step}: materialize "
+                           f"acceptance_eval first")
+    return report
+
+
+def _eval_metrics(report: AcceptanceReport) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, c in report.contestants.items():
+        s = c.acceptance
+        out[f"eval/{name}_tau"] = s.tau
+        for k, a in enumerate(s.alpha):
+            if not math.isnan(a):
+                out[f"eval/{name}_alpha_{k}"] = a
+    return out

@@ -1,0 +1,147 @@
+"""The ``sglang-restart`` mode: run an operator's command that restarts SGLang on a drafter.
+
+The command is an argv list (no shell) whose items may contain placeholders:
+
+    {drafter_dir}        local directory of the drafter to serve
+    {num_steps} {topk} {num_draft_tokens}    the speculative settings
+    {registry_version} {fingerprint}         which registered drafter it is
+
+e.g. ``["systemctl", "restart", "sglang@{registry_version}"]`` or
+``["/opt/aerie/restart-sglang.sh", "{drafter_dir}"]``, where the script relaunches
+``python -m sglang.launch_server ... --speculative-algorithm EAGLE3
+--speculative-draft-model-path "$1" ...`` and returns only once the new server is healthy
+(the safe way: start the new server, check ``/health_generate``, then stop the old one).
+
+Invariants:
+
+- No shell: items are formatted one by one and passed to ``subprocess`` as a list; unknown
+  placeholders are rejected when the hook is built, not when it runs.
+- Success means exit status 0 within ``timeout_s``. A non-zero exit raises
+  :class:`ServingError` carrying the tail of stderr; a timeout kills the command's whole
+  process group and raises.
+- The command line itself is never logged (it may carry tokens); only the executable name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import string
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from pipeline.eagle3.export import read_drafter_config
+from pipeline.eagle3.spec import SpecParams
+from pipeline.release.backend import ServingError, ServingRefused
+from pipeline.serving_now import ServingTarget
+
+log = logging.getLogger(__name__)
+
+PLACEHOLDERS = frozenset({"drafter_dir", "num_steps", "topk", "num_draft_tokens",
+                          "registry_version", "fingerprint"})
+_TAIL = 2000
+
+
+def placeholders(argv: Sequence[str]) -> set[str]:
+    """The placeholder names used in ``argv`` (``{{`` and ``}}`` are literal braces)."""
+    names = set()
+    for arg in argv:
+        for _, name, spec, conv in string.Formatter().parse(arg):
+            if name is not None:
+                if spec or conv or not name.isidentifier():
+                    raise ValueError(f"placeholder {{{name}}} in {arg!r} must be a plain name")
+                names.add(name)
+    return names
+
+
+class RestartHook:
+    """An :class:`~pipeline.release.backend.Actuator` that runs a restart command."""
+
+    mode = "sglang-restart"
+    compares_with_current = False
+
+    def __init__(self, argv: Sequence[str], settings: SpecParams, *,
+                 timeout_s: float = 600.0, no_drafter_argv: Sequence[str] | None = None,
+                 cwd: str | Path | None = None, env: Mapping[str, str] | None = None):
+        if not argv:
+            raise ValueError("the restart command must not be empty")
+        for name, cmd in (("argv", argv), ("no_drafter_argv", no_drafter_argv or ["x"])):
+            unknown = placeholders(cmd) - PLACEHOLDERS
+            if unknown:
+                raise ValueError(f"{name} uses unknown placeholders {sorted(unknown)}; "
+                                 f"known: {sorted(PLACEHOLDERS)}")
+        if no_drafter_argv and placeholders(no_drafter_argv) & {"drafter_dir", "fingerprint",
+                                                                 "registry_version"}:
+            raise ValueError("no_drafter_argv cannot name a drafter")
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0")
+        self.argv = tuple(argv)
+        self.no_drafter_argv = tuple(no_drafter_argv) if no_drafter_argv else None
+        self.settings = settings
+        self.timeout_s = timeout_s
+        self.cwd = str(cwd) if cwd else None
+        self.env = dict(env) if env is not None else None
+
+    def check(self, new_dir: Path, current_dir: Path | None) -> None:
+        try:
+            read_drafter_config(new_dir)
+        except (OSError, ValueError, KeyError) as e:
+            raise ServingRefused(f"{new_dir} is not a loadable drafter: {e}") from e
+
+    def activate(self, new_dir: Path | None, target: ServingTarget | None) -> dict[str, str]:
+        values = {"num_steps": self.settings.num_steps, "topk": self.settings.eagle_topk,
+                  "num_draft_tokens": self.settings.num_draft_tokens}
+        if new_dir is None:
+            if self.no_drafter_argv is None:
+                raise ServingRefused("sglang-restart cannot serve 'no drafter': configure "
+                                     "no_drafter_argv to restart SGLang without speculation")
+            argv = [a.format_map(values) for a in self.no_drafter_argv]
+        else:
+            values |= {"drafter_dir": str(new_dir),
+                       "registry_version": target.registry_version if target else "",
+                       "fingerprint": target.fingerprint if target else ""}
+            argv = [a.format_map(values) for a in self.argv]
+        return run_hook(argv, timeout_s=self.timeout_s, cwd=self.cwd, env=self.env)
+
+
+def run_hook(argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
+             env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Run ``argv`` (no shell) in its own process group; details on success, else raise."""
+    name = Path(argv[0]).name
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=cwd,
+                                env=dict(env) if env is not None else None,
+                                start_new_session=True)
+    except OSError as e:
+        raise ServingError(f"restart hook {name}: cannot start ({e})") from e
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, err = proc.communicate(timeout=30)
+        raise ServingError(f"restart hook {name}: timed out after {timeout_s:g}s and was "
+                           f"killed; stderr: {_tail(err)}") from None
+    seconds = time.monotonic() - start
+    log.debug("restart hook %s stdout: %s", name, _tail(out))
+    if proc.returncode != 0:
+        raise ServingError(f"restart hook {name}: exit status {proc.returncode}; stderr: "
+                           f"{_tail(err)}")
+    log.info("restart hook %s succeeded in %.1fs", name, seconds)
+    return {"hook": name, "exit_status": "0", "seconds": f"{seconds:.3f}"}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the hook and everything it started
+    except ProcessLookupError:
+        pass
+
+
+def _tail(data: bytes | None) -> str:
+    text = (data or b"").decode(errors="replace").strip()
+    return text[-_TAIL:] if text else "(empty)"

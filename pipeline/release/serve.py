@@ -1,0 +1,64 @@
+"""Stage 7b, ``serving_drafter``: the gate's decision on a refresh step, and promotion.
+
+``run`` turns the step's acceptance report into gate inputs
+(:func:`pipeline.release.gate.decide`) and calls :func:`pipeline.release.promotion.promote`.
+
+Invariant: the champion the gate compares against is the version the report measured
+(found by its fingerprint); promotion refuses a decision whose champion has since changed,
+and a report without a champion while one exists is refused the same way.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.evaluation.stage import NO_DRAFTER, AcceptanceReport, Contestant
+from pipeline.layout import drafter_prefix
+from pipeline.release.backend import ServingBackend
+from pipeline.release.format_check import drafter_format_errors
+from pipeline.release.gate import Candidate, Decision, EvalSummary, GatePolicy, decide
+from pipeline.release.mlflow_registry import DrafterRegistry
+from pipeline.release.promotion import PromotionResult, promote
+from pipeline.release.register import ReleaseError, read_refresh_report
+from pipeline.storage import Storage
+
+
+@dataclass(frozen=True)
+class Released:
+    decision: Decision
+    promotion: PromotionResult
+
+
+def run(storage: Storage, registry: DrafterRegistry, serving: ServingBackend,
+                    step: int, policy: GatePolicy, *, dagster_run_id: str | None = None
+                    ) -> Released:
+    """Ask the gate about the drafter of ``step`` and promote it if the gate says so."""
+    report = read_refresh_report(storage, step)
+    cand = report.contestants["candidate"]
+    version = registry.find_version(cand.fingerprint)
+    if version is None:
+        raise ReleaseError(f"drafter {cand.fingerprint} of step {step} is not registered: "
+                           f"materialize registered_drafter first")
+    with tempfile.TemporaryDirectory(prefix="aerie-release-") as tmp:
+        local = storage.download_dir(drafter_prefix(step), Path(tmp) / "drafter")
+        (local / "_manifest.json").unlink(missing_ok=True)
+        errors = drafter_format_errors(local)
+    champion = None
+    if "champion" in report.contestants:
+        measured = report.contestants["champion"]
+        found = registry.find_version(measured.fingerprint)
+        champion = _summary(report, measured, found.version if found else None)
+    decision = decide(Candidate(_summary(report, cand, version.version), not errors, errors),
+                      champion, _summary(report, report.contestants[NO_DRAFTER], None), policy)
+    result = promote(registry, serving, version.version, decision,
+                     dagster_run_id=dagster_run_id)
+    return Released(decision, result)
+
+
+def _summary(report: AcceptanceReport, c: Contestant, version: str | None) -> EvalSummary:
+    s = c.acceptance
+    return EvalSummary(tau=s.tau, cycles=s.cycles, emitted_tokens=s.emitted_tokens,
+                       alpha=tuple(s.alpha), settings_key=report.settings_key,
+                       heldout_key=report.heldout_key, drafter_version=version)

@@ -1,0 +1,201 @@
+"""Serving records: speculative settings, what to serve, and the serving manifest.
+
+A :class:`ServingManifest` says which drafter the rollout servers of one model should run
+and with which SGLang arguments. It is what the ``manifest`` serving mode publishes for the
+RL trainer's rollout launcher, and what every mode records after a successful update.
+
+Invariants:
+
+- Stdlib only, frozen, JSON round-trip with ``SCHEMA_VERSION``; a reader refuses a manifest
+  written by a newer schema.
+- The settings are :class:`~pipeline.eagle3.spec.SpecParams`, the same record (and
+  SGLang rules) acceptance evaluation measures with.
+- ``sglang_args`` hold the literal placeholder ``{drafter_dir}`` for the draft-model path:
+  where the drafter lands is decided by whoever launches the server
+  (:func:`ServingManifest.launch_args`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.contracts import MANIFEST_NAME
+from pipeline.eagle3.spec import SpecParams
+from pipeline.layout import serving_prefix
+from pipeline.manifest import read_manifest
+from pipeline.storage import Storage
+
+SERVING_SCHEMA_VERSION = 1
+DRAFTER_DIR = "{drafter_dir}"
+
+
+def serving_args(settings: SpecParams, drafter_dir: str = DRAFTER_DIR) -> tuple[str, ...]:
+    """SGLang's flags that serve an EAGLE-3 drafter from ``drafter_dir`` with ``settings``."""
+    return ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter_dir,
+            *settings.sglang_args())
+
+
+@dataclass(frozen=True)
+class ServingTarget:
+    """A drafter to serve: where its files are and which registry version it is."""
+
+    drafter_uri: str  # storage URL of the drafter directory (config.json + model.safetensors)
+    fingerprint: str
+    registry_model: str
+    registry_version: str
+    registry_source: str | None = None  # the MLflow artifact URI of the same files
+
+
+@dataclass(frozen=True)
+class ServingManifest:
+    """What the servers of ``name`` run, as of manifest number ``sequence``.
+
+    ``target`` None means "serve without a drafter" (e.g. the restore of a first promotion).
+    ``previous_sequence`` is the manifest this one replaced; ``restored_from`` the one whose
+    drafter it restores (a rollback or the undo of a failed promotion).
+    """
+
+    name: str
+    sequence: int
+    mode: str
+    target: ServingTarget | None
+    settings: SpecParams
+    sglang_args: tuple[str, ...]
+    written_at: str
+    reason: str = ""
+    previous_sequence: int | None = None
+    restored_from: int | None = None
+    details: dict[str, str] = field(default_factory=dict, hash=False)
+    schema_version: int = SERVING_SCHEMA_VERSION
+
+    def launch_args(self, drafter_dir: str) -> list[str]:
+        """The SGLang arguments with the local drafter directory filled in ([] without one)."""
+        return [drafter_dir if a == DRAFTER_DIR else a for a in self.sglang_args]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServingManifest:
+        raw: dict[str, Any] = json.loads(text)
+        if raw.get("schema_version") != SERVING_SCHEMA_VERSION:
+            raise ValueError(f"serving manifest schema_version {raw.get('schema_version')!r} "
+                             f"is not supported (expected {SERVING_SCHEMA_VERSION})")
+        raw["target"] = ServingTarget(**raw["target"]) if raw["target"] else None
+        raw["settings"] = SpecParams.from_dict(raw["settings"])
+        raw["sglang_args"] = tuple(raw["sglang_args"])
+        return cls(**raw)
+
+
+# -- reading the ledger (release writes it: pipeline.release.ledger) -------------------------
+CURRENT = "current.json"
+_ENTRY = re.compile(r"^manifest-(\d{6,})\.json$")
+
+
+def current_key(name: str) -> str:
+    return f"{serving_prefix(name)}/{CURRENT}"
+
+
+def entry_key(name: str, sequence: int) -> str:
+    return f"{serving_prefix(name)}/manifest-{sequence:06d}.json"
+
+
+def serving_sequences(storage: Storage, name: str) -> list[int]:
+    found = (_ENTRY.match(k.rsplit("/", 1)[-1]) for k in storage.list(serving_prefix(name)))
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def read_serving_entry(storage: Storage, name: str, sequence: int) -> ServingManifest:
+    return ServingManifest.from_json(storage.read_bytes(entry_key(name, sequence)).decode())
+
+
+def serving_history(storage: Storage, name: str) -> list[ServingManifest]:
+    """Every serving manifest of ``name``, oldest first."""
+    return [read_serving_entry(storage, name, s) for s in serving_sequences(storage, name)]
+
+
+def serving_drafter_key(storage: Storage, name: str) -> str | None:
+    """Storage key of the drafter serving ``name`` now, or None (nothing served, serving
+    without a drafter, or a drafter outside this storage root)."""
+    manifest = read_serving(storage, name)
+    if manifest is None or manifest.target is None:
+        return None
+    root = storage.url() + "/"
+    uri = manifest.target.drafter_uri
+    return uri[len(root):] if uri.startswith(root) else None
+
+
+def read_serving(storage: Storage, name: str) -> ServingManifest | None:
+    """The current serving manifest of ``name``, or None if nothing was ever published."""
+    key = current_key(name)
+    try:
+        data = storage.read_bytes(key)
+    except FileNotFoundError:
+        return None
+    return ServingManifest.from_json(data.decode())
+
+
+@dataclass(frozen=True)
+class ServingLaunch:
+    """What a rollout launcher needs: the manifest, the local drafter and SGLang's args."""
+
+    manifest: ServingManifest
+    drafter_dir: Path | None
+    args: tuple[str, ...]
+
+
+def resolve_serving(storage: Storage, name: str, cache_dir: str | Path,
+                    known_sequence: int | None = None) -> ServingLaunch | None:
+    """For the RL trainer at weight sync: the current manifest with its drafter on local
+    disk and the SGLang arguments filled in. None when nothing was published, or when the
+    current manifest is ``known_sequence`` (nothing changed since the last sync)."""
+    manifest = read_serving(storage, name)
+    if manifest is None or manifest.sequence == known_sequence:
+        return None
+    if manifest.target is None:
+        return ServingLaunch(manifest, None, ())
+    local = materialize_drafter(storage, manifest.target.drafter_uri, cache_dir)
+    return ServingLaunch(manifest, local, tuple(manifest.launch_args(str(local))))
+
+
+def materialize_drafter(storage: Storage, drafter_uri: str, cache_dir: str | Path) -> Path:
+    """A local directory holding the drafter at ``drafter_uri`` (under ``storage``'s root).
+
+    Local storage: the stored directory itself. Otherwise a verified copy in ``cache_dir``
+    named by the content of the drafter's manifest, downloaded to a temporary name first.
+    """
+    key = storage.key_of(drafter_uri)
+    manifest = read_manifest(storage, key)
+    local = storage.local_path(key)
+    if local is not None and (local / "config.json").is_file():
+        return local
+    if manifest is None:
+        raise FileNotFoundError(f"{drafter_uri} has no committed drafter manifest")
+    digest = hashlib.sha256(manifest.to_json().encode()).hexdigest()[:16]
+    dest = Path(cache_dir) / f"drafter-{digest}"
+    if (dest / MANIFEST_NAME).is_file():
+        return dest
+    tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        storage.download_dir(key, tmp)
+        for entry in manifest.files:
+            data = (tmp / entry.path).read_bytes()
+            if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
+                raise ValueError(f"{drafter_uri}/{entry.path} does not match its manifest")
+        (tmp / MANIFEST_NAME).write_text(manifest.to_json())  # written last: complete
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not (dest / MANIFEST_NAME).is_file():  # not a concurrent twin: a real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest

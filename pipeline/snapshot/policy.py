@@ -1,0 +1,89 @@
+"""Policy checkpoints in storage: the HF directory that generated a step's rollouts.
+
+A checkpoint is copied file by file (each atomic) to ``policies/step=NNNNNN/`` and committed
+by a manifest. Its identity is a content hash over (path, sha256) of its files, and its
+tokenizer is fingerprinted by the tokenizer definition and the chat template, so that a
+later stage can tell whether two snapshots were tokenized the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.contracts import FileEntry, Manifest
+from pipeline.layout import policy_prefix
+from pipeline.manifest import entry_for, read_manifest, write_manifest
+from pipeline.storage import Storage
+
+POLICY_KIND = "policy_checkpoint"
+_TOKENIZER_FILES = ("tokenizer.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class PolicyRef:
+    """Where a policy checkpoint lives and what identifies it."""
+
+    uri: str
+    sha256: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+
+
+def content_hash(entries: list[FileEntry] | tuple[FileEntry, ...]) -> str:
+    sha = hashlib.sha256()
+    for e in sorted(entries, key=lambda e: e.path):
+        sha.update(f"{e.path}\0{e.sha256}\n".encode())
+    return sha.hexdigest()
+
+
+def tokenizer_fingerprint(files: dict[str, bytes]) -> str:
+    """sha256 over the tokenizer definition and the chat template, whichever file holds it."""
+    sha = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        if name in files:
+            sha.update(name.encode() + b"\0" + files[name])
+    config = json.loads(files.get("tokenizer_config.json", b"{}"))
+    sha.update(b"chat_template\0" + json.dumps(config.get("chat_template")).encode())
+    return sha.hexdigest()
+
+
+def publish_policy(storage: Storage, step: int, policy_dir: Path) -> PolicyRef:
+    """Copy ``policy_dir`` into storage for ``step`` and commit it with a manifest."""
+    policy_dir = Path(policy_dir)
+    if not (policy_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{policy_dir}: not an HF checkpoint (no config.json)")
+    prefix = policy_prefix(step)
+    written = storage.upload_dir(policy_dir, prefix)
+    entries = tuple(entry_for(prefix, w) for w in written)
+    small = {name: (policy_dir / name).read_bytes()
+             for name in ("config.json", "tokenizer_config.json", *_TOKENIZER_FILES)
+             if (policy_dir / name).is_file()}
+    ref = _ref(storage.url(prefix), entries, small)
+    write_manifest(storage, prefix, Manifest(
+        kind=POLICY_KIND, kind_version=1, files=entries,
+        meta={"step": step, "sha256": ref.sha256, "vocab_size": ref.vocab_size,
+              "tokenizer_fingerprint": ref.tokenizer_fingerprint}))
+    return ref
+
+
+def load_policy_ref(storage: Storage, step: int) -> PolicyRef:
+    """The committed policy checkpoint of ``step``."""
+    prefix = policy_prefix(step)
+    manifest = read_manifest(storage, prefix)
+    if manifest is None:
+        raise FileNotFoundError(f"{storage.url(prefix)}: no committed policy checkpoint")
+    return PolicyRef(uri=storage.url(prefix), sha256=manifest.meta["sha256"],
+                     vocab_size=manifest.meta["vocab_size"],
+                     tokenizer_fingerprint=manifest.meta["tokenizer_fingerprint"])
+
+
+def _ref(uri: str, entries: tuple[FileEntry, ...], small: dict[str, bytes]) -> PolicyRef:
+    config = json.loads(small["config.json"])
+    vocab_size = config.get("vocab_size")
+    if not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ValueError(f"{uri}/config.json: vocab_size {vocab_size!r} is not a positive int")
+    return PolicyRef(uri=uri, sha256=content_hash(entries), vocab_size=vocab_size,
+                     tokenizer_fingerprint=tokenizer_fingerprint(small))

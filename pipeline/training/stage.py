@@ -1,0 +1,177 @@
+"""The ``drafter_checkpoint`` stage: train a refresh step's drafter and publish it.
+
+``run(storage, step, config)`` reads the vocab stage's choice for ``step`` (window
++ mapping), checks the window's shards, resolves the warm start, runs training in child
+process(es) (:mod:`launch`) in a run directory named by the spec's fingerprint (so a retry
+resumes), and publishes the exported SGLang directory to ``drafters/step=NNNNNN/`` with a
+manifest written last.
+
+Invariants:
+
+- Idempotent: a committed drafter manifest with the same fingerprint is returned as is; one
+  with another fingerprint is withdrawn before its files are replaced.
+- Lineage in the manifest: window steps and the sha256 of each step's shard manifest, vocab
+  cache key and coverage, teacher policy, aux layer ids, warm-start source and decision,
+  training config and per-depth metrics.
+- Warm start ``"serving"`` (the asset's default): the drafter serving now, from the serving
+  ledger, when it was trained on an earlier step; ``"previous"``: the newest committed drafter
+  of an earlier step, promoted or not; ``"none"``: scratch; otherwise a storage prefix holding
+  a drafter manifest or a local drafter directory. A drafter whose shapes do not fit starts
+  from scratch (:mod:`warmstart`); the decision is recorded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from pipeline.capture.window import read_window, shard_geometry, verify_window
+from pipeline.contracts import Manifest
+from pipeline.layout import (
+    DRAFTERS,
+    drafter_prefix,
+    shards_prefix,
+    step_dir,
+    step_of_prefix,
+    steps_of,
+)
+from pipeline.manifest import entry_for, manifest_key, read_manifest, write_manifest
+from pipeline.serving_now import serving_history
+from pipeline.snapshot.policy import load_policy_ref
+from pipeline.storage import Storage
+from pipeline.training.config import TrainConfig
+from pipeline.training.launch import launch
+from pipeline.training.spec import TrainResult, TrainSpec
+from pipeline.vocab.stage import load_window_vocab
+
+log = logging.getLogger(__name__)
+DRAFTER_KIND = "drafter_checkpoint"
+
+@dataclass(frozen=True)
+class DrafterRefresh:
+    """A published drafter and how it was made."""
+
+    step: int
+    uri: str
+    manifest: Manifest
+    result: TrainResult
+    reused: bool  # an identical drafter was already committed
+
+
+def previous_drafter(storage: Storage, step: int) -> int | None:
+    """The newest step < ``step`` with a committed drafter."""
+    steps = [s for s in steps_of(storage.list_dirs(DRAFTERS)) if s < step]
+    for s in reversed(steps):
+        if read_manifest(storage, drafter_prefix(s)) is not None:
+            return s
+    return None
+
+
+def served_drafter(storage: Storage, serving_name: str, step: int) -> int | None:
+    """The step of the newest drafter the ledger of ``serving_name`` has served that was
+    trained before ``step``: the drafter serving now, except when an older step is re-run
+    after later promotions (then the one that served before it, so a re-run plans the same
+    warm start). Entries that serve no drafter, or one from outside ``drafters/``, are
+    skipped. A candidate the gate refused never served, so it is never a warm start."""
+    root = storage.url() + "/"
+    for manifest in reversed(serving_history(storage, serving_name)):
+        uri = manifest.target.drafter_uri if manifest.target else ""
+        served = step_of_prefix(uri[len(root):], DRAFTERS) if uri.startswith(root) else None
+        if served is not None and served < step:
+            return served
+    return None
+
+
+def resolve_warm_start(storage: Storage, step: int, warm_start: str, cache_dir: Path,
+                       serving_name: str | None = None) -> tuple[str | None, str | None]:
+    """``(local directory, source label)`` of the warm start, or ``(None, None)``.
+
+    ``warm_start``: ``serving`` (the drafter serving ``serving_name``, see
+    :func:`served_drafter`), ``previous`` (the newest committed drafter of an earlier step,
+    promoted or not), ``none``, or a committed drafter prefix / local drafter directory.
+    """
+    if warm_start == "none":
+        return None, None
+    if warm_start in ("serving", "previous"):
+        if warm_start == "serving" and not serving_name:
+            raise ValueError("warm_start 'serving' needs the serving name (the registered "
+                             "model)")
+        prev = (served_drafter(storage, serving_name, step) if warm_start == "serving"
+                else previous_drafter(storage, step))
+        if prev is None:
+            return None, None
+        warm_start = drafter_prefix(prev)
+    manifest = read_manifest(storage, warm_start) if "://" not in warm_start and not \
+        warm_start.startswith("/") else None
+    if manifest is not None:
+        digest = hashlib.sha256(manifest.to_json().encode()).hexdigest()
+        local = cache_dir / f"warm-{digest[:16]}"
+        if not local.is_dir():
+            storage.download_dir(warm_start, local)
+            (local / "_manifest.json").unlink(missing_ok=True)
+        return str(local), f"{storage.url(warm_start)}#{digest[:16]}"
+    local = Path(warm_start.removeprefix("file://"))
+    if not (local / "config.json").is_file():
+        raise FileNotFoundError(f"warm start {warm_start!r} is neither a committed drafter in "
+                                f"{storage.url()} nor a local drafter directory")
+    digest = hashlib.sha256((local / "model.safetensors").read_bytes()).hexdigest()
+    return str(local), f"{local.resolve().as_uri()}#{digest[:16]}"
+
+
+def plan(storage: Storage, step: int, config: TrainConfig, work_root: Path,
+         warm_start: str = "previous", serving_name: str | None = None) -> TrainSpec:
+    """The spec of ``step``'s refresh (reads manifests only)."""
+    window, mapping = load_window_vocab(storage, step)
+    read_window(storage, window)  # names any missing step
+    shard_sha = {str(s): hashlib.sha256(storage.read_bytes(
+        manifest_key(shards_prefix(s)))).hexdigest() for s in window}
+    warm_dir, warm_source = resolve_warm_start(storage, step, warm_start, work_root / "warm",
+                                               serving_name)
+    spec = TrainSpec(config=config, storage_url=storage.root_url, step=step,
+                     window_steps=tuple(window), shard_manifest_sha256=shard_sha,
+                     vocab_key=mapping.cache_key, policy_sha256=load_policy_ref(
+                         storage, step).sha256, work_dir="", out_dir="",
+                     warm_start_dir=warm_dir, warm_start_source=warm_source)
+    run_dir = Path(work_root) / f"{step_dir(step)}-{spec.fingerprint()[:16]}"
+    return replace(spec, work_dir=str(run_dir), out_dir=str(run_dir / "export"))
+
+
+def run(storage: Storage, step: int, config: TrainConfig, *, work_root: Path,
+                    warm_start: str = "previous", serving_name: str | None = None,
+                    launcher: str = "auto", storage_options: Mapping[str, Any] | None = None,
+                    on_line: Callable[[str], None] | None = None) -> DrafterRefresh:
+    """Train, export and publish the drafter of refresh step ``step``."""
+    spec = plan(storage, step, config, Path(work_root), warm_start, serving_name)
+    prefix = drafter_prefix(step)
+    existing = read_manifest(storage, prefix)
+    if existing is not None and existing.meta.get("fingerprint") == spec.fingerprint():
+        log.info("step %d: drafter %s already committed", step, spec.fingerprint()[:12])
+        return DrafterRefresh(step, storage.url(prefix), existing,
+                              TrainResult(**existing.meta["result"]), reused=True)
+    verify_window(storage, read_window(storage, spec.window_steps))
+    result = launch(spec, launcher=launcher, storage_options=storage_options, on_line=on_line)
+    if existing is not None:
+        log.warning("step %d: replacing a drafter trained from other inputs", step)
+        storage.delete(manifest_key(prefix))
+    written = storage.upload_dir(spec.out_dir, prefix)
+    manifests = read_window(storage, spec.window_steps)
+    _, aux_ids = shard_geometry(manifests)
+    _, mapping = load_window_vocab(storage, step)
+    compact = replace(result, history=result.history[-50:])
+    manifest = Manifest(kind=DRAFTER_KIND, kind_version=1,
+                        files=tuple(entry_for(prefix, w) for w in written), meta={
+                            "step": step, "fingerprint": spec.fingerprint(),
+                            "window_steps": list(spec.window_steps),
+                            "shard_manifest_sha256": spec.shard_manifest_sha256,
+                            "vocab_cache_key": spec.vocab_key, "coverage": mapping.coverage,
+                            "draft_vocab_size": mapping.draft_vocab_size,
+                            "policy_sha256": spec.policy_sha256,
+                            "aux_layer_ids": list(aux_ids),
+                            "warm_start": result.warm_start,
+                            "config": config.to_dict(), "result": asdict(compact)})
+    write_manifest(storage, prefix, manifest)
+    return DrafterRefresh(step, storage.url(prefix), manifest, compact, reused=False)
