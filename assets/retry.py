@@ -20,7 +20,7 @@ from pipeline.capture.stage import ExtractionError
 from pipeline.release.backend import ServingRefused
 from pipeline.release.promotion import PromotionError, PromotionNotApplied
 from pipeline.release.register import ReleaseError
-from pipeline.snapshot.stage import SnapshotError
+from pipeline.snapshot.sieve import SnapshotError
 from pipeline.training.launch import TrainingFailed
 
 RETRY_DELAY_S = 5.0  # before the first retry; then 10 s, 20 s (± jitter)

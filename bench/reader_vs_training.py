@@ -10,7 +10,7 @@ V=1536; K steps × 128 samples of 80–240 tokens, response masked from ~40%; sh
 the hf backend through ``capture.stage.run``), picks a draft vocab of 1024, and measures:
 
 1. reader samples/s: ``WindowReader`` over one epoch, each micro batch collated with
-   :func:`pipeline.eagle3.ttt.collate` (right padding + teacher logits over the draft vocab +
+   :func:`pipeline.eagle3.ttt_batch.collate` (right padding + teacher logits over the draft vocab +
    full-vocab argmax from ``final_hidden`` and the target ``lm_head``) — the whole data path a
    training step waits for; median of ``--repeats`` epochs;
 2. training samples/s: a real training run (``launch``: child process, DeepSpeed ZeRO-2, fp32,
@@ -42,7 +42,7 @@ from pipeline.capture.hf import HFCaptureBackend  # noqa: E402
 from pipeline.capture.stage import ExtractConfig
 from pipeline.capture.window import load_target, read_window  # noqa: E402
 from pipeline.contracts import Manifest  # noqa: E402
-from pipeline.eagle3.ttt import collate  # noqa: E402
+from pipeline.eagle3.ttt_batch import collate
 from pipeline.layout import tokenized_prefix
 from pipeline.manifest import entry_for, write_manifest  # noqa: E402
 from pipeline.parquet import write_table  # noqa: E402

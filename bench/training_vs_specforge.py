@@ -228,7 +228,7 @@ class AerieTrainer:
     def make_batch(self):
         import torch
 
-        from pipeline.eagle3.ttt import TTTBatch, teacher_batch, teacher_rows
+        from pipeline.eagle3.ttt_batch import TTTBatch, teacher_batch, teacher_rows
 
         with torch.no_grad():  # as ``collate`` does: the rows the loss reads
             rows = teacher_rows(self.loss_mask & self.attention_mask)

@@ -48,7 +48,7 @@ def generate_demo_world(force: bool = False, config=None) -> dict:
     ``config`` is a :class:`pipeline.demo.world.DemoConfig` (default: the full demo world).
     """
     from pipeline.demo.world import DemoConfig, generate_world
-    from pipeline.snapshot.stage import SnapshotWriter
+    from pipeline.snapshot.writer import SnapshotWriter
     from resources.home import aerie_home
     from resources.storage import storage_from_environment
 

@@ -7,6 +7,9 @@ footer check. Errors name the file's URL.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -41,3 +44,21 @@ def read_table(storage: Storage, key: str, schema: pa.Schema | None = None) -> p
         except (pa.ArrowException, KeyError, ValueError) as e:
             raise ParquetFileError(f"{storage.url(key)}: schema mismatch ({e})") from e
     return table
+
+
+@contextlib.contextmanager
+def open_parquet(storage: Storage, key: str) -> Iterator[pq.ParquetFile]:
+    """``key`` as a ParquetFile that verifies page checksums on read; closed on exit."""
+    local = storage.local_path(key)
+    if local is not None and not local.is_file():
+        raise FileNotFoundError(f"{storage.url(key)} does not exist")
+    # pyarrow reads a local path natively; other filesystems go through fsspec's file.
+    with contextlib.ExitStack() as stack:
+        source = str(local) if local is not None else stack.enter_context(
+            storage.open_read(key))
+        try:
+            pf = stack.enter_context(pq.ParquetFile(source, page_checksum_verification=True))
+        except (pa.ArrowException, OSError) as e:
+            raise ParquetFileError(
+                f"{storage.url(key)}: corrupt or truncated Parquet ({e})") from e
+        yield pf

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from pipeline.capture.backends import open_backend
 from pipeline.capture.base import CaptureBackend
-from pipeline.capture.stage import open_backend
 from pipeline.storage import Storage
 
 

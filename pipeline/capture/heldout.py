@@ -14,16 +14,16 @@ hashes the prompt's token ids with a salt and holds out the samples whose hash f
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from pipeline.capture.shards import open_parquet, read_shards_manifest
+from pipeline.capture.shards import read_shards_manifest
 from pipeline.contracts import Manifest
-from pipeline.layout import shards_prefix, tokenized_prefix
-from pipeline.manifest import read_manifest
+from pipeline.layout import shards_prefix
 from pipeline.storage import Storage
+from pipeline.tokenize.reader import iter_tokenized
 
 DEFAULT_SALT = "aerie-heldout-v1"
 
@@ -88,11 +88,11 @@ def heldout_prompts(storage: Storage, steps: Sequence[int], max_prompts: int
     split = next(iter(splits.values()))
     found: dict[str, HeldoutPrompt] = {}
     for step in steps:
-        for sample_id, ids, mask in _tokenized_rows(storage, step):
-            if split.holds_out(ids, mask):
-                prompt = prompt_of(ids, mask)
+        for s in iter_tokenized(storage, step):
+            if split.holds_out(s.input_ids, s.loss_mask):
+                prompt = prompt_of(s.input_ids, s.loss_mask)
                 key = split.prompt_key(prompt)
-                found.setdefault(key, HeldoutPrompt(key, step, sample_id,
+                found.setdefault(key, HeldoutPrompt(key, step, s.sample_id,
                                                     tuple(int(x) for x in prompt)))
     if not found:
         raise ValueError(f"no held-out prompt in steps {list(steps)} (fraction "
@@ -106,18 +106,3 @@ def _split_of(manifest: Manifest, storage: Storage, step: int) -> HeldoutSplit:
         raise ValueError(f"{storage.url(shards_prefix(step))}: shards carry no held-out split "
                          f"(extracted before held-out splits existed)")
     return HeldoutSplit(meta["fraction"], meta["salt"])
-
-
-def _tokenized_rows(storage: Storage, step: int
-                    ) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-    prefix = tokenized_prefix(step)
-    manifest = read_manifest(storage, prefix)
-    if manifest is None:
-        raise FileNotFoundError(f"{storage.url(prefix)}: no committed tokenized rollouts")
-    for entry in manifest.files:
-        with open_parquet(storage, f"{prefix}/{entry.path}") as pf:
-            for batch in pf.iter_batches(columns=["sample_id", "input_ids", "loss_mask"]):
-                ids, masks = batch.column("input_ids"), batch.column("loss_mask")
-                for r, sample_id in enumerate(batch.column("sample_id").to_pylist()):
-                    yield (sample_id, ids[r].values.to_numpy(zero_copy_only=False),
-                           masks[r].values.to_numpy(zero_copy_only=False))

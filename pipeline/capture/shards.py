@@ -41,7 +41,6 @@ int32), e.g. T ≤ 43k tokens at H = 8192; the writer refuses longer samples by 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from collections.abc import Iterable, Iterator, Mapping
@@ -55,7 +54,7 @@ import torch
 from pipeline.contracts import Manifest
 from pipeline.layout import shards_prefix
 from pipeline.manifest import read_manifest
-from pipeline.parquet import ParquetFileError
+from pipeline.parquet import ParquetFileError, open_parquet
 from pipeline.storage import Storage, WrittenObject
 
 SHARDS_KIND = "hidden_state_shards"
@@ -250,24 +249,6 @@ def _binary_of(x: torch.Tensor) -> pa.Array:
 
 
 # -- reading ---------------------------------------------------------------------------
-@contextlib.contextmanager
-def open_parquet(storage: Storage, key: str) -> Iterator[pq.ParquetFile]:
-    """``key`` as a ParquetFile that verifies page checksums on read; closed on exit."""
-    local = storage.local_path(key)
-    if local is not None and not local.is_file():
-        raise FileNotFoundError(f"{storage.url(key)} does not exist")
-    # pyarrow reads a local path natively; other filesystems go through fsspec's file.
-    with contextlib.ExitStack() as stack:
-        source = str(local) if local is not None else stack.enter_context(
-            storage.open_read(key))
-        try:
-            pf = stack.enter_context(pq.ParquetFile(source, page_checksum_verification=True))
-        except (pa.ArrowException, OSError) as e:
-            raise ParquetFileError(
-                f"{storage.url(key)}: corrupt or truncated Parquet ({e})") from e
-        yield pf
-
-
 def _info(pf: pq.ParquetFile, url: str) -> ShardInfo:
     raw = {k.decode(): v.decode() for k, v in (pf.metadata.metadata or {}).items()
            if k.startswith(_KEY.encode())}

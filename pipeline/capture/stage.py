@@ -27,7 +27,6 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -36,10 +35,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
 import torch
 
+from pipeline.capture.backends import DEFAULT_TOKEN_BUDGET
 from pipeline.capture.base import CaptureBackend, CapturedStates
 from pipeline.capture.heldout import HeldoutSplit
 from pipeline.capture.shards import (
@@ -50,13 +48,11 @@ from pipeline.capture.shards import (
     ShardSample,
     ShardSpec,
     WrittenShard,
-    open_parquet,
     shard_name,
     write_shard,
 )
 from pipeline.contracts import FileEntry, Manifest
-from pipeline.eagle3.config import default_aux_layer_ids
-from pipeline.layout import policy_prefix, shards_prefix, tokenized_prefix
+from pipeline.layout import shards_prefix, tokenized_prefix
 from pipeline.manifest import (
     entry_for,
     manifest_key,
@@ -64,15 +60,18 @@ from pipeline.manifest import (
     verify_manifest,
     write_manifest,
 )
-from pipeline.parquet import ParquetFileError
 from pipeline.snapshot.policy import PolicyRef
 from pipeline.storage import Storage, WrittenObject
-from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
+from pipeline.tokenize.reader import (
+    TokenizedReadError,
+    TokenizedSample,
+    iter_tokenized,
+    read_tokenized_manifest,
+)
 
 log = logging.getLogger(__name__)
 
 PROGRESS_DIR = "_progress"
-_TOKENIZED_COLUMNS = ["sample_id", "step", "input_ids", "loss_mask"]
 
 
 class ExtractionError(RuntimeError):
@@ -83,7 +82,7 @@ class ExtractionError(RuntimeError):
 class ExtractConfig:
     """How a step is batched and sharded. Every field changes the bytes written."""
 
-    token_budget: int = 16384  # max padded tokens per backend call: B * T_max
+    token_budget: int = DEFAULT_TOKEN_BUDGET  # max padded tokens per backend call: B * T_max
     max_batch_size: int = 64
     shard_bytes: int = 512 << 20  # bf16 state bytes per shard (before compression)
     row_group_bytes: int = DEFAULT_ROW_GROUP_BYTES
@@ -128,20 +127,6 @@ class ExtractSummary:
         return self.bytes / max(self.tokens, 1)
 
 
-@dataclass(frozen=True)
-class _Sample:
-    """A tokenized sample awaiting capture; ``position`` is its index in the step."""
-
-    position: int
-    sample_id: str
-    input_ids: np.ndarray  # (T,) int32
-    loss_mask: np.ndarray  # (T,) int8, 0/1
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
-
-
 @dataclass
 class _Counts:
     """Running totals of one call (backend_calls grows while shards are being written)."""
@@ -156,8 +141,8 @@ class _Counts:
 
 
 def run(storage: Storage, step: int, backend: CaptureBackend,
-                 config: ExtractConfig = ExtractConfig(), *,
-                 policy: PolicyRef | None = None) -> ExtractSummary:
+        config: ExtractConfig = ExtractConfig(), *,
+        policy: PolicyRef | None = None) -> ExtractSummary:
     """Capture and shard the hidden states of ``step``'s tokenized samples.
 
     ``policy`` (the checkpoint ``backend`` runs) is recorded as lineage and is part of the
@@ -166,7 +151,10 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
     """
     started = time.perf_counter()
     in_prefix, out_prefix = tokenized_prefix(step), shards_prefix(step)
-    tokenized = _read_tokenized_manifest(storage, in_prefix)
+    try:
+        tokenized = read_tokenized_manifest(storage, step)
+    except TokenizedReadError as e:
+        raise ExtractionError(str(e)) from e
     identity = _backend_identity(backend)
     spec = ShardSpec(step=step, hidden_size=int(backend.hidden_size),
                      aux_layer_ids=tuple(int(i) for i in backend.aux_layer_ids),
@@ -206,7 +194,7 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
     entries: list[FileEntry] = []
     reused = 0
     split = HeldoutSplit(config.heldout_fraction)
-    samples = _without_heldout(_iter_tokenized(storage, in_prefix, tokenized, step), split,
+    samples = _without_heldout(_tokenized(storage, step, tokenized), split,
                                counts)
     for index, shard_samples in enumerate(_cut_shards(samples, tokens_per_shard)):
         batches = _plan_batches(shard_samples, config)
@@ -261,112 +249,8 @@ def _summary(storage: Storage, prefix: str, manifest: Manifest, *, shards_reused
         heldout=m["heldout"]["samples"])
 
 
-# -- backends ---------------------------------------------------------------------------
-BACKENDS = ("hf", "sglang")
-
-
-@contextlib.contextmanager
-def open_backend(storage: Storage, step: int, kind: str = "hf", *,
-                 aux_layer_ids: Sequence[int] | None = None,
-                 token_budget: int = ExtractConfig.token_budget, hf_dtype: str = "float32",
-                 sglang_aux_urls: Sequence[str] = (), sglang_final_urls: Sequence[str] = ()
-                 ) -> Iterator[CaptureBackend]:
-    """The capture backend for ``step``'s policy checkpoint, closed on exit.
-
-    ``hf`` loads ``policies/step=NNNNNN/`` in-process (``hf_dtype``: float32 | bfloat16) and
-    hands states out as bf16. ``sglang`` talks to servers already serving that checkpoint
-    (an aux-capture server and a final-state server, see ``capture/sglang.py``); H and the
-    default aux ids come from the checkpoint's ``config.json``.
-    """
-    if kind == "hf":
-        from pipeline.capture.hf import hf_backend_for_step
-
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-        if hf_dtype not in dtypes:
-            raise ValueError(f"hf_dtype must be one of {sorted(dtypes)}, got {hf_dtype!r}")
-        with hf_backend_for_step(storage, step, aux_layer_ids=aux_layer_ids,
-                                 dtype=dtypes[hf_dtype], output_dtype=torch.bfloat16,
-                                 token_budget=token_budget) as backend:
-            yield backend
-    elif kind == "sglang":
-        from pipeline.capture.sglang import SGLangCaptureConfig
-
-        config = json.loads(storage.read_bytes(f"{policy_prefix(step)}/config.json"))
-        layers = int(config["num_hidden_layers"])
-        ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(
-            layers)
-        with SGLangCaptureConfig(
-                aux_urls=tuple(sglang_aux_urls), final_urls=tuple(sglang_final_urls),
-                hidden_size=int(config["hidden_size"]), aux_layer_ids=ids,
-                num_target_layers=layers, request_token_budget=token_budget).build() as backend:
-            yield backend
-    else:
-        raise ValueError(f"unknown capture backend {kind!r}; expected one of {BACKENDS}")
-
-
-# -- input ------------------------------------------------------------------------------
-def _read_tokenized_manifest(storage: Storage, prefix: str) -> Manifest:
-    manifest = read_manifest(storage, prefix)
-    if manifest is None:
-        raise ExtractionError(f"{storage.url(prefix)}: no committed tokenized samples")
-    if manifest.kind != TOKENIZED_KIND:
-        raise ExtractionError(f"{storage.url(prefix)}: manifest kind {manifest.kind!r} is not "
-                              f"{TOKENIZED_KIND!r}")
-    return manifest
-
-
-def _iter_tokenized(storage: Storage, prefix: str, manifest: Manifest, step: int
-                    ) -> Iterator[_Sample]:
-    """The step's samples in tokenized order (manifest order of ``part-*`` files)."""
-    position = 0
-    for entry in manifest.files:
-        if not (entry.path.startswith("part-") and entry.path.endswith(".parquet")):
-            continue
-        key = f"{prefix}/{entry.path}"
-        url = storage.url(key)
-        try:
-            with open_parquet(storage, key) as pf:
-                missing = set(_TOKENIZED_COLUMNS) - set(pf.schema_arrow.names)
-                if missing:
-                    raise ExtractionError(f"{url}: missing columns {sorted(missing)}")
-                for batch in pf.iter_batches(batch_size=1024, columns=_TOKENIZED_COLUMNS):
-                    batch = pa.RecordBatch.from_arrays(
-                        [batch.column(f.name).cast(f.type) for f in TOKENIZED_SCHEMA],
-                        schema=TOKENIZED_SCHEMA)
-                    for sample in _samples_of(batch, url, step, position):
-                        position += 1
-                        yield sample
-        except (pa.ArrowException, OSError) as e:
-            raise ExtractionError(f"{url}: unreadable tokenized part ({e})") from e
-        except ParquetFileError as e:
-            raise ExtractionError(str(e)) from e
-
-
-def _samples_of(batch: pa.RecordBatch, url: str, step: int, position: int
-                ) -> Iterator[_Sample]:
-    ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
-    ids_off, mask_off = ids_col.offsets.to_numpy(), mask_col.offsets.to_numpy()
-    ids_all = ids_col.values.to_numpy(zero_copy_only=False)
-    mask_all = mask_col.values.to_numpy(zero_copy_only=False)
-    for r, (sample_id, row_step) in enumerate(zip(batch.column("sample_id").to_pylist(),
-                                                  batch.column("step").to_pylist(),
-                                                  strict=True)):
-        ids = ids_all[ids_off[r]:ids_off[r + 1]]
-        mask = mask_all[mask_off[r]:mask_off[r + 1]]
-        where = f"{url}: sample {sample_id!r}"
-        if row_step != step:
-            raise ExtractionError(f"{where} has step {row_step}, expected {step}")
-        if len(ids) == 0 or len(ids) != len(mask):
-            raise ExtractionError(f"{where}: {len(ids)} input_ids vs {len(mask)} loss_mask")
-        if ((mask != 0) & (mask != 1)).any():
-            raise ExtractionError(f"{where}: loss_mask values outside 0/1")
-        # Own copies (small: 5 bytes/token): the Arrow batch can go, and torch gets
-        # writable arrays.
-        yield _Sample(position + r, sample_id, ids.astype(np.int32), mask.astype(np.int8))
-
-
-def _without_heldout(samples: Iterator[_Sample], split: HeldoutSplit, counts: _Counts
-                     ) -> Iterator[_Sample]:
+def _without_heldout(samples: Iterator[TokenizedSample], split: HeldoutSplit, counts: _Counts
+                     ) -> Iterator[TokenizedSample]:
     for s in samples:
         if split.holds_out(s.input_ids, s.loss_mask):
             counts.heldout += 1
@@ -375,9 +259,10 @@ def _without_heldout(samples: Iterator[_Sample], split: HeldoutSplit, counts: _C
 
 
 # -- planning ---------------------------------------------------------------------------
-def _cut_shards(samples: Iterator[_Sample], tokens_per_shard: int) -> Iterator[list[_Sample]]:
+def _cut_shards(samples: Iterator[TokenizedSample], tokens_per_shard: int
+                ) -> Iterator[list[TokenizedSample]]:
     """Consecutive samples, a shard closing before it would exceed ``tokens_per_shard``."""
-    shard: list[_Sample] = []
+    shard: list[TokenizedSample] = []
     tokens = 0
     for s in samples:
         if shard and tokens + s.num_tokens > tokens_per_shard:
@@ -389,12 +274,13 @@ def _cut_shards(samples: Iterator[_Sample], tokens_per_shard: int) -> Iterator[l
         yield shard
 
 
-def _plan_batches(shard: list[_Sample], config: ExtractConfig) -> list[list[_Sample]]:
+def _plan_batches(shard: list[TokenizedSample], config: ExtractConfig
+                  ) -> list[list[TokenizedSample]]:
     """Batches under the token budget (``B * T_max``) and ``max_batch_size``."""
     order = sorted(shard, key=lambda s: (-s.num_tokens, s.position)) if (
         config.sort_by_length) else shard
-    batches: list[list[_Sample]] = []
-    current: list[_Sample] = []
+    batches: list[list[TokenizedSample]] = []
+    current: list[TokenizedSample] = []
     longest = 0
     for s in order:
         if current and ((len(current) + 1) * max(longest, s.num_tokens) > config.token_budget
@@ -408,7 +294,7 @@ def _plan_batches(shard: list[_Sample], config: ExtractConfig) -> list[list[_Sam
     return batches
 
 
-def _shard_fingerprint(run_fp: str, index: int, batches: list[list[_Sample]]) -> str:
+def _shard_fingerprint(run_fp: str, index: int, batches: list[list[TokenizedSample]]) -> str:
     sha = hashlib.sha256(f"{run_fp}\0shard {index}\0".encode())
     for batch in batches:
         sha.update(b"\0batch\0")
@@ -431,7 +317,7 @@ def _backend_identity(backend: CaptureBackend) -> dict[str, Any]:
 
 # -- capture ----------------------------------------------------------------------------
 def _write_one_shard(storage: Storage, key: str, spec: ShardSpec, fingerprint: str,
-                     batches: Sequence[list[_Sample]], backend: CaptureBackend,
+                     batches: Sequence[list[TokenizedSample]], backend: CaptureBackend,
                      config: ExtractConfig, counts: _Counts) -> WrittenShard:
     """Capture ``batches`` and publish them as shard ``key``, then its progress marker."""
     shard_spec = ShardSpec(step=spec.step, hidden_size=spec.hidden_size,
@@ -448,7 +334,8 @@ def _write_one_shard(storage: Storage, key: str, spec: ShardSpec, fingerprint: s
     return written
 
 
-def _captured_rows(backend: CaptureBackend, batches: Sequence[list[_Sample]], spec: ShardSpec,
+def _captured_rows(backend: CaptureBackend, batches: Sequence[list[TokenizedSample]],
+                   spec: ShardSpec,
                    counts: _Counts) -> Iterator[ShardSample]:
     """Rows of one shard, capturing batch by batch as the writer asks for them."""
     for batch in batches:
@@ -461,7 +348,7 @@ def _captured_rows(backend: CaptureBackend, batches: Sequence[list[_Sample]], sp
         del states  # before the next capture: hold one batch of states, not two
 
 
-def _to_row(sample: _Sample, st: CapturedStates, spec: ShardSpec) -> ShardSample:
+def _to_row(sample: TokenizedSample, st: CapturedStates, spec: ShardSpec) -> ShardSample:
     t = sample.num_tokens
     for name, x, width in (("aux_hidden", st.aux_hidden, spec.aux_width),
                            ("final_hidden", st.final_hidden, spec.hidden_size)):
@@ -511,3 +398,10 @@ def _finished_shard(storage: Storage, prefix: str, name: str, fingerprint: str
         return None
     return WrittenShard(WrittenObject(key, size, digest), int(marker["rows"]),
                         int(marker["tokens"]), int(marker["row_groups"]))
+
+
+def _tokenized(storage: Storage, step: int, manifest: Manifest) -> Iterator[TokenizedSample]:
+    try:
+        yield from iter_tokenized(storage, step, manifest)
+    except TokenizedReadError as e:
+        raise ExtractionError(str(e)) from e

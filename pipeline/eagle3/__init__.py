@@ -1,7 +1,11 @@
-"""EAGLE-3 drafter: vocab mapping, model, training-time test (TTT), reference drafting, export.
+"""EAGLE-3 drafter library (foundation: shared by training and evaluation, imports no stage).
 
-Training entry point: :func:`pipeline.eagle3.ttt.ttt_loss` on a :class:`~pipeline.eagle3.ttt.
-TTTBatch`; the model is :class:`~pipeline.eagle3.model.Eagle3Drafter` built from a
-:class:`~pipeline.eagle3.config.DrafterConfig`; :mod:`pipeline.eagle3.export` writes and reads
-the SGLang checkpoint directory.
+- :mod:`.config`: :class:`~.config.DrafterConfig` (SGLang's config.json) and the default aux
+  layer ids; :mod:`.spec`: :class:`~.spec.SpecParams`, the speculative settings evaluation
+  measures with and serving runs.
+- :mod:`.model`: :class:`~.model.Eagle3Drafter` and the d2t/t2d buffer contract.
+- :mod:`.ttt_batch` (batch + teacher), :mod:`.chain_attention` (the chain's attention
+  kernel), :mod:`.ttt` (training-time test forward and :func:`~.ttt.ttt_loss`).
+- :mod:`.drafting`: step-by-step drafting with a KV cache (the reference TTT is tested on).
+- :mod:`.export`: the SGLang checkpoint directory, written and read.
 """

@@ -139,8 +139,8 @@ class AcceptanceReport:
 
 
 def run(storage: Storage, step: int, candidate: str,
-                     champion: str | None = None, config: EvalConfig = EvalConfig()
-                     ) -> AcceptanceReport:
+        champion: str | None = None, config: EvalConfig = EvalConfig()
+        ) -> AcceptanceReport:
     """Measure ``candidate`` (and ``champion``) drafters, storage prefixes of published
     drafters, on the held-out prompts of the candidate's window with the policy of ``step``.
     """

@@ -34,9 +34,9 @@ class Registered:
 
 
 def run(storage: Storage, registry: DrafterRegistry, step: int, dagster_run_id: str,
-                     *, chart_dir: Path,
-                     chart: Callable[[Mapping[str, Sequence[float]], str], bytes] | None = None
-                     ) -> Registered:
+        *, chart_dir: Path,
+        chart: Callable[[Mapping[str, Sequence[float]], str], bytes] | None = None
+        ) -> Registered:
     """Log and register the drafter of ``step`` with its lineage and evaluation."""
     prefix = drafter_prefix(step)
     manifest = read_manifest(storage, prefix)

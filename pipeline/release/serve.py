@@ -32,8 +32,8 @@ class Released:
 
 
 def run(storage: Storage, registry: DrafterRegistry, serving: ServingBackend,
-                    step: int, policy: GatePolicy, *, dagster_run_id: str | None = None
-                    ) -> Released:
+        step: int, policy: GatePolicy, *, dagster_run_id: str | None = None
+        ) -> Released:
     """Ask the gate about the drafter of ``step`` and promote it if the gate says so."""
     report = read_refresh_report(storage, step)
     cand = report.contestants["candidate"]

@@ -51,7 +51,7 @@ from pipeline.manifest import entry_for, read_manifest, write_manifest
 from pipeline.parquet import read_table, write_table
 from pipeline.snapshot.policy import PolicyRef, load_policy_ref
 from pipeline.snapshot.schema import ROLLOUT_SCHEMA
-from pipeline.snapshot.stage import SnapshotError
+from pipeline.snapshot.sieve import SnapshotError
 from pipeline.storage import Storage
 from pipeline.tokenize.chat_masks import ChatMaskError, encode_chat, encode_prompt
 from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA, TOKENIZED_SCHEMA_VERSION
@@ -321,7 +321,7 @@ def _accepted_records(storage: Storage, step: int) -> Iterator[dict[str, Any]]:
 
 
 def run(storage: Storage, step: int,
-                  config: TokenizeConfig = TokenizeConfig()) -> TokenizeSummary:
+        config: TokenizeConfig = TokenizeConfig()) -> TokenizeSummary:
     """Tokenize the validated snapshot of ``step`` and commit ``tokenized/step=NNNNNN/``."""
     tokenizer, policy = load_step_tokenizer(storage, step)
     prefix = tokenized_prefix(step)

@@ -34,15 +34,10 @@ from dataclasses import dataclass, replace
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.capture.shards import (
-    ShardInfo,
-    ShardSample,
-    open_parquet,
-    read_shard_info,
-    samples_of_batch,
-)
+from pipeline.capture.shards import ShardInfo, ShardSample, read_shard_info, samples_of_batch
 from pipeline.contracts import Manifest
 from pipeline.layout import shards_prefix
+from pipeline.parquet import open_parquet
 from pipeline.storage import Storage
 
 

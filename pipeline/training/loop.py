@@ -33,7 +33,8 @@ from pipeline.capture.window import WindowError, load_target, read_window, shard
 from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
-from pipeline.eagle3.ttt import TTTBatch, TTTMetrics, collate, ttt_loss
+from pipeline.eagle3.ttt import TTTMetrics, ttt_loss
+from pipeline.eagle3.ttt_batch import TTTBatch, collate
 from pipeline.layout import mapping_prefix
 from pipeline.storage import Storage
 from pipeline.training import checkpoint as ckpt

@@ -141,9 +141,9 @@ def plan(storage: Storage, step: int, config: TrainConfig, work_root: Path,
 
 
 def run(storage: Storage, step: int, config: TrainConfig, *, work_root: Path,
-                    warm_start: str = "previous", serving_name: str | None = None,
-                    launcher: str = "auto", storage_options: Mapping[str, Any] | None = None,
-                    on_line: Callable[[str], None] | None = None) -> DrafterRefresh:
+        warm_start: str = "previous", serving_name: str | None = None,
+        launcher: str = "auto", storage_options: Mapping[str, Any] | None = None,
+        on_line: Callable[[str], None] | None = None) -> DrafterRefresh:
     """Train, export and publish the drafter of refresh step ``step``."""
     spec = plan(storage, step, config, Path(work_root), warm_start, serving_name)
     prefix = drafter_prefix(step)

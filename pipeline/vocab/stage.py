@@ -25,11 +25,12 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from pipeline.capture.shards import open_parquet, read_shards_manifest
+from pipeline.capture.shards import read_shards_manifest
 from pipeline.capture.window import WindowError, read_window, window_steps
 from pipeline.contracts import Manifest
 from pipeline.layout import mapping_prefix, shards_prefix, vocab_pointer_prefix
 from pipeline.manifest import entry_for, read_manifest, write_manifest
+from pipeline.parquet import open_parquet
 from pipeline.snapshot.policy import load_policy_ref
 from pipeline.storage import Storage
 from pipeline.vocab.mapping import (
@@ -64,7 +65,7 @@ class WindowVocab:
 
 
 def run(storage: Storage, step: int, window: int, draft_vocab_size: int, *,
-                       target_vocab_size: int | None = None) -> WindowVocab:
+        target_vocab_size: int | None = None) -> WindowVocab:
     """The draft vocab of the window ``step-window+1 .. step``; cached by content.
 
     ``target_vocab_size`` defaults to the vocab of the policy checkpoint of ``step``. Raises

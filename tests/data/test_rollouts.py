@@ -13,13 +13,9 @@ from pipeline.layout import raw_prefix, snapshot_prefix
 from pipeline.manifest import entry_for, read_manifest, write_manifest
 from pipeline.parquet import ParquetFileError, read_table, write_table
 from pipeline.snapshot import stage as snapshot_stage
-from pipeline.snapshot.stage import (
-    QUARANTINE_SCHEMA,
-    SnapshotError,
-    SnapshotWriter,
-    completed_steps,
-    read_accepted,
-)
+from pipeline.snapshot.sieve import QUARANTINE_SCHEMA, SnapshotError
+from pipeline.snapshot.stage import completed_steps, read_accepted
+from pipeline.snapshot.writer import SnapshotWriter
 from pipeline.storage import Storage
 
 from .conftest import good_record, make_policy_dir

@@ -14,7 +14,8 @@ from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.parquet import read_table
 from pipeline.snapshot import stage as snapshot_stage
 from pipeline.snapshot.policy import load_policy_ref, publish_policy
-from pipeline.snapshot.stage import SnapshotError, SnapshotWriter
+from pipeline.snapshot.sieve import SnapshotError
+from pipeline.snapshot.writer import SnapshotWriter
 from pipeline.storage import Storage
 from pipeline.tokenize import stage as tokenize_stage
 from pipeline.tokenize.chat_masks import (

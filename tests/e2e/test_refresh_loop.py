@@ -70,7 +70,7 @@ def loop(tmp_path_factory):
 
 def _run_loop(home: Path) -> Loop:
     from pipeline.demo.world import generate_world
-    from pipeline.snapshot.stage import SnapshotWriter
+    from pipeline.snapshot.writer import SnapshotWriter
 
     outputs = []  # the trainer's steps, published one at a time below
     generate_world(DemoConfig.small(num_steps=6), home / "demo-world", outputs.append,

@@ -7,7 +7,7 @@ from transformers import LlamaConfig
 
 from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.model import Eagle3Drafter
-from pipeline.eagle3.ttt import TTTBatch
+from pipeline.eagle3.ttt_batch import TTTBatch
 from pipeline.vocab.mapping import build_vocab_mapping
 
 TARGET_VOCAB = 48

@@ -12,19 +12,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pipeline.eagle3.chain_attention import gathered_chain_attention, prefix_with_sink
 from pipeline.eagle3.drafting import draft_reference_logits
 from pipeline.eagle3.model import EXPORTED_NAMES
-from pipeline.eagle3.ttt import (
-    TTTBatch,
-    collate,
-    gathered_chain_attention,
-    prefix_with_sink,
-    simulated_accept_length,
-    teacher_rows,
-    teacher_targets,
-    ttt_logits,
-    ttt_loss,
-)
+from pipeline.eagle3.ttt import simulated_accept_length, ttt_logits, ttt_loss
+from pipeline.eagle3.ttt_batch import TTTBatch, collate, teacher_rows, teacher_targets
 from tests.eagle3.helpers import random_batch, tiny_drafter, tiny_target_config
 
 

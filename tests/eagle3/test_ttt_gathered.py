@@ -6,15 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.eagle3.ttt import (
-    TTTBatch,
-    gathered_chain_attention,
-    needed_positions,
-    prefix_with_sink,
-    ttt_chain,
-    ttt_hidden_states,
-    ttt_loss,
-)
+from pipeline.eagle3.chain_attention import gathered_chain_attention, prefix_with_sink
+from pipeline.eagle3.ttt import needed_positions, ttt_chain, ttt_hidden_states, ttt_loss
+from pipeline.eagle3.ttt_batch import TTTBatch
 from tests.eagle3.helpers import random_batch, tiny_drafter
 from tests.eagle3.test_ttt import naive_chain_attention
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from dagster import DagsterInstance, instance_for_test
 
-from pipeline.snapshot.stage import SnapshotWriter
+from pipeline.snapshot.writer import SnapshotWriter
 from pipeline.storage import Storage
 from resources.storage import StorageResource
 from tests.data.conftest import good_record, make_policy_dir

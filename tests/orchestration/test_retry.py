@@ -10,7 +10,7 @@ from definitions import defs
 from pipeline.capture.sglang_http import SGLangRejectedError, SGLangRequestError
 from pipeline.release.backend import ServingError, ServingRefused
 from pipeline.release.promotion import PromotionError, PromotionNotApplied
-from pipeline.snapshot.stage import SnapshotError
+from pipeline.snapshot.sieve import SnapshotError
 
 
 def _caused(error: BaseException, cause: BaseException) -> BaseException:

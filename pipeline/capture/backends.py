@@ -1,0 +1,57 @@
+"""Opening a capture backend for one RL step's policy checkpoint, by kind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from pipeline.capture.base import CaptureBackend
+from pipeline.eagle3.config import default_aux_layer_ids
+from pipeline.layout import policy_prefix
+from pipeline.storage import Storage
+
+DEFAULT_TOKEN_BUDGET = 16384  # ExtractConfig.token_budget: max padded tokens per call
+
+BACKENDS = ("hf", "sglang")
+
+
+@contextlib.contextmanager
+def open_backend(storage: Storage, step: int, kind: str = "hf", *,
+                 aux_layer_ids: Sequence[int] | None = None,
+                 token_budget: int = DEFAULT_TOKEN_BUDGET, hf_dtype: str = "float32",
+                 sglang_aux_urls: Sequence[str] = (), sglang_final_urls: Sequence[str] = ()
+                 ) -> Iterator[CaptureBackend]:
+    """The capture backend for ``step``'s policy checkpoint, closed on exit.
+
+    ``hf`` loads ``policies/step=NNNNNN/`` in-process (``hf_dtype``: float32 | bfloat16) and
+    hands states out as bf16. ``sglang`` talks to servers already serving that checkpoint
+    (an aux-capture server and a final-state server, see ``capture/sglang.py``); H and the
+    default aux ids come from the checkpoint's ``config.json``.
+    """
+    if kind == "hf":
+        from pipeline.capture.hf import hf_backend_for_step
+
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+        if hf_dtype not in dtypes:
+            raise ValueError(f"hf_dtype must be one of {sorted(dtypes)}, got {hf_dtype!r}")
+        with hf_backend_for_step(storage, step, aux_layer_ids=aux_layer_ids,
+                                 dtype=dtypes[hf_dtype], output_dtype=torch.bfloat16,
+                                 token_budget=token_budget) as backend:
+            yield backend
+    elif kind == "sglang":
+        from pipeline.capture.sglang import SGLangCaptureConfig
+
+        config = json.loads(storage.read_bytes(f"{policy_prefix(step)}/config.json"))
+        layers = int(config["num_hidden_layers"])
+        ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(
+            layers)
+        with SGLangCaptureConfig(
+                aux_urls=tuple(sglang_aux_urls), final_urls=tuple(sglang_final_urls),
+                hidden_size=int(config["hidden_size"]), aux_layer_ids=ids,
+                num_target_layers=layers, request_token_budget=token_budget).build() as backend:
+            yield backend
+    else:
+        raise ValueError(f"unknown capture backend {kind!r}; expected one of {BACKENDS}")
