@@ -18,6 +18,7 @@ from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from assets.summary import refresh_summary
 from pipeline.evaluation.charts import alpha_chart
+from pipeline.records import to_json
 from pipeline.release import register as register_stage
 from pipeline.release import serve as serve_stage
 from pipeline.release.gate import GatePolicy
@@ -77,6 +78,6 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
         "champion": (p.version if p.moved else p.previous_champion) or "none",
         "previous_champion": p.previous_champion or "none",
         "reasons": MetadataValue.md("\n".join(f"- {x}" for x in p.reasons)),
-        "decision": MetadataValue.json(json.loads(r.decision.to_json())),
+        "decision": MetadataValue.json(json.loads(to_json(r.decision))),
         "serving_sequence": p.serving.sequence if p.serving else -1,
         "refresh_summary": MetadataValue.md(refresh_summary(context.instance, step))})

@@ -35,6 +35,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from pipeline.records import to_dict
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -183,7 +185,7 @@ def main(argv=None) -> int:
            "every": args.every, "window": args.window, "series": series,
            "refresh_steps": sorted(refreshed), "last": last, "b_over_a": b / a,
            "b_over_c": b / c, "train_s": train_s, "eval_s": eval_s,
-           "heldout": split.to_dict(), "evals": cache}
+           "heldout": to_dict(split), "evals": cache}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
         png = tau_curve({"(a) stale": series["stale"], "(b) refreshed": series["refreshed"],

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.records import to_json
+
 log = logging.getLogger("aerie")
 
 
@@ -63,7 +65,7 @@ def generate_demo_world(force: bool = False, config=None) -> dict:
         writer.write_step(out.step, out.records, out.policy_dir, out.policy_version)
 
     report = generate_world(config or DemoConfig(), work_dir, on_step=publish, progress=True)
-    text = report.to_json()
+    text = to_json(report)
     report_path.write_text(text)
     return json.loads(text)
 

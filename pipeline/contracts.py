@@ -7,8 +7,7 @@ can refuse data written by a newer, incompatible writer.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 MANIFEST_SCHEMA_VERSION = 1
@@ -52,16 +51,3 @@ class Manifest:
             if f.path == path:
                 return f
         raise KeyError(f"{path} is not in the {self.kind} manifest")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> Manifest:
-        raw = json.loads(text)
-        version = raw.get("schema_version")
-        if version != MANIFEST_SCHEMA_VERSION:
-            raise ValueError(f"manifest schema_version {version!r} is not supported "
-                             f"(expected {MANIFEST_SCHEMA_VERSION})")
-        files = tuple(FileEntry(**f) for f in raw.pop("files"))
-        return cls(files=files, **raw)

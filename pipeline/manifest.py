@@ -9,6 +9,7 @@ and sha256 with the manifest (Parquet page checksums do not cover footers).
 from __future__ import annotations
 
 from pipeline.contracts import MANIFEST_NAME, FileEntry, Manifest
+from pipeline.records import from_json, to_json
 from pipeline.storage import Storage, WrittenObject
 
 
@@ -28,7 +29,7 @@ def entry_for(prefix: str, written: WrittenObject, rows: int | None = None) -> F
 def write_manifest(storage: Storage, prefix: str, manifest: Manifest) -> str:
     """Commit the dataset at ``prefix``; returns the manifest's URL."""
     key = manifest_key(prefix)
-    storage.write_bytes(key, manifest.to_json().encode())
+    storage.write_bytes(key, to_json(manifest).encode())
     return storage.url(key)
 
 
@@ -38,7 +39,7 @@ def read_manifest(storage: Storage, prefix: str) -> Manifest | None:
     if not storage.exists(key):
         return None
     try:
-        return Manifest.from_json(storage.read_bytes(key).decode())
+        return from_json(Manifest, storage.read_bytes(key).decode())
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{storage.url(key)}: unreadable manifest ({e})") from e
 

@@ -18,19 +18,18 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pipeline.contracts import MANIFEST_NAME
 from pipeline.eagle3.spec import SpecParams
 from pipeline.layout import serving_prefix
 from pipeline.manifest import read_manifest
+from pipeline.records import from_json, to_json
 from pipeline.storage import Storage
 
 SERVING_SCHEMA_VERSION = 1
@@ -80,20 +79,6 @@ class ServingManifest:
         """The SGLang arguments with the local drafter directory filled in ([] without one)."""
         return [drafter_dir if a == DRAFTER_DIR else a for a in self.sglang_args]
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> ServingManifest:
-        raw: dict[str, Any] = json.loads(text)
-        if raw.get("schema_version") != SERVING_SCHEMA_VERSION:
-            raise ValueError(f"serving manifest schema_version {raw.get('schema_version')!r} "
-                             f"is not supported (expected {SERVING_SCHEMA_VERSION})")
-        raw["target"] = ServingTarget(**raw["target"]) if raw["target"] else None
-        raw["settings"] = SpecParams.from_dict(raw["settings"])
-        raw["sglang_args"] = tuple(raw["sglang_args"])
-        return cls(**raw)
-
 
 # -- reading the ledger (release writes it: pipeline.release.ledger) -------------------------
 CURRENT = "current.json"
@@ -114,7 +99,7 @@ def serving_sequences(storage: Storage, name: str) -> list[int]:
 
 
 def read_serving_entry(storage: Storage, name: str, sequence: int) -> ServingManifest:
-    return ServingManifest.from_json(storage.read_bytes(entry_key(name, sequence)).decode())
+    return from_json(ServingManifest, storage.read_bytes(entry_key(name, sequence)).decode())
 
 
 def serving_history(storage: Storage, name: str) -> list[ServingManifest]:
@@ -140,7 +125,7 @@ def read_serving(storage: Storage, name: str) -> ServingManifest | None:
         data = storage.read_bytes(key)
     except FileNotFoundError:
         return None
-    return ServingManifest.from_json(data.decode())
+    return from_json(ServingManifest, data.decode())
 
 
 @dataclass(frozen=True)
@@ -179,7 +164,7 @@ def materialize_drafter(storage: Storage, drafter_uri: str, cache_dir: str | Pat
         return local
     if manifest is None:
         raise FileNotFoundError(f"{drafter_uri} has no committed drafter manifest")
-    digest = hashlib.sha256(manifest.to_json().encode()).hexdigest()[:16]
+    digest = hashlib.sha256(to_json(manifest).encode()).hexdigest()[:16]
     dest = Path(cache_dir) / f"drafter-{digest}"
     if (dest / MANIFEST_NAME).is_file():
         return dest
@@ -190,7 +175,7 @@ def materialize_drafter(storage: Storage, drafter_uri: str, cache_dir: str | Pat
             data = (tmp / entry.path).read_bytes()
             if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
                 raise ValueError(f"{drafter_uri}/{entry.path} does not match its manifest")
-        (tmp / MANIFEST_NAME).write_text(manifest.to_json())  # written last: complete
+        (tmp / MANIFEST_NAME).write_text(to_json(manifest))  # written last: complete
         try:
             os.replace(tmp, dest)
         except OSError:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -56,9 +56,6 @@ class HeldoutSplit:
             return False
         key = self.prompt_key(prompt_of(input_ids, loss_mask))
         return int(key[:16], 16) / 2.0 ** 64 < self.fraction
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ from pipeline.manifest import (
     verify_manifest,
     write_manifest,
 )
+from pipeline.records import to_dict
 from pipeline.snapshot.policy import PolicyRef
 from pipeline.storage import Storage, WrittenObject
 from pipeline.tokenize.reader import (
@@ -221,7 +222,7 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
                             "samples": counts.samples, "tokens": counts.tokens,
                             "loss_tokens": counts.loss_tokens,
                             "padded_tokens": counts.padded_tokens,
-                            "heldout": {**split.to_dict(), "samples": counts.heldout},
+                            "heldout": {**to_dict(split), "samples": counts.heldout},
                             "hidden_size": spec.hidden_size, "aux_width": spec.aux_width,
                             "aux_layer_ids": list(spec.aux_layer_ids), "dtype": SHARD_DTYPE,
                             "backend": identity.get("backend", "?"), "backend_config": identity,

@@ -11,7 +11,6 @@ algorithms, two runs give identical records and identical checkpoint weights.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import random
 import time
@@ -28,6 +27,7 @@ from pipeline.demo import corpus, drift, policy, rl, task
 from pipeline.demo.config import DemoConfig
 from pipeline.demo.generation import generate
 from pipeline.demo.tokenizer import save_tokenizer, train_tokenizer
+from pipeline.records import to_json
 
 __all__ = ["RECORD_KEYS", "DemoConfig", "StepOutput", "WorldReport", "generate_world", "run_rl"]
 
@@ -61,9 +61,6 @@ class WorldReport:
     pretrained: dict[str, float]
     steps: list[dict[str, float]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
 
 
 def derive_seed(seed: int, *tags: object) -> int:
@@ -189,5 +186,5 @@ def _run(config: DemoConfig, work_dir: Path, on_step: Callable[[StepOutput], Non
     report.timings = {"tokenizer_s": t_tok - t_start, "pretrain_s": t_pre - t_tok,
                       "rl_s": t_end - t_pre, "total_s": t_end - t_start,
                       "cpu_s": time.process_time() - cpu_start}
-    (work_dir / "report.json").write_text(report.to_json())
+    (work_dir / "report.json").write_text(to_json(report))
     return report

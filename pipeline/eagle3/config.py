@@ -19,9 +19,8 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -193,15 +192,6 @@ class DrafterConfig:
             aux_layer_ids=tuple(int(i) for i in ids),
             hidden_act=str(cfg.get("hidden_act", "silu")),
         )
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> DrafterConfig:
-        raw = json.loads(text)
-        raw["aux_layer_ids"] = tuple(raw["aux_layer_ids"])
-        return cls(**raw)
 
 
 _SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -112,13 +111,3 @@ class SpecParams:
         return ["--speculative-num-steps", str(self.num_steps),
                 "--speculative-eagle-topk", str(self.eagle_topk),
                 "--speculative-num-draft-tokens", str(self.num_draft_tokens)]
-
-    def to_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in FIELDS}
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> SpecParams:
-        unknown = set(raw) - set(FIELDS)
-        if unknown:
-            raise ValueError(f"unknown SpecParams fields {sorted(unknown)}")
-        return cls(**{name: raw[name] for name in FIELDS})

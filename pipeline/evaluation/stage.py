@@ -41,6 +41,7 @@ from pipeline.evaluation.engine import evaluate
 from pipeline.evaluation.metrics import AcceptanceStats
 from pipeline.layout import EVALS, eval_prefix, policy_prefix, steps_of
 from pipeline.manifest import entry_for, read_manifest, write_manifest
+from pipeline.records import from_json, to_dict, to_json
 from pipeline.snapshot.policy import load_policy_ref
 from pipeline.storage import Storage
 
@@ -114,18 +115,6 @@ class AcceptanceReport:
     schema_version: int = REPORT_SCHEMA_VERSION
     prompt_keys: list[str] = field(default_factory=list)
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True, allow_nan=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> AcceptanceReport:
-        raw = json.loads(text)
-        if raw.get("schema_version") != REPORT_SCHEMA_VERSION:
-            raise ValueError(f"acceptance report schema {raw.get('schema_version')} is not "
-                             f"{REPORT_SCHEMA_VERSION}")
-        raw["contestants"] = {k: Contestant(**v) for k, v in raw["contestants"].items()}
-        return cls(**raw)
-
     def summary(self) -> dict[str, Any]:
         """Flat numbers for metadata and logs: τ, α and lossless matches per contestant."""
         out: dict[str, Any] = {"prompts": self.heldout["prompts"]}
@@ -151,7 +140,7 @@ def run(storage: Storage, step: int, candidate: str,
     window = drafters["candidate"].meta["window_steps"]
     split, prompts = heldout_prompts(storage, window, config.max_prompts)
     policy = load_policy_ref(storage, step)
-    heldout = {**split.to_dict(), "window_steps": window, "prompts": len(prompts),
+    heldout = {**to_dict(split), "window_steps": window, "prompts": len(prompts),
                "keys_sha256": _sha256([p.key for p in prompts])}
     fingerprint = _sha256({"step": step, "policy": policy.sha256, "heldout": heldout,
                            "config": asdict(config), "drafters": {
@@ -202,7 +191,7 @@ def read_report(storage: Storage, step: int) -> AcceptanceReport | None:
     manifest = read_manifest(storage, prefix)
     if manifest is None or manifest.kind != EVAL_KIND:
         return None
-    return AcceptanceReport.from_json(storage.read_bytes(f"{prefix}/{REPORT_FILE}").decode())
+    return from_json(AcceptanceReport, storage.read_bytes(f"{prefix}/{REPORT_FILE}").decode())
 
 
 def tau_history(storage: Storage) -> dict[str, dict[int, float]]:
@@ -226,7 +215,7 @@ def _committed(storage: Storage, step: int, fingerprint: str) -> AcceptanceRepor
 
 def _publish(storage: Storage, report: AcceptanceReport) -> None:
     prefix = eval_prefix(report.step)
-    written = storage.write_bytes(f"{prefix}/{REPORT_FILE}", report.to_json().encode())
+    written = storage.write_bytes(f"{prefix}/{REPORT_FILE}", to_json(report).encode())
     write_manifest(storage, prefix, Manifest(
         kind=EVAL_KIND, kind_version=REPORT_SCHEMA_VERSION,
         files=(entry_for(prefix, written),),

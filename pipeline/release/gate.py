@@ -20,9 +20,8 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 GATE_SCHEMA_VERSION = 1
 NO_DRAFTER_TAU = 1.0
@@ -93,19 +92,6 @@ class Decision:
     champion_version: str | None = None  # the champion the candidate was measured against
     policy: GatePolicy = field(default_factory=GatePolicy)
     schema_version: int = GATE_SCHEMA_VERSION
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, allow_nan=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> Decision:
-        raw = json.loads(text)
-        if raw.get("schema_version") != GATE_SCHEMA_VERSION:
-            raise ValueError(f"decision schema {raw.get('schema_version')} is not "
-                             f"{GATE_SCHEMA_VERSION}")
-        raw["reasons"] = tuple(raw["reasons"])
-        raw["policy"] = GatePolicy(**raw["policy"])
-        return cls(**raw)
 
 
 def decide(candidate: Candidate, champion: EvalSummary | None,

@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 
 from pipeline.eagle3.spec import SpecParams
 from pipeline.layout import serving_prefix
+from pipeline.records import to_json
 from pipeline.serving_now import (
     ServingManifest,
     ServingTarget,
@@ -81,7 +82,7 @@ class ServingLedger:
             written_at=datetime.now(UTC).isoformat(timespec="milliseconds"), reason=reason,
             previous_sequence=previous.sequence if previous else None,
             restored_from=restored_from, details=dict(details or {}))
-        data = manifest.to_json().encode()
+        data = to_json(manifest).encode()
         self.storage.write_bytes(self._key(manifest.sequence), data)
         self.storage.write_bytes(current_key(self.name), data)  # the commit point
         log.info("serving %s: manifest %d (%s) -> %s", self.name, manifest.sequence, reason,

@@ -19,8 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from pipeline.records import to_dict
 
 DTYPES = ("fp32", "bf16")
 DEVICES = ("cpu", "cuda")
@@ -95,21 +97,10 @@ class TrainConfig:
         """The global batch: samples consumed by one optimizer step over all ranks."""
         return self.micro_batch_size * self.grad_accum * self.world_size
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(raw) - known
-        if unknown:
-            raise ValueError(f"unknown TrainConfig fields {sorted(unknown)}")
-        return cls(**raw)
-
     def fingerprint(self) -> str:
         """sha256 of the fields that change the trained weights (not logging cadence)."""
         cosmetic = {"log_every", "keep_checkpoints", "checkpoint_every"}
-        payload = {k: v for k, v in sorted(self.to_dict().items()) if k not in cosmetic}
+        payload = {k: v for k, v in sorted(to_dict(self).items()) if k not in cosmetic}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

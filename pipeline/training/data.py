@@ -58,13 +58,6 @@ class Position:
     epoch: int = 0
     micro_batch: int = 0
 
-    def to_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "micro_batch": self.micro_batch}
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, int]) -> Position:
-        return cls(epoch=int(raw["epoch"]), micro_batch=int(raw["micro_batch"]))
-
 
 def read_row_group(storage: Storage, unit: RowGroup, info: ShardInfo) -> list[ShardSample]:
     """The samples of one row group, as views of its Arrow memory (checksums verified)."""

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pipeline.records import from_json, to_json
 from pipeline.training.distributed import free_port
 from pipeline.training.loop import RESULT_NAME
 from pipeline.training.spec import TrainResult, TrainSpec
@@ -92,7 +93,7 @@ class TrainingProcess:
         self.work_dir = Path(spec.work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         spec_path = self.work_dir / SPEC_NAME
-        spec_path.write_text(spec.to_json())
+        spec_path.write_text(to_json(spec))
         (self.work_dir / RESULT_NAME).unlink(missing_ok=True)
         self.command = training_command(spec_path, spec.config.world_size, launcher)
         self.on_line = on_line
@@ -137,7 +138,7 @@ class TrainingProcess:
         if code != 0 or not result_path.is_file():
             raise TrainingFailed(f"training exited with {code} (log: {self.log_path}):\n"
                                  + "\n".join(self.tail))
-        return TrainResult.from_json(result_path.read_text())
+        return from_json(TrainResult, result_path.read_text())
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the run's process group (the launcher and every rank it started;

@@ -36,6 +36,7 @@ from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.eagle3.ttt import TTTMetrics, ttt_loss
 from pipeline.eagle3.ttt_batch import TTTBatch, collate
 from pipeline.layout import mapping_prefix
+from pipeline.records import from_dict, to_dict, to_json
 from pipeline.storage import Storage
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.config import deepspeed_config, lr_factor, total_steps, warmup_steps
@@ -124,7 +125,7 @@ def train(spec: TrainSpec, storage: Storage) -> TrainResult:
         restore(engine, named, state.engine)
         scheduler.load_state_dict(state.extra["scheduler"])
         step, resumed = state.step, state.step
-        position = Position.from_dict(state.extra["position"])
+        position = from_dict(Position, state.extra["position"])
         history = state.extra["history"]
         warm = state.extra["warm_start"]
         engine.global_steps, engine.micro_steps = step, step * cfg.grad_accum
@@ -188,7 +189,7 @@ def train(spec: TrainSpec, storage: Storage) -> TrainResult:
             first=aggregate(cfg.ttt_depth, (h["sums"] for h in history[:window])).summary(),
             history=[_brief(h, cfg.ttt_depth) for h in history], warm_start=warm,
             drafter_config=model.config.to_sglang_config(), out_dir=str(spec.out_dir))
-        ckpt.write_atomic(Path(spec.work_dir) / RESULT_NAME, result.to_json().encode())
+        ckpt.write_atomic(Path(spec.work_dir) / RESULT_NAME, to_json(result).encode())
     barrier()
     return result
 
@@ -205,7 +206,7 @@ def _checkpoint(root: Path, engine: Any, named: list, scheduler: Any, step: int,
     tensors, python_state = ckpt.rng_state()
     state = ckpt.Checkpoint(
         step=step, engine=capture(engine, named), rng=tensors, python_rng=python_state,
-        extra={"scheduler": scheduler.state_dict(), "position": position.to_dict(),
+        extra={"scheduler": scheduler.state_dict(), "position": to_dict(position),
                "history": history, "warm_start": warm, "identity": identity})
     path = ckpt.save_checkpoint(root, state, rank=rank, barrier=barrier, keep=keep)
     if path is not None:

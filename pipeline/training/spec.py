@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.training.config import TrainConfig
@@ -45,19 +45,6 @@ class TrainSpec:
                    "warm_start": self.warm_start_source, "schema": self.schema_version}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> TrainSpec:
-        raw = json.loads(text)
-        if raw.get("schema_version") != SPEC_SCHEMA_VERSION:
-            raise ValueError(f"train spec schema {raw.get('schema_version')} is not "
-                             f"{SPEC_SCHEMA_VERSION}")
-        raw["config"] = TrainConfig.from_dict(raw["config"])
-        raw["window_steps"] = tuple(raw["window_steps"])
-        return cls(**raw)
-
 
 @dataclass(frozen=True)
 class TrainResult:
@@ -83,14 +70,3 @@ class TrainResult:
     drafter_config: dict[str, Any] = field(default_factory=dict)  # SGLang config.json
     out_dir: str = ""
     schema_version: int = SPEC_SCHEMA_VERSION
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> TrainResult:
-        raw = json.loads(text)
-        if raw.get("schema_version") != SPEC_SCHEMA_VERSION:
-            raise ValueError(f"train result schema {raw.get('schema_version')} is not "
-                             f"{SPEC_SCHEMA_VERSION}")
-        return cls(**raw)

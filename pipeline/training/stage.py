@@ -40,6 +40,7 @@ from pipeline.layout import (
     steps_of,
 )
 from pipeline.manifest import entry_for, manifest_key, read_manifest, write_manifest
+from pipeline.records import to_dict, to_json
 from pipeline.serving_now import serving_history
 from pipeline.snapshot.policy import load_policy_ref
 from pipeline.storage import Storage
@@ -108,7 +109,7 @@ def resolve_warm_start(storage: Storage, step: int, warm_start: str, cache_dir: 
     manifest = read_manifest(storage, warm_start) if "://" not in warm_start and not \
         warm_start.startswith("/") else None
     if manifest is not None:
-        digest = hashlib.sha256(manifest.to_json().encode()).hexdigest()
+        digest = hashlib.sha256(to_json(manifest).encode()).hexdigest()
         local = cache_dir / f"warm-{digest[:16]}"
         if not local.is_dir():
             storage.download_dir(warm_start, local)
@@ -172,6 +173,6 @@ def run(storage: Storage, step: int, config: TrainConfig, *, work_root: Path,
                             "policy_sha256": spec.policy_sha256,
                             "aux_layer_ids": list(aux_ids),
                             "warm_start": result.warm_start,
-                            "config": config.to_dict(), "result": asdict(compact)})
+                            "config": to_dict(config), "result": asdict(compact)})
     write_manifest(storage, prefix, manifest)
     return DrafterRefresh(step, storage.url(prefix), manifest, compact, reused=False)

@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+from pipeline.records import from_json
+
 STORAGE_OPTIONS_ENV = "AERIE_TRAIN_STORAGE_OPTIONS"
 
 
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.training.loop import train
     from pipeline.training.spec import TrainSpec
 
-    spec = TrainSpec.from_json(Path(args.spec).read_text())
+    spec = from_json(TrainSpec, Path(args.spec).read_text())
     options = json.loads(os.environ.get(STORAGE_OPTIONS_ENV) or "{}")
     try:
         train(spec, Storage(spec.storage_url, options))

@@ -8,6 +8,7 @@ import pytest
 from transformers import LlamaConfig
 
 from pipeline.eagle3.config import DrafterConfig, read_rope, shapes_match
+from pipeline.records import from_json, to_json
 from tests.eagle3.helpers import tiny_target_config
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -95,7 +96,7 @@ def test_round_trips():
     cfg = DrafterConfig.from_target(tiny_target_config(
         rope_parameters={**LLAMA3, "rope_theta": 500000.0}), draft_vocab_size=20)
     assert DrafterConfig.from_sglang_config(cfg.to_sglang_config()) == cfg
-    assert DrafterConfig.from_json(cfg.to_json()) == cfg
+    assert from_json(DrafterConfig, to_json(cfg)) == cfg
     wide = replace(cfg, target_hidden_size=64)
     assert DrafterConfig.from_sglang_config(wide.to_sglang_config()) == wide
     with pytest.raises(ValueError, match="architectures"):

@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from pipeline.eagle3.spec import SpecParams
+from pipeline.records import from_dict, to_dict
 
 
 @pytest.mark.parametrize("args", [(5, 1, 6), (3, 1, 4), (1, 1, 2), (5, 4, 8), (2, 4, 21),
@@ -14,7 +15,7 @@ from pipeline.eagle3.spec import SpecParams
 def test_valid(args):
     params = SpecParams(*args)
     assert (params.num_steps, params.eagle_topk, params.num_draft_tokens) == args
-    assert SpecParams.from_dict(params.to_dict()) == params
+    assert from_dict(SpecParams, to_dict(params)) == params
 
 
 @pytest.mark.parametrize("args, field, fragment", [
@@ -76,4 +77,4 @@ def test_sglang_args():
 
 def test_from_dict_rejects_unknown_fields():
     with pytest.raises(ValueError, match="unknown"):
-        SpecParams.from_dict({"num_steps": 5, "eagle_topk": 1, "num_draft_tokens": 6, "x": 1})
+        from_dict(SpecParams, {"num_steps": 5, "eagle_topk": 1, "num_draft_tokens": 6, "x": 1})

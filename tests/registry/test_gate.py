@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from pipeline.records import from_json, to_json
 from pipeline.release.gate import Candidate, Decision, EvalSummary, GatePolicy, decide
 
 POLICY = GatePolicy(min_relative_gain=0.05, min_cycles=100)
@@ -118,7 +119,7 @@ def test_decide_is_pure():
 
 def test_decision_json_round_trip():
     d = decide(Candidate(summary(math.nan), True), summary(2.0), policy=POLICY)
-    back = Decision.from_json(d.to_json())
+    back = from_json(Decision, to_json(d))
     assert back.reasons == d.reasons and math.isnan(back.relative_gain)
     assert back.policy == POLICY
 

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from pipeline.eagle3.spec import SpecParams
+from pipeline.records import from_json
 from pipeline.release.backend import LedgerBackend, ServingError
 from pipeline.release.ledger import ServingLedger
 from pipeline.serving_now import ServingManifest, ServingTarget, read_serving, resolve_serving
@@ -133,7 +134,7 @@ def test_manifest_schema_and_settings_are_validated():
     with pytest.raises(ValueError, match="num_steps \\+ 1"):
         SpecParams(3, 1, 8)
     with pytest.raises(ValueError, match="schema_version"):
-        ServingManifest.from_json('{"schema_version": 99}')
+        from_json(ServingManifest, '{"schema_version": 99}')
     with pytest.raises(ValueError, match="serving name"):
         ServingLedger(Storage("memory://x"), "../etc")
 

@@ -104,3 +104,4 @@ def test_directory_upload_and_download(storage, tmp_path):
     out = storage.download_dir("ckpt", tmp_path / "dst")
     assert (out / "nested" / "w.bin").read_bytes() == b"\0" * 1000
     assert (out / "config.json").read_text() == "{}"
+

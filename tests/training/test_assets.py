@@ -12,6 +12,7 @@ from pipeline.eagle3.export import read_drafter_config
 from pipeline.eagle3.spec import SpecParams
 from pipeline.layout import drafter_prefix
 from pipeline.manifest import read_manifest, verify_manifest
+from pipeline.records import to_dict
 from pipeline.release.ledger import ServingLedger
 from pipeline.serving_now import ServingTarget
 from resources.mlflow import MlflowResource
@@ -21,7 +22,7 @@ from resources.trainer import TrainerResource
 
 from .conftest import FAST
 
-TRAIN = {k: v for k, v in FAST.to_dict().items()
+TRAIN = {k: v for k, v in to_dict(FAST).items()
          if k not in ("world_size", "zero_stage", "dtype", "device", "threads")}
 
 

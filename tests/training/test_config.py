@@ -8,6 +8,7 @@ from dataclasses import fields
 import pytest
 
 from assets.drafter import DrafterRunConfig
+from pipeline.records import from_dict, to_dict
 from pipeline.training.config import (
     TrainConfig,
     deepspeed_config,
@@ -70,9 +71,9 @@ def test_fingerprint_ignores_bookkeeping_but_not_learning():
     base = TrainConfig()
     assert TrainConfig(log_every=1, checkpoint_every=3).fingerprint() == base.fingerprint()
     assert TrainConfig(lr=2e-4).fingerprint() != base.fingerprint()
-    assert TrainConfig.from_dict(base.to_dict()) == base
+    assert from_dict(TrainConfig, to_dict(base)) == base
     with pytest.raises(ValueError, match="unknown"):
-        TrainConfig.from_dict({"learning_rate": 1.0})
+        from_dict(TrainConfig, {"learning_rate": 1.0})
 
 
 def test_dagster_run_config_and_resource_mirror_the_core_config():

@@ -25,6 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pipeline.records import to_dict
 from pipeline.training.checkpoint import complete_checkpoints
 from pipeline.training.launch import launch
 from pipeline.training.loop import build_drafter
@@ -38,7 +39,7 @@ ATOL = 1e-6
 @pytest.mark.slow
 def test_two_processes_match_one_on_the_same_global_batch(shared_storage, reference_run,
                                                           tmp_path):
-    config = REFERENCE.__class__(**{**REFERENCE.to_dict(), "world_size": 2, "grad_accum": 1})
+    config = REFERENCE.__class__(**{**to_dict(REFERENCE), "world_size": 2, "grad_accum": 1})
     assert config.samples_per_step == REFERENCE.samples_per_step
     spec = plan(shared_storage, STEP, config, tmp_path, "none")
     two = launch(spec, launcher="torchrun")
