@@ -11,6 +11,8 @@ Three entry points, each a separately named function (no flag bypasses the gate)
 
 Invariants:
 
+- The champion is what the serving record serves (:func:`serving_champion`, the record warm
+  start and evaluation read); alias ``champion`` must agree or promotion refuses.
 - Serialised: the read-champion → update-serving → move-alias sequence runs under the
   registry's promotion lock (or the lock passed in), because alias moves are last-writer-
   wins. The alias is read back after the move.
@@ -89,7 +91,7 @@ def promote(registry: DrafterRegistry, serving: ServingBackend, candidate_versio
         return PromotionResult("refused", registry.model_name, candidate_version,
                                registry.alias(CHAMPION), serving.current(), decision.reasons)
     with lock if lock is not None else registry.promotion_lock():
-        current = registry.alias(CHAMPION)
+        current = serving_champion(registry, serving)
         if current == candidate_version:  # a re-run after success
             return PromotionResult("unchanged", registry.model_name, current, current,
                                    serving.current(), ("candidate is already the champion",))
@@ -120,8 +122,8 @@ def force_promote(registry: DrafterRegistry, serving: ServingBackend, candidate_
     if not actor.strip() or not reason.strip():
         raise ValueError("force_promote needs a non-empty actor and reason")
     with lock if lock is not None else registry.promotion_lock():
-        current = registry.alias(CHAMPION)
-        if current == candidate_version:
+        current = serving_champion(registry, serving, reconcile=True)
+        if current == candidate_version and registry.alias(CHAMPION) == current:
             return PromotionResult("unchanged", registry.model_name, current, current,
                                    serving.current(), ("candidate is already the champion",))
         tags = {PREVIOUS_CHAMPION: current or NONE, "promoted_at": _now(),
@@ -140,9 +142,10 @@ def rollback(registry: DrafterRegistry, serving: ServingBackend, *, actor: str =
              lock: AbstractContextManager[Any] | None = None) -> PromotionResult:
     """Restore the champion before the current one (alias and serving)."""
     with lock if lock is not None else registry.promotion_lock():
-        current = registry.champion()
-        if current is None:
+        serving_version = serving_champion(registry, serving)
+        if serving_version is None:
             raise PromotionError(f"{registry.model_name} has no champion to roll back")
+        current = registry.get_version(serving_version)
         previous = current.tags.get(PREVIOUS_CHAMPION)
         if previous is None:
             raise PromotionError(f"{registry.model_name} v{current.version} has no "
@@ -158,6 +161,26 @@ def rollback(registry: DrafterRegistry, serving: ServingBackend, *, actor: str =
         manifest = _make_champion(registry, serving, previous, {}, reason=why)
         return PromotionResult("rolled_back", registry.model_name, previous, current.version,
                                manifest, (why,))
+
+
+def serving_champion(registry: DrafterRegistry, serving: ServingBackend, *,
+                     reconcile: bool = False) -> str | None:
+    """The champion version by the serving record (the one record of "the drafter serving
+    now" that warm start and evaluation read too). Alias ``champion`` must agree; when it
+    does not, promotion and rollback refuse, and only a forced promotion (``reconcile``)
+    goes on, rewriting both."""
+    manifest = serving.current()
+    version = manifest.target.registry_version if manifest and manifest.target else None
+    alias = registry.alias(CHAMPION)
+    if alias != version and not reconcile:
+        raise PromotionError(
+            f"{registry.model_name}: the serving record serves {_v(version)} but alias "
+            f"{CHAMPION} is {_v(alias)}; reconcile with promote_drafter_manually")
+    return version
+
+
+def _v(version: str | None) -> str:
+    return f"v{version}" if version else "no drafter"
 
 
 def _make_champion(registry: DrafterRegistry, serving: ServingBackend, version: str,

@@ -226,7 +226,8 @@ def test_the_step_tokenizer_round_trips_through_storage(snapshot):
 
 
 def test_the_demo_tokenizer_loads_from_a_published_policy(tmp_path):
-    demo = pytest.importorskip("pipeline.demo.tokenizer")
+    from pipeline.demo import tokenizer as demo
+
     tok = demo_tokenizer()
     policy = tmp_path / "demo-policy"
     demo.save_tokenizer(tok, str(policy))  # chat template inside tokenizer_config.json

@@ -125,7 +125,8 @@ def chatml_think_tokenizer() -> PreTrainedTokenizerFast:
 @functools.cache
 def demo_tokenizer() -> PreTrainedTokenizerFast:
     """The demo world's tokenizer and chat template (small training run, same code)."""
-    demo = pytest.importorskip("pipeline.demo.tokenizer")
+    from pipeline.demo import tokenizer as demo
+
     return demo.train_tokenizer(vocab_size=512, task_examples=200, filler=500)
 
 

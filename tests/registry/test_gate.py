@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import copy
+import inspect
 import itertools
 import math
+import os
 
 import pytest
 
 from pipeline.records import from_json, to_json
+from pipeline.release import gate
 from pipeline.release.gate import Candidate, Decision, EvalSummary, GatePolicy, decide
 
 POLICY = GatePolicy(min_relative_gain=0.05, min_cycles=100)
@@ -112,9 +117,28 @@ def test_refusal_lists_every_failed_check_and_format_errors():
     assert not d.promote and math.isnan(d.relative_gain)
 
 
-def test_decide_is_pure():
-    args = (Candidate(summary(2.5), True), summary(2.0), None, POLICY)
-    assert decide(*args) == decide(*args)
+def test_decide_is_pure(monkeypatch):
+    """Same inputs, same decision; inputs untouched; no file, network, clock, randomness or
+    environment read (each is made to fail); and the module imports nothing that could."""
+    cand, champ = Candidate(summary(2.5), True), summary(2.0)
+    before = copy.deepcopy((cand, champ, POLICY))
+    first = decide(cand, champ, None, POLICY)
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("decide reached outside its arguments")
+
+    for target in ("builtins.open", "time.time", "time.monotonic", "random.random",
+                   "os.getenv", "socket.socket"):
+        monkeypatch.setattr(target, forbidden)
+    monkeypatch.setattr(os, "environ", {})
+    again = decide(cand, champ, None, POLICY)
+    monkeypatch.undo()
+    assert again == first and first.promote
+    assert (cand, champ, POLICY) == before
+    imported = {n.module if isinstance(n, ast.ImportFrom) else a.name
+                for n in ast.walk(ast.parse(inspect.getsource(gate)))
+                if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}
+    assert imported <= {"__future__", "math", "dataclasses"}
 
 
 def test_decision_json_round_trip():

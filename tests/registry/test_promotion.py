@@ -226,3 +226,25 @@ def test_promotion_waits_for_the_lock(sqlite_registry, serving, champion_v1):
         with pytest.raises(LockTimeout):
             promote(registry, serving, v2, gate(2.5, summary(2.0, v1)))
     assert registry.alias(CHAMPION) == v1
+
+
+def test_the_serving_record_is_the_champion_and_a_disagreeing_alias_is_refused(
+        sqlite_registry, storage, serving, drafter_dirs):
+    """Promotion reads the same record as warm start and evaluation (the serving record);
+    an alias moved behind its back stops promotion and rollback until a forced promotion
+    reconciles both."""
+    from pipeline.serving_now import serving_drafter_key
+
+    v1 = register(sqlite_registry, storage, drafter_dirs[0], 1)
+    v2 = register(sqlite_registry, storage, drafter_dirs[1], 2)
+    assert promote(sqlite_registry, serving, v1, gate(2.0, None)).action == "promoted"
+    assert serving_drafter_key(storage, sqlite_registry.model_name) == \
+        storage.key_of(sqlite_registry.get_version(v1).drafter_uri)
+    sqlite_registry.set_alias(CHAMPION, v2)  # moved by hand, servers still run v1
+    with pytest.raises(PromotionError, match=rf"serves v{v1} but alias champion is v{v2}"):
+        promote(sqlite_registry, serving, v2, gate(3.0, summary(2.0, v1)))
+    with pytest.raises(PromotionError, match="reconcile"):
+        rollback(sqlite_registry, serving, actor="t", reason="r")
+    forced = force_promote(sqlite_registry, serving, v2, actor="t", reason="reconcile")
+    assert forced.action == "forced" and forced.previous_champion == v1
+    assert served_version(serving) == v2 == sqlite_registry.alias(CHAMPION)
