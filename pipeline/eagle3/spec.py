@@ -69,10 +69,6 @@ class SpecParams:
         """Draft candidates per cycle: ``topk`` at depth 1, ``topk**2`` at each deeper step."""
         return self.eagle_topk + (self.num_steps - 1) * self.eagle_topk ** 2
 
-    @property
-    def is_chain(self) -> bool:
-        return self.eagle_topk == 1
-
     # -- construction ------------------------------------------------------------------
     @classmethod
     def auto_for(cls, architecture: str | Sequence[str] | None) -> SpecParams:

@@ -146,15 +146,6 @@ class TTTMetrics:
     count: list[int] = field(default_factory=list)  # counted positions per step
     sim_accept_length: float = 0.0  # Σ_k Π_{j≤k} accuracy_j
 
-    def as_dict(self, prefix: str = "") -> dict[str, float]:
-        out = {f"{prefix}loss": self.loss, f"{prefix}sim_accept_length": self.sim_accept_length}
-        for i, (lo, acc, n) in enumerate(zip(self.step_loss, self.accuracy, self.count,
-                                             strict=True)):
-            out[f"{prefix}loss_{i}"] = lo
-            out[f"{prefix}acc_{i}"] = acc
-            out[f"{prefix}count_{i}"] = float(n)
-        return out
-
 
 def simulated_accept_length(accuracy: Sequence[float]) -> float:
     """Σ_k Π_{j≤k} acc_j: expected accepted drafts if step k is right w.p. acc_k."""
