@@ -3,7 +3,7 @@
 Modes (see :mod:`pipeline.release.backend`):
 
 - ``manifest`` (default): publish ``serving/<name>/current.json`` in storage; the RL trainer's
-  rollout launcher reads it at weight sync (:func:`pipeline.release.ledger.resolve_serving`).
+  rollout launcher reads it at weight sync (:func:`pipeline.serving_now.resolve_serving`).
 - ``sglang-restart``: also run ``restart_command`` (argv list, no shell; placeholders
   ``{drafter_dir} {num_steps} {topk} {num_draft_tokens} {registry_version} {fingerprint}``).
 - ``sglang-hotswap``: also swap draft weights in ``server_urls`` in place. Aerie ships no

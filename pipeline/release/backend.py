@@ -4,7 +4,7 @@ Every mode records what is served in the :class:`~pipeline.release.ledger.Servin
 modes differ in what else they do (their :class:`Actuator`):
 
 - ``manifest`` (default): nothing else. The manifest is the update; the RL trainer's
-  rollout launcher reads it at weight sync (:func:`pipeline.release.ledger.resolve_serving`)
+  rollout launcher reads it at weight sync (:func:`pipeline.serving_now.resolve_serving`)
   and (re)starts SGLang with its arguments.
 - ``sglang-restart``: runs a configured command (:mod:`pipeline.release.restart`).
 - ``sglang-hotswap``: swaps draft weights in running servers (:mod:`pipeline.release.hotswap`).
