@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.storage import Storage
+from tests.training.world import build_world
 
 
 def free_port() -> int:
@@ -70,3 +71,15 @@ def storage(request, tmp_path) -> Storage:
     probe = Storage(f"s3://{bucket}", opts)
     probe.fs.mkdir(bucket)
     return Storage(f"s3://{bucket}/root", opts)
+
+
+@pytest.fixture(scope="session")
+def world_root(tmp_path_factory) -> Path:
+    """The tiny training world of tests/training/world.py (3 steps × 32 samples), built
+    once per session; never written to."""
+    root = tmp_path_factory.mktemp("world") / "storage"
+    build_world(root)
+    return root
+
+
+

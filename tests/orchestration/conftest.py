@@ -6,7 +6,7 @@ from dagster import DagsterInstance, instance_for_test
 from pipeline.snapshot.writer import SnapshotWriter
 from pipeline.storage import Storage
 from resources.storage import StorageResource
-from tests.data.conftest import good_record, make_policy_dir
+from tests.snapshot.conftest import good_record, make_policy_dir
 
 
 @pytest.fixture

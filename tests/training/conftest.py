@@ -2,15 +2,12 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from pipeline.storage import Storage
 from pipeline.training.config import TrainConfig
 from pipeline.vocab import stage as vocab_stage
-
-from .world import build_world
 
 STEP = 3
 WINDOW = 3
@@ -20,14 +17,6 @@ DRAFT_VOCAB = 64
 FAST = TrainConfig(lr=1e-3, warmup_ratio=0.1, micro_batch_size=4, epochs=2, ttt_depth=3,
                    threads=1, checkpoint_every=4, log_every=4, shuffle_buffer=24,
                    export_dtype="float32")
-
-
-@pytest.fixture(scope="session")
-def world_root(tmp_path_factory) -> Path:
-    """The tiny world (3 steps × 32 samples), built once per session; never written to."""
-    root = tmp_path_factory.mktemp("world") / "storage"
-    build_world(root)
-    return root
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pipeline.release.hotswap import NO_ENCODER, SglangHotswap, hotswap_refusals
 from pipeline.release.ledger import ServingLedger
 from pipeline.serving_now import ServingTarget
 from pipeline.storage import Storage
-from tests.registry.helpers import make_drafter_dir, publish_drafter
+from tests.release.helpers import make_drafter_dir, publish_drafter
 
 SEQUENCE = ["/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
             "/end_weight_update", "/flush_cache", "/continue_generation"]

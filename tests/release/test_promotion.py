@@ -24,7 +24,7 @@ from pipeline.release.promotion import (
 from pipeline.release.restart import RestartHook
 from pipeline.serving_now import resolve_serving
 from pipeline.storage import Storage
-from tests.registry.helpers import lineage, make_drafter_dir, publish_drafter
+from tests.release.helpers import lineage, make_drafter_dir, publish_drafter
 
 SETTINGS = SpecParams(3, 1, 4)
 POLICY = GatePolicy(min_relative_gain=0.02, min_cycles=10)

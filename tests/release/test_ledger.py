@@ -13,7 +13,7 @@ from pipeline.release.backend import LedgerBackend, ServingError
 from pipeline.release.ledger import ServingLedger
 from pipeline.serving_now import ServingManifest, ServingTarget, read_serving, resolve_serving
 from pipeline.storage import Storage
-from tests.registry.helpers import make_drafter_dir, publish_drafter
+from tests.release.helpers import make_drafter_dir, publish_drafter
 
 SETTINGS = SpecParams(3, 1, 4)
 

@@ -15,7 +15,7 @@ from pipeline.release.lineage import (
     parse_tag,
     tag_value,
 )
-from tests.registry.helpers import lineage
+from tests.release.helpers import lineage
 
 
 def test_tags_are_strings_and_parse_back():

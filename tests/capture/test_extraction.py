@@ -30,7 +30,7 @@ from pipeline.storage import Storage
 from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
 from resources.capture import CaptureResource
 from resources.storage import StorageResource
-from tests.data.test_capture_hf import VOCAB, tiny_llama
+from tests.capture.test_capture_hf import VOCAB, tiny_llama
 
 STEP = 3
 H = 64

@@ -14,7 +14,7 @@ from pipeline.release.ledger import ServingLedger
 from pipeline.release.restart import RestartHook, placeholders, run_hook
 from pipeline.serving_now import ServingTarget
 from pipeline.storage import Storage
-from tests.registry.helpers import make_drafter_dir, publish_drafter
+from tests.release.helpers import make_drafter_dir, publish_drafter
 
 SETTINGS = SpecParams(4, 1, 5)
 PY = sys.executable

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.release.mlflow_registry import DrafterRegistry
-from tests.registry.conftest import new_family
-from tests.registry.test_mlflow_registry import (  # noqa: F401 - re-collected here
+from tests.release.conftest import new_family
+from tests.release.test_mlflow_registry import (  # noqa: F401 - re-collected here
     chart,
     drafter_dir,
     test_aliases_are_read_back_from_the_server,

@@ -17,7 +17,7 @@ from pipeline.release.mlflow_registry import (
     DrafterRegistry,
     model_name,
 )
-from tests.registry.helpers import lineage, make_drafter_dir
+from tests.release.helpers import lineage, make_drafter_dir
 
 # a 1x1 PNG
 PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhf"

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.release.format_check import drafter_format_errors
-from tests.registry.helpers import make_drafter_dir
+from tests.release.helpers import make_drafter_dir
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ Two independent pins per conversation:
   masked run, decoded): exactly the assistant contents and their closing tokens;
 - ``golden/tokenization_<template>.json``: input_ids, tokens and loss_mask (``view`` shows
   the tokens with masked ones in brackets), reviewed by hand once and pinned. After an
-  intended change regenerate them with ``python -m tests.data.test_tokenization_golden``
+  intended change regenerate them with ``python -m tests.tokenize.test_tokenization_golden``
   and review the diff. The demo's file pins the demo tokenizer too: retraining it (corpus,
   vocab) changes the ids but must not change ``masked_text``.
 """

@@ -11,8 +11,7 @@ from pipeline.layout import mapping_prefix, tokenized_prefix, vocab_pointer_pref
 from pipeline.manifest import manifest_key, read_manifest
 from pipeline.vocab import stage as vocab_stage
 from pipeline.vocab.stage import load_window_vocab
-
-from .world import VOCAB
+from tests.training.world import VOCAB
 
 
 def reference_counts(storage, steps) -> tuple[torch.Tensor, torch.Tensor]:

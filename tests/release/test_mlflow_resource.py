@@ -6,7 +6,7 @@ import os
 import uuid
 
 from resources.mlflow import MlflowResource, mlflow_from_env
-from tests.registry.helpers import lineage, make_drafter_dir
+from tests.release.helpers import lineage, make_drafter_dir
 
 
 def test_embedded_default_lives_under_aerie_home(tmp_path, monkeypatch):
