@@ -1,8 +1,12 @@
-"""Serving records: speculative settings, what to serve, and the serving manifest.
+"""The drafter serving now: the serving record, and how every stage reads it.
 
-A :class:`ServingManifest` says which drafter the rollout servers of one model should run
-and with which SGLang arguments. It is what the ``manifest`` serving mode publishes for the
-RL trainer's rollout launcher, and what every mode records after a successful update.
+A :class:`ServingManifest` says which drafter the rollout servers of one model run and with
+which SGLang arguments. Release writes one per change (:mod:`pipeline.release.ledger`:
+``serving/<name>/manifest-NNNNNN.json`` + ``current.json``); it is the one record of "the
+drafter serving now": training's warm start (:func:`serving_history`), evaluation's champion
+(:func:`serving_drafter_key`), promotion's champion and the RL trainer's rollout launcher at
+weight sync (:func:`resolve_serving`) all read it. It lives in the foundation so that earlier
+stages read it without importing the release stage.
 
 Invariants:
 
