@@ -1,8 +1,9 @@
 """``vocab_mapping`` and ``drafter_checkpoint``: a refresh step's draft vocab and drafter.
 
-Partition = the refresh step s; both assets read the window s-K+1..s from storage (the vocab
-stage decides K and the draft vocab size; training follows its pointer) and fail naming any
-step of the window that is missing.
+Partition = the refresh step s (``refresh_steps``); both assets read the window s-K+1..s of
+RL steps from storage (the vocab stage decides K and the draft vocab size; training follows
+its pointer), record it as ``window_steps``, and fail naming any step of the window that is
+missing.
 """
 
 from dagster import (
@@ -16,21 +17,22 @@ from dagster import (
 from pydantic import Field
 
 from assets.checks import result, spec
-from assets.partitions import rl_steps, step_of
+from assets.partitions import refresh_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.checks import MIN_VOCAB_COVERAGE, training_loss, vocab_coverage
-from pipeline.evaluation.charts import markdown_image, training_curve
 from pipeline.release.mlflow_registry import model_name
 from pipeline.training.config import TrainConfig
-from pipeline.training.metrics import depth_table
-from pipeline.vocab import stage as vocab_stage
-from pipeline.vocab.mapping import DEFAULT_DRAFT_VOCAB_SIZE
 from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
 from resources.trainer import TrainerResource
 
 _T = TrainConfig()
+DRAFT_VOCAB_SIZE = 32000  # pipeline.vocab.mapping.DEFAULT_DRAFT_VOCAB_SIZE (torch: not loaded
+#                           with the definitions; a test keeps the two equal)
+WINDOW_NOTE = ("Partition: the refresh step s (refresh_steps). It reads the last K RL steps "
+               "s-K+1..s of the data assets (metadata window_steps); Dagster draws the edge "
+               "to the RL-step partition of the same key, the window's newest step.")
 
 
 class VocabRunConfig(Config):
@@ -38,7 +40,7 @@ class VocabRunConfig(Config):
 
     window: int | None = Field(default=None, description="train on RL steps s-window+1 .. s; "
                                "unset: the refresh resource's K (AERIE_REFRESH_WINDOW)")
-    draft_vocab_size: int = Field(default=DEFAULT_DRAFT_VOCAB_SIZE,
+    draft_vocab_size: int = Field(default=DRAFT_VOCAB_SIZE,
                                   description="draft vocab size (capped by the target vocab)")
     min_coverage: float = Field(default=MIN_VOCAB_COVERAGE,
                                 description="vocab_coverage check: least share of masked "
@@ -90,13 +92,17 @@ def _md_table(rows: list[dict]) -> MetadataValue:
     return MetadataValue.md("\n".join(lines))
 
 
-@asset(partitions_def=rl_steps, group_name="drafter", kinds={"pytorch", "safetensors"},
+@asset(partitions_def=refresh_steps, group_name="drafter", kinds={"pytorch", "safetensors"},
        deps=["hidden_state_shards"], retry_policy=SERVICE_RETRY,
+       description="Draft vocab (d2t / t2d) of the training window, counted under the loss "
+                   "mask; cached by content. " + WINDOW_NOTE,
        check_specs=[spec("vocab_mapping", "vocab_coverage",
                          "the draft vocab covers enough of the window's masked tokens")])
 def vocab_mapping(context: AssetExecutionContext, config: VocabRunConfig,
                   storage: StorageResource, refresh: RefreshPolicyResource) -> MaterializeResult:
     """Draft vocab (d2t / t2d) of the training window, counted under the loss mask; cached."""
+    from pipeline.vocab import stage as vocab_stage
+
     window = refresh.window if config.window is None else config.window
     with fail_fast_on_permanent_errors():
         v = vocab_stage.run(storage.build(), step_of(context.partition_key), window,
@@ -115,8 +121,11 @@ def vocab_mapping(context: AssetExecutionContext, config: VocabRunConfig,
                               AssetCheckSeverity.WARN)])
 
 
-@asset(partitions_def=rl_steps, group_name="drafter", kinds={"pytorch", "deepspeed"},
+@asset(partitions_def=refresh_steps, group_name="drafter", kinds={"pytorch", "deepspeed"},
        deps=["vocab_mapping"], retry_policy=SERVICE_RETRY,
+       description="EAGLE-3 drafter trained on the window (DeepSpeed, resumable), in SGLang's "
+                   "format, warm-started from the drafter serving now; the training curve is "
+                   "stored with the refresh's charts. " + WINDOW_NOTE,
        check_specs=[spec("drafter_checkpoint", "training_loss",
                          "every logged loss finite (blocking) and the loss falling (warning)",
                          blocking=True)])
@@ -125,8 +134,12 @@ def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
                        mlflow: MlflowResource) -> MaterializeResult:
     """EAGLE-3 drafter trained on the window (DeepSpeed, resumable), in SGLang's format;
     warm-started from the drafter serving now (the registered model's serving ledger)."""
+    from pipeline.evaluation.charts import publish_chart, training_curve
+    from pipeline.training.metrics import depth_table
+
+    store, step = storage.build(), step_of(context.partition_key)
     with fail_fast_on_permanent_errors():
-        r = trainer.refresh(storage.build(), step_of(context.partition_key), config.to_core(),
+        r = trainer.refresh(store, step, config.to_core(),
                             warm_start=config.warm_start,
                             serving_name=model_name(mlflow.target_family),
                             on_line=context.log.info)
@@ -152,7 +165,8 @@ def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
         "samples": res.samples, "tokens_trained": res.tokens_trained,
         "tokens_per_s": round(res.tokens_per_s, 1), "seconds": round(res.seconds, 3),
         "fingerprint": meta["fingerprint"],
-        "training_curve": MetadataValue.md(markdown_image(training_curve(res.history), "loss")),
+        "training_curve": MetadataValue.path(publish_chart(
+            store, step, "training_curve", training_curve(res.history))),
     }, check_results=[_loss_check(res)])
 
 

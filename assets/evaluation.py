@@ -1,21 +1,20 @@
 """``acceptance_eval``: how many tokens per target forward the new drafter buys, measured.
 
-Partition = the refresh step s. Candidate = the drafter of s; champion = the drafter serving
-now (the serving record, :mod:`pipeline.serving_now`: the same record training's warm start
-and promotion read) unless the run config names another or none; both are
-measured with the policy of s on held-out prompts, next to no drafter.
+Partition = the refresh step s (``refresh_steps``). Candidate = the drafter of s; champion =
+the drafter serving now (the serving record, :mod:`pipeline.serving_now`: the same record
+training's warm start and promotion read) unless the run config names another or none; both
+are measured with the policy of s on held-out prompts, next to no drafter. The charts (α per
+draft position, τ over refresh steps) are stored next to the report and linked.
 """
 
 from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
 from assets.checks import result, spec
-from assets.partitions import rl_steps, step_of
+from assets.drafter import WINDOW_NOTE
+from assets.partitions import refresh_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.checks import evaluation_sound
-from pipeline.evaluation import stage as evaluation_stage
-from pipeline.evaluation.charts import alpha_chart, markdown_image, tau_curve
-from pipeline.evaluation.stage import EvalConfig, tau_history
 from pipeline.layout import drafter_prefix
 from pipeline.release.mlflow_registry import model_name
 from pipeline.serving_now import serving_drafter_key
@@ -23,14 +22,13 @@ from resources.mlflow import MlflowResource
 from resources.serving import ServingResource
 from resources.storage import StorageResource
 
-_E = EvalConfig()
-
 
 class EvalRunConfig(Config):
-    """Run config of ``acceptance_eval``; mirrors :class:`EvalConfig` plus the champion."""
+    """Run config of ``acceptance_eval``; mirrors :class:`EvalConfig` plus the champion (its
+    defaults written out: the evaluation stage imports torch; a test keeps them equal)."""
 
-    max_prompts: int = Field(default=_E.max_prompts, description="held-out prompts (at most)")
-    max_new_tokens: int = Field(default=_E.max_new_tokens, description="tokens per prompt")
+    max_prompts: int = Field(default=32, description="held-out prompts (at most)")
+    max_new_tokens: int = Field(default=128, description="tokens per prompt")
     num_steps: int | None = Field(default=None, description="--speculative-num-steps (unset: "
                                                             "the serving resource's settings)")
     eagle_topk: int | None = Field(default=None, description="--speculative-eagle-topk")
@@ -39,8 +37,10 @@ class EvalRunConfig(Config):
     champion: str = Field(default="serving", description="serving (the drafter serving now) | "
                                                          "none | a storage prefix")
 
-    def to_core(self, serving: ServingResource) -> EvalConfig:
+    def to_core(self, serving: ServingResource):
         """Unset speculative settings are the ones the servers run (the serving resource)."""
+        from pipeline.evaluation.stage import EvalConfig
+
         given = (self.num_steps, self.eagle_topk, self.num_draft_tokens)
         if all(v is None for v in given):
             given = (serving.num_steps, serving.topk, serving.num_draft_tokens)
@@ -48,8 +48,10 @@ class EvalRunConfig(Config):
                           num_steps=given[0], eagle_topk=given[1], num_draft_tokens=given[2])
 
 
-@asset(partitions_def=rl_steps, group_name="drafter", kinds={"pytorch"},
+@asset(partitions_def=refresh_steps, group_name="drafter", kinds={"pytorch"},
        deps=["drafter_checkpoint"], retry_policy=SERVICE_RETRY,
+       description="τ and α of the candidate, the serving champion and no drafter on held-out "
+                   "prompts of the window; charts linked from the metadata. " + WINDOW_NOTE,
        check_specs=[spec("acceptance_eval", "acceptance_lossless",
                          "every drafter's outputs equal greedy decoding on every held-out "
                          "prompt and τ was measured; blocks registration and promotion",
@@ -58,25 +60,30 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
                     storage: StorageResource, mlflow: MlflowResource,
                     serving: ServingResource) -> MaterializeResult:
     """τ and α of the candidate, the serving champion and no drafter on held-out prompts."""
+    from pipeline.evaluation import stage as evaluation_stage
+    from pipeline.evaluation.charts import alpha_chart, publish_chart, tau_curve
+
     store, step = storage.build(), step_of(context.partition_key)
     with fail_fast_on_permanent_errors():
         champion = (serving_drafter_key(store, model_name(mlflow.target_family))
                     if config.champion == "serving"
                     else None if config.champion == "none" else config.champion)
         r = evaluation_stage.run(store, step, drafter_prefix(step), champion,
-                             config.to_core(serving))
+                                 config.to_core(serving))
     s = r.summary()
     context.log.info(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items()
                                                   if k.endswith("_tau")))
     alphas = {n: c.acceptance.alpha for n, c in r.contestants.items() if n != "no_drafter"}
-    history = tau_history(store)
+    alpha_png = alpha_chart(alphas, f"step {step}: α per draft position")
+    tau_png = tau_curve(evaluation_stage.tau_history(store),
+                        "τ of the candidate and champion at each refresh")
     return MaterializeResult(metadata={
         **{k: (MetadataValue.json(v) if isinstance(v, list) else v) for k, v in s.items()},
         "champion": champion or "none", "settings": MetadataValue.json(r.settings),
+        "window_steps": MetadataValue.json(list(r.heldout["window_steps"])),
         "heldout_key": r.heldout_key, "settings_key": r.settings_key,
-        "acceptance_per_position": MetadataValue.md(markdown_image(
-            alpha_chart(alphas, f"step {step}: α per draft position"), "alpha")),
-        "tau_over_rl_steps": MetadataValue.md(markdown_image(
-            tau_curve(history, "τ of the candidate and champion at each refresh"), "tau")),
+        "acceptance_per_position": MetadataValue.path(publish_chart(store, step, "alpha",
+                                                                    alpha_png)),
+        "tau_over_rl_steps": MetadataValue.path(publish_chart(store, step, "tau", tau_png)),
         "seconds": round(r.seconds, 2)},
         check_results=[result("acceptance_lossless", evaluation_sound(r))])

@@ -1,30 +1,56 @@
 """``registered_drafter`` and ``serving_drafter``: MLflow registration and gated promotion.
 
-Partition = the refresh step s. ``registered_drafter`` logs the training run (params,
-per-step metrics, evaluation, charts, the SGLang directory) and registers a version with
-lineage tags and alias ``challenger``; ``serving_drafter`` asks the gate
+Partition = the refresh step s (``refresh_steps``). ``registered_drafter`` logs the training
+run (params, per-step metrics, evaluation, charts, the SGLang directory) and registers a
+version with lineage tags and alias ``challenger``; ``serving_drafter`` asks the gate
 (:func:`pipeline.release.gate.decide`) and promotes only when it says so. The manual
-override and the rollback are separate jobs (``jobs/release.py``).
+override and the rollback are separate jobs (``jobs/release.py``); they record their change
+of champion as a ``serving_drafter`` materialization too (:func:`record_champion_change`), so
+the newest ``serving_drafter`` event always names the champion. Every promotion path runs in
+the Dagster pool ``promotion`` (limit 1 on the embedded instance: ``jobs/cli.py``).
 """
 
 import json
 import tempfile
 from pathlib import Path
 
-from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
+from dagster import (
+    AssetCheckEvaluation,
+    AssetCheckSeverity,
+    AssetExecutionContext,
+    AssetKey,
+    AssetMaterialization,
+    Config,
+    MaterializeResult,
+    MetadataValue,
+    OpExecutionContext,
+    asset,
+)
 from pydantic import Field
 
-from assets.partitions import rl_steps, step_of
+from assets.checks import result, spec
+from assets.drafter import WINDOW_NOTE
+from assets.partitions import (
+    ensure_partition,
+    ingested_steps,
+    refresh_steps,
+    step_key,
+    step_of,
+)
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from assets.summary import refresh_summary
-from pipeline.evaluation.charts import alpha_chart
-from pipeline.records import to_json
-from pipeline.release import register as register_stage
-from pipeline.release import serve as serve_stage
+from pipeline.checks import CheckOutcome, serving_staleness
 from pipeline.release.gate import GatePolicy
+from pipeline.release.lineage import parse_tag
+from pipeline.release.mlflow_registry import DrafterRegistry
+from pipeline.release.promotion import PromotionResult
+from pipeline.storage import Storage
 from resources.mlflow import MlflowResource
+from resources.refresh import RefreshPolicyResource
 from resources.serving import ServingResource
 from resources.storage import StorageResource
+
+PROMOTION_POOL = "promotion"  # every path that moves the champion; limit 1
 
 _G = GatePolicy()
 
@@ -41,11 +67,16 @@ class GateConfig(Config):
         return GatePolicy(min_relative_gain=self.min_relative_gain, min_cycles=self.min_cycles)
 
 
-@asset(partitions_def=rl_steps, group_name="release", kinds={"mlflow"},
-       deps=["acceptance_eval"], retry_policy=SERVICE_RETRY)
+@asset(partitions_def=refresh_steps, group_name="release", kinds={"mlflow"},
+       deps=["acceptance_eval"], retry_policy=SERVICE_RETRY,
+       description="The refresh's drafter as an MLflow model version (lineage tags, alias "
+                   "challenger). " + WINDOW_NOTE)
 def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
                        mlflow: MlflowResource) -> MaterializeResult:
     """The refresh's drafter as an MLflow model version (lineage tags, alias challenger)."""
+    from pipeline.evaluation.charts import alpha_chart
+    from pipeline.release import register as register_stage
+
     step = step_of(context.partition_key)
     with fail_fast_on_permanent_errors(), \
             tempfile.TemporaryDirectory(prefix="aerie-register-") as tmp:
@@ -57,15 +88,28 @@ def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
     return MaterializeResult(metadata={
         "model": v.model, "version": v.version, "run_id": v.run_id or "",
         "source": v.source, "reused": r.registration.reused,
+        "window_steps": MetadataValue.json(parse_tag(v.tags.get("rl_step_window", "[]"))),
         "candidate_tau": r.tau, "fingerprint": v.fingerprint or ""})
 
 
-@asset(partitions_def=rl_steps, group_name="release", kinds={"sglang"},
-       deps=["registered_drafter"], retry_policy=SERVICE_RETRY)
+@asset(partitions_def=refresh_steps, group_name="release", kinds={"sglang"},
+       deps=["registered_drafter"], retry_policy=SERVICE_RETRY, pool=PROMOTION_POOL,
+       description="Promote the refresh's drafter to serving iff the acceptance gate passes. "
+                   "Every change of champion is an event of this asset: the gate's here, the "
+                   "manual override's and the rollback's from their jobs (metadata action, "
+                   "champion, actor, reason). Runs in the pool 'promotion' (one at a time).",
+       check_specs=[spec("serving_drafter", "serving_staleness",
+                         "the serving drafter is at most stale_after_steps RL steps behind the "
+                         "newest ingested step, and its τ fell at most max_tau_drop_percent "
+                         "since its promotion (warning)")])
 def serving_drafter(context: AssetExecutionContext, config: GateConfig,
                     storage: StorageResource, mlflow: MlflowResource,
-                    serving: ServingResource) -> MaterializeResult:
+                    serving: ServingResource, refresh: RefreshPolicyResource
+                    ) -> MaterializeResult:
     """Promote the refresh's drafter to serving iff the acceptance gate passes."""
+    from pipeline.records import to_json
+    from pipeline.release import serve as serve_stage
+
     store, registry = storage.build(), mlflow.build()
     step = step_of(context.partition_key)
     with fail_fast_on_permanent_errors():
@@ -73,11 +117,52 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
                             config.to_core(), dagster_run_id=context.run.run_id)
     p = r.promotion
     context.log.info(f"step {step}: {p.action} ({'; '.join(p.reasons)})")
+    stale = staleness_now(context.instance, store, registry.model_name, refresh)
     return MaterializeResult(metadata={
-        "action": p.action, "promoted": p.moved,
-        "champion": (p.version if p.moved else p.previous_champion) or "none",
-        "previous_champion": p.previous_champion or "none",
-        "reasons": MetadataValue.md("\n".join(f"- {x}" for x in p.reasons)),
+        **champion_metadata(p, actor="aerie (acceptance gate)", reason=f"refresh at step {step}"),
         "decision": MetadataValue.json(json.loads(to_json(r.decision))),
-        "serving_sequence": p.serving.sequence if p.serving else -1,
-        "refresh_summary": MetadataValue.md(refresh_summary(context.instance, step))})
+        "refresh_summary": MetadataValue.md(refresh_summary(context.instance, step))},
+        check_results=[result("serving_staleness", stale, AssetCheckSeverity.WARN)])
+
+
+def champion_metadata(p: PromotionResult, *, actor: str, reason: str) -> dict:
+    """What every ``serving_drafter`` event says, whoever changed (or kept) the champion."""
+    return {"action": p.action, "promoted": p.moved,
+            "champion": (p.version if p.moved else p.previous_champion) or "none",
+            "previous_champion": p.previous_champion or "none",
+            "actor": actor, "reason": reason,
+            "reasons": MetadataValue.md("\n".join(f"- {x}" for x in p.reasons)),
+            "serving_sequence": p.serving.sequence if p.serving else -1}
+
+
+def staleness_now(instance, store: Storage, name: str, refresh: RefreshPolicyResource
+                  ) -> CheckOutcome:
+    """``serving_staleness`` of the drafter serving ``name`` now, against the newest ingested
+    RL step and the refresh resource's thresholds."""
+    newest = (ingested_steps(instance) or [None])[-1]
+    return serving_staleness(store, name, newest, stale_after_steps=refresh.stale_after_steps,
+                             max_tau_drop=refresh.max_tau_drop_percent / 100)
+
+
+def record_champion_change(context: OpExecutionContext, registry: DrafterRegistry,
+                           p: PromotionResult, *, actor: str, reason: str, store: Storage,
+                           refresh: RefreshPolicyResource) -> str | None:
+    """Log a ``serving_drafter`` materialization for a change of champion made outside the
+    asset (manual override, rollback), on the refresh partition of the new champion (of the
+    one rolled back, when no drafter is left), so the UI shows who serves now and why; and
+    the ``serving_staleness`` check of the new champion. Returns the partition, or None when
+    nothing moved."""
+    version = p.version or p.previous_champion
+    if not p.moved or version is None:
+        return None
+    key = step_key(int(registry.get_version(version).tags["rl_step"]))
+    ensure_partition(context.instance, refresh_steps, key)
+    context.log_event(AssetMaterialization(
+        "serving_drafter", partition=key,
+        metadata=champion_metadata(p, actor=actor, reason=reason)))
+    stale = staleness_now(context.instance, store, registry.model_name, refresh)
+    context.log_event(AssetCheckEvaluation(
+        asset_key=AssetKey("serving_drafter"), check_name="serving_staleness",
+        passed=stale.passed, severity=AssetCheckSeverity.WARN, description=stale.description,
+        metadata=stale.metadata, partition=key))
+    return key

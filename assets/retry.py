@@ -12,16 +12,9 @@ bypasses the policy, so nobody waits three backoffs for a bad record.
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 
 from dagster import Backoff, Failure, Jitter, RetryPolicy
-
-from pipeline.capture.sglang_http import SGLangRejectedError, SGLangServerConfigError
-from pipeline.capture.stage import ExtractionError
-from pipeline.release.backend import ServingRefused
-from pipeline.release.promotion import PromotionError, PromotionNotApplied
-from pipeline.release.register import ReleaseError
-from pipeline.snapshot.sieve import SnapshotError
-from pipeline.training.launch import TrainingFailed
 
 RETRY_DELAY_S = 5.0  # before the first retry; then 10 s, 20 s (± jitter)
 
@@ -33,18 +26,32 @@ def service_retry_policy(delay: float = RETRY_DELAY_S) -> RetryPolicy:
 
 SERVICE_RETRY = service_retry_policy()
 
-PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
-    ValueError, TypeError, LookupError, FileNotFoundError, NotADirectoryError,
-    SnapshotError, ExtractionError, SGLangServerConfigError, SGLangRejectedError,
-    TrainingFailed, ReleaseError, PromotionError, ServingRefused)
+
+@cache
+def permanent_errors() -> tuple[type[BaseException], ...]:
+    """The error types no retry can fix. Imported on the first failure, not when the
+    definitions load: the stage modules that define them pull in torch."""
+    from pipeline.capture.sglang_http import SGLangRejectedError, SGLangServerConfigError
+    from pipeline.capture.stage import ExtractionError
+    from pipeline.release.backend import ServingRefused
+    from pipeline.release.promotion import PromotionError
+    from pipeline.release.register import ReleaseError
+    from pipeline.snapshot.sieve import SnapshotError
+    from pipeline.training.launch import TrainingFailed
+
+    return (ValueError, TypeError, LookupError, FileNotFoundError, NotADirectoryError,
+            SnapshotError, ExtractionError, SGLangServerConfigError, SGLangRejectedError,
+            TrainingFailed, ReleaseError, PromotionError, ServingRefused)
 
 
 def is_permanent(error: BaseException) -> bool:
     """A promotion that moved nothing is as permanent as its cause (an SGLang server still
     restarting: retried; a drafter it refuses: not); anything else by its type."""
+    from pipeline.release.promotion import PromotionNotApplied
+
     if isinstance(error, PromotionNotApplied):
         return error.__cause__ is not None and is_permanent(error.__cause__)
-    return isinstance(error, PERMANENT_ERRORS)
+    return isinstance(error, permanent_errors())
 
 
 @contextmanager

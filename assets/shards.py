@@ -7,39 +7,37 @@ from pydantic import Field
 from assets.checks import result, spec
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
-from pipeline.capture import stage as capture_stage
-from pipeline.capture.stage import ExtractConfig
 from pipeline.checks import shard_integrity
-from pipeline.snapshot.policy import load_policy_ref
 from resources.capture import CaptureResource
 from resources.storage import StorageResource
-
-_DEFAULTS = ExtractConfig()
 
 
 class ShardsConfig(Config):
     """Run config of ``hidden_state_shards``; mirrors :class:`ExtractConfig` field by field.
 
-    Which backend captures the states is the ``capture`` resource's business.
+    Which backend captures the states is the ``capture`` resource's business. The defaults
+    are written out (the capture stage imports torch, too slow to load with the
+    definitions); a test keeps them equal to :class:`ExtractConfig`'s.
     """
 
-    token_budget: int = Field(default=_DEFAULTS.token_budget,
+    token_budget: int = Field(default=16384,
                               description="max padded tokens (batch × longest) per forward")
-    max_batch_size: int = Field(default=_DEFAULTS.max_batch_size,
-                                description="max samples per forward")
-    shard_bytes: int = Field(default=_DEFAULTS.shard_bytes,
+    max_batch_size: int = Field(default=64, description="max samples per forward")
+    shard_bytes: int = Field(default=512 << 20,
                              description="bf16 state bytes per shard before compression")
-    row_group_bytes: int = Field(default=_DEFAULTS.row_group_bytes,
+    row_group_bytes: int = Field(default=64 << 20,
                                  description="state bytes per Parquet row group (read unit)")
-    compression: str = Field(default=_DEFAULTS.compression,
+    compression: str = Field(default="zstd",
                              description="Parquet codec: zstd (smaller) or none (faster)")
-    sort_by_length: bool = Field(default=_DEFAULTS.sort_by_length,
+    sort_by_length: bool = Field(default=True,
                                  description="batch a shard's samples longest first")
-    heldout_fraction: float = Field(default=_DEFAULTS.heldout_fraction,
+    heldout_fraction: float = Field(default=0.05,
                                     description="share of prompts held out for evaluation "
                                                 "(never trained on)")
 
-    def to_core(self) -> ExtractConfig:
+    def to_core(self):
+        from pipeline.capture.stage import ExtractConfig
+
         return ExtractConfig(
             token_budget=self.token_budget, max_batch_size=self.max_batch_size,
             shard_bytes=self.shard_bytes, row_group_bytes=self.row_group_bytes,
@@ -55,6 +53,9 @@ class ShardsConfig(Config):
 def hidden_state_shards(context: AssetExecutionContext, config: ShardsConfig,
                         storage: StorageResource, capture: CaptureResource) -> MaterializeResult:
     """Aux-layer and post-norm final states per token, captured with the step's own policy."""
+    from pipeline.capture import stage as capture_stage
+    from pipeline.snapshot.policy import load_policy_ref
+
     store, step = storage.build(), step_of(context.partition_key)
     with fail_fast_on_permanent_errors():
         policy = load_policy_ref(store, step)

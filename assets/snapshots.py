@@ -13,8 +13,6 @@ from dagster import (
 
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
-from pipeline.snapshot import stage as snapshot_stage
-from pipeline.snapshot.schema import ROLLOUT_SCHEMA_VERSION
 from resources.storage import StorageResource
 
 MAX_QUARANTINE_RATIO = 0.05
@@ -31,6 +29,9 @@ MAX_QUARANTINE_RATIO = 0.05
 )
 def rollout_snapshot(context: AssetExecutionContext, storage: StorageResource):
     """Validated rollouts of one RL step plus the policy checkpoint that generated them."""
+    from pipeline.snapshot import stage as snapshot_stage
+    from pipeline.snapshot.schema import ROLLOUT_SCHEMA_VERSION
+
     with fail_fast_on_permanent_errors():
         summary = snapshot_stage.run(storage.build(), step_of(context.partition_key))
     ratio = summary.quarantined / max(summary.records_in, 1)

@@ -6,35 +6,36 @@ from pydantic import Field
 
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
-from pipeline.tokenize import stage as tokenize_stage
-from pipeline.tokenize.schema import TOKENIZED_SCHEMA_VERSION
-from pipeline.tokenize.stage import TokenizeConfig
 from resources.storage import StorageResource
-
-_DEFAULTS = TokenizeConfig()
 
 
 class TokenizeRunConfig(Config):
-    """Run config of ``tokenized_rollouts``; mirrors :class:`TokenizeConfig` field by field."""
+    """Run config of ``tokenized_rollouts``; mirrors :class:`TokenizeConfig` field by field.
 
-    max_length: int = Field(default=_DEFAULTS.max_length,
+    The defaults are written out (the tokenize stage imports transformers, too slow to load
+    with the definitions); a test keeps them equal to :class:`TokenizeConfig`'s.
+    """
+
+    max_length: int = Field(default=2048,
                             description="longest sample in tokens; longer ones are cut")
-    keep_tail: int = Field(default=_DEFAULTS.keep_tail,
+    keep_tail: int = Field(default=512,
                            description="when cutting, at least this many tokens ending at the "
                                        "response's last masked token are kept; the prompt "
                                        "head gets the rest (= max_length: keep only the end)")
-    min_response_tokens: int = Field(default=_DEFAULTS.min_response_tokens,
+    min_response_tokens: int = Field(default=1,
                                      description="drop samples with fewer masked tokens")
-    rows_per_file: int = Field(default=_DEFAULTS.rows_per_file,
+    rows_per_file: int = Field(default=4096,
                                description="samples per Parquet part")
     end_of_turn_tokens: list[str] = Field(
-        default_factory=lambda: list(_DEFAULTS.end_of_turn_tokens),
+        default_factory=list,
         description="special tokens closing an assistant turn; empty: the tokenizer's EOS "
                     "plus known closers (<|eot_id|>, <|im_end|>, ...) in its vocab")
-    max_examples: int = Field(default=_DEFAULTS.max_examples,
+    max_examples: int = Field(default=5,
                               description="example sample ids per problem kind in metadata")
 
-    def to_core(self) -> TokenizeConfig:
+    def to_core(self):
+        from pipeline.tokenize.stage import TokenizeConfig
+
         return TokenizeConfig(
             max_length=self.max_length, keep_tail=self.keep_tail,
             min_response_tokens=self.min_response_tokens, rows_per_file=self.rows_per_file,
@@ -51,6 +52,9 @@ def _table(counts: dict[str, int], what: str) -> MetadataValue:
 def tokenized_rollouts(context: AssetExecutionContext, config: TokenizeRunConfig,
                        storage: StorageResource) -> MaterializeResult:
     """Chat-template tokenization with loss masks; exact engine ids win and are cross-checked."""
+    from pipeline.tokenize import stage as tokenize_stage
+    from pipeline.tokenize.schema import TOKENIZED_SCHEMA_VERSION
+
     with fail_fast_on_permanent_errors():
         s = tokenize_stage.run(storage.build(), step_of(context.partition_key), config.to_core())
     return MaterializeResult(metadata={

@@ -20,8 +20,12 @@ from pipeline.records import to_json
 log = logging.getLogger("aerie")
 
 
-# The embedded default's instance: no telemetry, and at most one drafter_refresh run at a time
-# (however launched: sensor, schedule, UI), which the queued run coordinator enforces.
+# The embedded default's instance: no telemetry; at most one drafter_refresh run at a time
+# (however launched: sensor, schedule, UI), which the queued run coordinator enforces; and at
+# most one step of the pool "promotion" at a time (serving_drafter, the manual override, the
+# rollback), which every executor enforces (Dagster 1.13 sets no per-pool limit in
+# dagster.yaml: `pools: default_limit` applies to every pool without one, and "promotion" is
+# Aerie's only pool; `dagster instance concurrency set promotion 1` sets it explicitly).
 INSTANCE_YAML = """telemetry:
   enabled: false
 concurrency:
@@ -30,6 +34,8 @@ concurrency:
       - key: aerie/serial
         value: drafter_refresh
         limit: 1
+  pools:
+    default_limit: 1
 """
 
 
@@ -80,21 +86,32 @@ def run_pipeline() -> list[str]:
     instance = DagsterInstance.get()
     result = snapshot_sensor(build_sensor_context(
         instance=instance, resources={"storage": defs.resources["storage"]}))
+    return execute_tick(instance, "ingest_step", result, DEMO_INGEST_CONFIG)
+
+
+def execute_tick(instance, job_name: str, result, run_config: dict | None = None) -> list[str]:
+    """Apply a sensor tick's partition requests and execute its run requests, as the daemon
+    does with a tick's result (``result`` may be a SkipReason or a lone RunRequest)."""
+    from dagster import RunRequest
+
     for add in getattr(result, "dynamic_partitions_requests", None) or []:
         instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys))
-    return execute_requests(instance, "ingest_step", getattr(result, "run_requests", None),
-                            DEMO_INGEST_CONFIG)
+    requests = [result] if isinstance(result, RunRequest) else \
+        getattr(result, "run_requests", None)
+    return execute_requests(instance, job_name, requests, run_config)
 
 
 def execute_requests(instance, job_name: str, requests, run_config: dict | None = None,
                      ) -> list[str]:
-    """Execute a tick's run requests in this process, as the daemon would launch them.
+    """Execute run requests in this process, as the daemon would launch them.
 
-    ``run_config`` is deep-merged over each request's own. Partitions whose job assets are
-    all materialized already are skipped (what the daemon's run-key dedup does across
+    ``run_config`` is deep-merged over each request's own. The request's partition is added
+    to the job's dynamic partitions if missing (a daemon refuses a request for an unknown
+    partition; a tick adds it first, see :func:`execute_tick`). Partitions whose job assets
+    are all materialized already are skipped (what the daemon's run-key dedup does across
     restarts). Returns the partitions that ran.
     """
-    from assets.partitions import complete_partitions
+    from assets.partitions import complete_partitions, ensure_partition
     from definitions import defs
 
     job = defs.resolve_job_def(job_name)
@@ -104,6 +121,7 @@ def execute_requests(instance, job_name: str, requests, run_config: dict | None 
         if request.partition_key in done:
             log.info("%s %s: already materialized", job_name, request.partition_key)
             continue
+        ensure_partition(instance, job.partitions_def, request.partition_key)
         outcome = job.execute_in_process(
             instance=instance, partition_key=request.partition_key, tags=request.tags,
             run_config=deep_merge(request.run_config or {}, run_config or {}),
@@ -137,14 +155,15 @@ def train_newest(run_config: dict | None = None) -> str | None:
     """Materialize ``drafter_refresh`` for the newest ingested step (skipped if done)."""
     from dagster import DagsterInstance
 
-    from assets.partitions import step_key
-    from jobs.refresh import ingested_steps, refresh_request
+    from assets.partitions import ensure_partition, ingested_steps, refresh_steps, step_key
+    from jobs.refresh import refresh_request
 
     instance = DagsterInstance.get()
     ingested = ingested_steps(instance)
     if not ingested:
         return None
     newest = step_key(ingested[-1])
+    ensure_partition(instance, refresh_steps, newest)  # as the refresh sensor's tick adds it
     execute_requests(instance, "drafter_refresh", [refresh_request(ingested[-1])],
                      DEMO_TRAIN_CONFIG if run_config is None else run_config)
     return newest

@@ -12,6 +12,11 @@ schedule next to the sensor, never request it again (a failed refresh is re-run 
 every hour). Run keys are ``drafter-refresh-<partition>`` on top. Never two at once: both skip
 while a refresh run is queued or running. Cursor: ``{"last": s}``, the step of the last
 requested refresh; the sensor counts blocks from the newer of it and the newest tagged run.
+
+Partitions: the refresh assets have their own (``refresh_steps``, see
+:mod:`assets.partitions`); the sensor adds the refresh step's key in the same result as the
+run request (``AddDynamicPartitionsRequest``), the schedule, which cannot return one, adds it
+to the instance before returning its request.
 """
 
 import json
@@ -32,8 +37,7 @@ from dagster import (
 )
 
 from assets.drafter import VocabRunConfig
-from assets.groups import DATA_ASSETS
-from assets.partitions import complete_partitions, step_key, step_of
+from assets.partitions import ensure_partition, ingested_steps, refresh_steps, step_key
 from jobs.drafter import drafter_refresh
 from resources.refresh import RefreshPolicyResource
 
@@ -67,11 +71,6 @@ def requested_steps(instance) -> set[int]:
             for v in values}
 
 
-def ingested_steps(instance) -> list[int]:
-    """Steps whose whole data path (snapshot, tokens, shards) is materialized."""
-    return sorted(step_of(k) for k in complete_partitions(instance, DATA_ASSETS))
-
-
 def refresh_in_flight(instance) -> bool:
     return bool(instance.get_run_records(
         RunsFilter(job_name=drafter_refresh.name, statuses=IN_FLIGHT), limit=1))
@@ -89,6 +88,8 @@ def refresh_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResou
     if refresh_in_flight(context.instance):
         return SkipReason("a drafter refresh is still queued or running")
     return SensorResult(run_requests=[refresh_request(step, refresh.window)],
+                        dynamic_partitions_requests=[
+                            refresh_steps.build_add_request([step_key(step)])],
                         cursor=json.dumps({"last": step}))
 
 
@@ -105,4 +106,5 @@ def drafter_refresh_schedule(context: ScheduleEvaluationContext,
         return SkipReason(f"a refresh run for step {steps[-1]} was already launched")
     if refresh_in_flight(context.instance):
         return SkipReason("a drafter refresh is still queued or running")
+    ensure_partition(context.instance, refresh_steps, step_key(steps[-1]))
     return refresh_request(steps[-1], refresh.window)

@@ -1,8 +1,34 @@
-"""Discovering RL steps: the per-step data job and the cursor-based sensor that feeds it."""
+"""Discovering RL steps: the per-step data job and the sensor that feeds it.
+
+The sensor requests every completed snapshot step that is not ingested yet, in any order:
+a step whose snapshot completes after a later one (trainers that write asynchronously) is
+requested when it completes. "Not ingested" means neither of:
+
+- an ``ingest_step`` run of the step's partition that has not failed (queued, running or
+  succeeded): it will ingest the step, or did;
+- all three data assets materialized in the partition (ingested another way: a UI backfill,
+  a manual run).
+
+A failed or canceled ingest stays pending: the step is requested again on later ticks. The
+daemon never launches a run key twice, so that starts no second run (the tick lists it as
+skipped, the failure stays visible until someone re-runs the partition); ``aerie demo``,
+which executes the requests itself, retries it.
+
+Per tick: one listing of the snapshot root, one query of the job's runs by partition and one
+query of materialized partitions per data asset, however long the history (no per-step
+lookups). The cursor only holds the steps requested by the previous tick whose run did not
+exist yet (a daemon creates them at once; in-process callers may not), so a lost cursor can
+repeat only those, which run keys deduplicate.
+"""
+
+import json
+from collections.abc import Iterable, Mapping
 
 from dagster import (
+    DagsterRunStatus,
     DefaultSensorStatus,
     RunRequest,
+    RunsFilter,
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
@@ -11,8 +37,7 @@ from dagster import (
 )
 
 from assets.groups import DATA_ASSETS
-from assets.partitions import rl_steps, step_key
-from pipeline.snapshot.stage import completed_steps
+from assets.partitions import ingested_steps, rl_steps, step_key, step_of
 from resources.storage import StorageResource
 
 ingest_step = define_asset_job(
@@ -20,27 +45,51 @@ ingest_step = define_asset_job(
     description="One RL step's data path: validate the snapshot, tokenize with loss masks, "
                 "capture hidden states into shards (partition = step).")
 
+NOT_DONE = (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED, DagsterRunStatus.CANCELING)
 
-def new_steps(storage: StorageResource, cursor: str | None) -> list[int]:
-    """Completed snapshot steps newer than ``cursor`` (the last step already seen)."""
-    last = int(cursor) if cursor else -1
-    return [s for s in completed_steps(storage.build()) if s > last]
+
+def plan_ingest(completed: Iterable[int], runs: Mapping[int, DagsterRunStatus],
+                ingested: Iterable[int], pending: Iterable[int]) -> tuple[list[int], list[int]]:
+    """``(steps to request, the new pending list)`` from the completed snapshot steps, the
+    latest ingest run status per step, the ingested steps and the previous tick's pending
+    steps (requested, no run seen yet)."""
+    ingested = set(ingested)
+    done = ingested | {s for s, status in runs.items() if status not in NOT_DONE}
+    waiting = {s for s in pending if s not in runs and s not in ingested}
+    request = [s for s in sorted(set(completed)) if s not in done and s not in waiting]
+    return request, sorted(waiting | set(request))
+
+
+def ingest_runs(instance) -> dict[int, DagsterRunStatus]:
+    """The status of the newest ``ingest_step`` run of every partition (one query)."""
+    return {step_of(r.partition): r.status for r in instance.get_run_partition_data(
+        RunsFilter(job_name=ingest_step.name))}
+
+
+def _pending(cursor: str | None) -> list[int]:
+    """The cursor's pending steps; an older cursor (the newest step seen) holds none."""
+    value = json.loads(cursor) if cursor else None
+    return list(value.get("pending", [])) if isinstance(value, dict) else []
 
 
 @sensor(job=ingest_step, minimum_interval_seconds=30,
         default_status=DefaultSensorStatus.STOPPED)
 def snapshot_sensor(context: SensorEvaluationContext, storage: StorageResource):
-    """Adds a partition and requests one ingest run per newly completed snapshot step.
+    """Adds a partition and requests one ingest run per completed, not yet ingested snapshot
+    step (see the module docstring); the run key is the partition key."""
+    from pipeline.snapshot.stage import completed_steps
 
-    The cursor is the newest step seen, so a restart neither skips nor repeats steps; the
-    run key is the partition key, so a step is never ingested twice by the sensor.
-    """
-    steps = new_steps(storage, context.cursor)
+    completed = completed_steps(storage.build())
+    steps, pending = plan_ingest(completed, ingest_runs(context.instance),
+                                 ingested_steps(context.instance), _pending(context.cursor))
+    cursor = json.dumps({"pending": pending})
     if not steps:
-        return SkipReason(f"no completed snapshot after step {context.cursor or '(none)'}")
+        return SensorResult(skip_reason=SkipReason(
+            f"all {len(completed)} completed snapshot steps are ingested or being ingested"),
+            cursor=cursor)
     keys = [step_key(s) for s in steps]
     return SensorResult(
         run_requests=[RunRequest(run_key=k, partition_key=k) for k in keys],
         dynamic_partitions_requests=[rl_steps.build_add_request(keys)],
-        cursor=str(steps[-1]),
+        cursor=cursor,
     )

@@ -4,7 +4,11 @@ Each check looks at what a stage produced and answers pass/fail with the numbers
 answer. They are meant to catch the failures that really happen: shards damaged after they
 were written, a draft vocab that misses too much of the policy's output, a training run that
 diverged or learned nothing, an evaluation whose speculative outputs differ from plain greedy
-decoding (a drafter/engine bug that would make every τ meaningless).
+decoding (a drafter/engine bug that would make every τ meaningless), a serving drafter that
+went stale while the policy moved on (refreshes refused or not running).
+
+Importing this module is cheap (no torch): the Dagster definitions import it to declare the
+checks, and the evaluation stage is imported only by the functions that read reports.
 """
 
 from __future__ import annotations
@@ -12,14 +16,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipeline.evaluation.stage import AcceptanceReport
-from pipeline.layout import shards_prefix
+from pipeline.layout import DRAFTERS, EVALS, shards_prefix, step_of_prefix, steps_of
 from pipeline.manifest import read_manifest, verify_manifest
+from pipeline.serving_now import read_serving, serving_drafter_key
 from pipeline.storage import Storage
 
+if TYPE_CHECKING:
+    from pipeline.evaluation.stage import AcceptanceReport
+
 MIN_VOCAB_COVERAGE = 0.9  # share of loss-masked tokens the draft vocab can propose
+STALE_AFTER_STEPS = 8  # RL steps past the serving drafter's window before it is stale
+MAX_TAU_DROP = 0.10  # relative fall of the serving drafter's τ since its promotion
 
 
 @dataclass(frozen=True)
@@ -83,3 +92,117 @@ def evaluation_sound(report: AcceptanceReport) -> CheckOutcome:
     text = "; ".join(problems) or (f"all {len(report.contestants)} contestants lossless on "
                                    f"{prompts} prompts")
     return CheckOutcome(not problems, text, {"prompts": prompts, "problems": len(problems)})
+
+
+@dataclass(frozen=True)
+class ServingState:
+    """The drafter serving now, as the staleness check sees it: the end of its training
+    window and its τ, at promotion (as the candidate of its own refresh) and last measured
+    (as candidate or champion of the newest report that measured it)."""
+
+    version: str  # registry version ("" when the serving record names none)
+    drafter: str  # storage key of the drafter directory
+    window_end: int  # last RL step of its training window
+    tau_at_promotion: float | None = None
+    last_tau: float | None = None
+    last_tau_step: int | None = None  # refresh step of the report that measured last_tau
+
+
+def staleness(state: ServingState | None, newest_step: int | None, *,
+              stale_after_steps: int = STALE_AFTER_STEPS,
+              max_tau_drop: float = MAX_TAU_DROP) -> CheckOutcome:
+    """Stale when the newest ingested RL step is more than ``stale_after_steps`` past the end
+    of the serving drafter's window, or when its last measured τ fell by more than
+    ``max_tau_drop`` (a share) below its τ at promotion. Nothing serving is never stale."""
+    meta: dict[str, Any] = {"stale_after_steps": stale_after_steps,
+                            "max_tau_drop": max_tau_drop}
+    if state is None:
+        return CheckOutcome(True, "no drafter is serving: nothing can go stale", meta)
+    behind = max(0, newest_step - state.window_end) if newest_step is not None else 0
+    meta.update(version=state.version, drafter=state.drafter, window_end=state.window_end,
+                steps_behind=behind)
+    if newest_step is not None:
+        meta["newest_step"] = newest_step
+    problems = []
+    if behind > stale_after_steps:
+        problems.append(f"{behind} RL steps past its training window (ends at step "
+                        f"{state.window_end}; newest ingested {newest_step}), more than "
+                        f"{stale_after_steps}")
+    drop = _relative_drop(state.tau_at_promotion, state.last_tau)
+    for key in ("tau_at_promotion", "last_tau", "last_tau_step"):
+        if getattr(state, key) is not None:
+            meta[key] = getattr(state, key)
+    if drop is not None:
+        meta["tau_drop"] = drop
+        if drop > max_tau_drop:
+            problems.append(f"τ fell {drop:.1%} since promotion ({state.tau_at_promotion:.3f} "
+                            f"→ {state.last_tau:.3f} at refresh step {state.last_tau_step}), "
+                            f"more than {max_tau_drop:.1%}")
+    who = f"v{state.version}" if state.version else state.drafter
+    if problems:
+        return CheckOutcome(False, f"serving drafter {who} is stale: " + "; ".join(problems),
+                            meta)
+    tau = f", τ {state.last_tau:.3f} (at promotion {state.tau_at_promotion:.3f})" \
+        if drop is not None else ""
+    return CheckOutcome(True, f"serving drafter {who}: {behind} RL steps past its window"
+                              f"{tau}", meta)
+
+
+def _relative_drop(before: float | None, after: float | None) -> float | None:
+    if before is None or after is None or not (math.isfinite(before) and math.isfinite(after)) \
+            or before <= 0:
+        return None
+    return max(0.0, 1.0 - after / before)
+
+
+def serving_state(storage: Storage, name: str) -> ServingState | None:
+    """What :func:`staleness` judges, read from storage: the serving record of ``name``, its
+    drafter's manifest (``window_steps``, ``fingerprint``) and the acceptance reports from
+    the drafter's own refresh step on, newest first until one measured it (usually the
+    newest: every refresh measures the champion). None when nothing is served; ValueError
+    when the serving drafter cannot be read (outside this storage root, no manifest)."""
+    from pipeline.evaluation.stage import read_report
+
+    record = read_serving(storage, name)
+    if record is None or record.target is None:
+        return None
+    key = serving_drafter_key(storage, name)
+    drafter = read_manifest(storage, key) if key else None
+    if drafter is None or not drafter.meta.get("window_steps"):
+        raise ValueError(f"serving drafter {record.target.drafter_uri} has no readable "
+                         f"manifest with window_steps under {storage.url()}")
+    fingerprint = drafter.meta.get("fingerprint") or record.target.fingerprint
+    own_step = step_of_prefix(key, DRAFTERS)
+
+    def tau_in(step: int, names: Sequence[str]) -> float | None:
+        report = read_report(storage, step)
+        found = [report.contestants[n].tau for n in names if report is not None
+                 and n in report.contestants and report.contestants[n].fingerprint == fingerprint]
+        return found[0] if found else None
+
+    at_promotion = tau_in(own_step, ("candidate",)) if own_step is not None else None
+    last = last_step = None
+    for step in reversed(steps_of(storage.list_dirs(EVALS))):
+        if own_step is not None and step < own_step:
+            break
+        last = tau_in(step, ("champion", "candidate"))
+        if last is not None:
+            last_step = step
+            break
+    return ServingState(record.target.registry_version, key, max(drafter.meta["window_steps"]),
+                        at_promotion, last, last_step)
+
+
+def serving_staleness(storage: Storage, name: str, newest_step: int | None, *,
+                      stale_after_steps: int = STALE_AFTER_STEPS,
+                      max_tau_drop: float = MAX_TAU_DROP) -> CheckOutcome:
+    """:func:`staleness` of the drafter serving ``name`` now; a serving drafter that cannot
+    be read fails the check with the reason."""
+    try:
+        state = serving_state(storage, name)
+    except ValueError as e:
+        return CheckOutcome(False, f"staleness unknown: {e}",
+                            {"stale_after_steps": stale_after_steps,
+                             "max_tau_drop": max_tau_drop})
+    return staleness(state, newest_step, stale_after_steps=stale_after_steps,
+                     max_tau_drop=max_tau_drop)

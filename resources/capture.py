@@ -2,13 +2,15 @@
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from pipeline.capture.backends import open_backend
-from pipeline.capture.base import CaptureBackend
 from pipeline.storage import Storage
+
+if TYPE_CHECKING:  # the capture backends import torch: loaded when a backend is opened
+    from pipeline.capture.base import CaptureBackend
 
 
 class CaptureResource(ConfigurableResource):
@@ -27,7 +29,10 @@ class CaptureResource(ConfigurableResource):
                                          description="sglang: final-state server URLs")
 
     @contextlib.contextmanager
-    def open(self, storage: Storage, step: int, token_budget: int) -> Iterator[CaptureBackend]:
+    def open(self, storage: Storage, step: int, token_budget: int
+             ) -> Iterator["CaptureBackend"]:
+        from pipeline.capture.backends import open_backend
+
         with open_backend(storage, step, self.backend, aux_layer_ids=self.aux_layer_ids,
                           token_budget=token_budget, hf_dtype=self.hf_dtype,
                           sglang_aux_urls=self.sglang_aux_urls,

@@ -1,5 +1,6 @@
 """The refresh policy: how often the refresh sensor asks for a drafter refresh (every N RL
-steps) and how many RL steps a refresh trains on (the window K)."""
+steps), how many RL steps a refresh trains on (the window K), and when the drafter serving
+now counts as stale (the ``serving_staleness`` check on ``serving_drafter``)."""
 
 
 import os
@@ -7,23 +8,36 @@ import os
 from dagster import ConfigurableResource, EnvVar, InitResourceContext
 from pydantic import Field
 
-_ENV = {"every": "AERIE_REFRESH_EVERY", "window": "AERIE_REFRESH_WINDOW"}
+_ENV = {"every": "AERIE_REFRESH_EVERY", "window": "AERIE_REFRESH_WINDOW",
+        "stale_after_steps": "AERIE_STALE_AFTER_STEPS",
+        "max_tau_drop_percent": "AERIE_MAX_TAU_DROP_PERCENT"}
+_AT_LEAST = {"every": 1, "window": 1, "stale_after_steps": 0, "max_tau_drop_percent": 0}
 
 
 class RefreshPolicyResource(ConfigurableResource):
-    """N and K of the refresh loop (the refresh at RL step s trains on s-K+1..s)."""
+    """N and K of the refresh loop (the refresh at RL step s trains on s-K+1..s), and the
+    staleness thresholds of the serving drafter."""
 
     every: int = Field(default=4, description="N: refresh once per N ingested RL steps")
     window: int = Field(default=4, description="K: RL steps a refresh trains on")
+    stale_after_steps: int = Field(
+        default=8, description="serving_staleness warns when the newest ingested RL step is "
+                               "more than this many steps past the end of the serving "
+                               "drafter's training window")
+    max_tau_drop_percent: int = Field(
+        default=10, description="serving_staleness warns when the serving drafter's last "
+                                "measured τ is more than this many percent below its τ at "
+                                "promotion")
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
-        for name in _ENV:  # checked here: EnvVar values only exist once resolved
-            if getattr(self, name) < 1:
-                raise ValueError(f"refresh policy: {name} must be >= 1, got "
+        for name, least in _AT_LEAST.items():  # checked here: EnvVar values exist once resolved
+            if getattr(self, name) < least:
+                raise ValueError(f"refresh policy: {name} must be >= {least}, got "
                                  f"{getattr(self, name)}")
 
 
 def refresh_policy_from_env() -> RefreshPolicyResource:
-    """N and K from ``AERIE_REFRESH_EVERY`` / ``AERIE_REFRESH_WINDOW`` where they are set."""
+    """Every field from its variable (``AERIE_REFRESH_EVERY``, ``AERIE_REFRESH_WINDOW``,
+    ``AERIE_STALE_AFTER_STEPS``, ``AERIE_MAX_TAU_DROP_PERCENT``) where it is set."""
     return RefreshPolicyResource(**{f: EnvVar.int(v) for f, v in _ENV.items()
                                     if v in os.environ})

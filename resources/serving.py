@@ -20,9 +20,7 @@ from pydantic import Field
 
 from pipeline.eagle3.spec import SpecParams
 from pipeline.release.backend import MODES, LedgerBackend
-from pipeline.release.hotswap import SglangHotswap
 from pipeline.release.ledger import ServingLedger
-from pipeline.release.restart import RestartHook
 from pipeline.storage import Storage
 from resources.home import aerie_home
 
@@ -63,11 +61,15 @@ class ServingResource(ConfigurableResource):
             return LedgerBackend(ledger, settings)
         cache = Path(self.cache_dir) if self.cache_dir else aerie_home() / "serving-cache"
         if self.mode == "sglang-restart":
+            from pipeline.release.restart import RestartHook  # torch: only when used
+
             if not self.restart_command:
                 raise ValueError("serving mode sglang-restart needs restart_command")
             actuator = RestartHook(self.restart_command, settings,
                                    timeout_s=self.restart_timeout_s,
                                    no_drafter_argv=self.no_drafter_command or None)
         else:
+            from pipeline.release.hotswap import SglangHotswap  # torch: only when used
+
             actuator = SglangHotswap(self.server_urls, timeout_s=self.hotswap_timeout_s)
         return LedgerBackend(ledger, settings, actuator, cache_dir=cache)

@@ -9,16 +9,17 @@ where resumable runs live.
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from dagster import ConfigurableResource
 from pydantic import Field
 
 from pipeline.storage import Storage
-from pipeline.training import stage as training_stage
 from pipeline.training.config import TrainConfig
-from pipeline.training.stage import DrafterRefresh
 from resources.home import aerie_home
+
+if TYPE_CHECKING:  # torch and the training stage load when a drafter is trained
+    from pipeline.training.stage import DrafterRefresh
 
 EXECUTION_FIELDS = ("world_size", "zero_stage", "dtype", "device", "threads")
 
@@ -39,6 +40,8 @@ class TrainerResource(ConfigurableResource):
 
     def resolved_device(self) -> str:
         if self.device == "auto":
+            import torch
+
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
 
@@ -54,8 +57,10 @@ class TrainerResource(ConfigurableResource):
 
     def refresh(self, storage: Storage, step: int, config: TrainConfig, *,
                 warm_start: str = "serving", serving_name: str | None = None,
-                on_line: Callable[[str], None] | None = None) -> DrafterRefresh:
+                on_line: Callable[[str], None] | None = None) -> "DrafterRefresh":
         """Train, export and publish the drafter of refresh step ``step``."""
+        from pipeline.training import stage as training_stage
+
         return training_stage.run(storage, step, self.apply(config), work_root=self.work_root(),
                                warm_start=warm_start, serving_name=serving_name,
                                launcher=self.launcher,

@@ -7,12 +7,24 @@ import math
 
 import pytest
 
-from pipeline.checks import evaluation_sound, shard_integrity, training_loss, vocab_coverage
+from pipeline.checks import (
+    ServingState,
+    evaluation_sound,
+    serving_staleness,
+    shard_integrity,
+    staleness,
+    training_loss,
+    vocab_coverage,
+)
 from pipeline.contracts import Manifest
+from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.metrics import AcceptanceStats
-from pipeline.evaluation.stage import AcceptanceReport, Contestant
-from pipeline.layout import shards_prefix
+from pipeline.evaluation.stage import EVAL_KIND, REPORT_FILE, AcceptanceReport, Contestant
+from pipeline.layout import drafter_prefix, eval_prefix, shards_prefix
 from pipeline.manifest import entry_for, write_manifest
+from pipeline.records import to_json
+from pipeline.release.ledger import ServingLedger
+from pipeline.serving_now import ServingTarget
 from pipeline.storage import Storage
 
 
@@ -98,3 +110,91 @@ def test_evaluation_sound_fails_on_one_lossy_prompt():
 def test_evaluation_sound_fails_on_an_unmeasured_drafter():
     outcome = evaluation_sound(_report({"candidate": 4, "no_drafter": 4}, cycles=0))
     assert not outcome.passed and "0 cycles" in outcome.description
+
+
+# -- staleness of the serving drafter --------------------------------------------------------
+
+def _state(window_end=4, at_promotion=2.5, last=2.5, last_step=4) -> ServingState:
+    return ServingState("3", drafter_prefix(window_end), window_end, at_promotion, last,
+                        last_step)
+
+
+@pytest.mark.parametrize(("state", "newest", "passed", "why"), [
+    (None, 40, True, "no drafter is serving"),
+    (_state(), 6, True, "2 RL steps past its window"),
+    (_state(), 12, True, "8 RL steps"),  # exactly the threshold: not yet stale
+    (_state(), 13, False, "9 RL steps past its training window"),
+    (_state(last=2.3, last_step=8), 8, True, "τ 2.300"),  # -8%: within 10%
+    (_state(last=2.2, last_step=8), 8, False, "τ fell 12.0% since promotion"),
+    (_state(last=3.0, last_step=8), 8, True, "τ 3.000"),  # better than at promotion
+    (_state(at_promotion=None), 8, True, "4 RL steps"),  # forced in, never measured
+    (_state(), None, True, "0 RL steps"),  # nothing ingested (yet)
+])
+def test_staleness(state, newest, passed, why):
+    outcome = staleness(state, newest, stale_after_steps=8, max_tau_drop=0.10)
+    assert outcome.passed is passed and why in outcome.description, outcome.description
+
+
+def test_staleness_reports_both_problems_with_their_numbers():
+    outcome = staleness(_state(last=1.5, last_step=16), 20, stale_after_steps=8,
+                        max_tau_drop=0.10)
+    assert not outcome.passed
+    assert "16 RL steps past" in outcome.description and "τ fell 40.0%" in outcome.description
+    assert outcome.metadata["steps_behind"] == 16 and outcome.metadata["newest_step"] == 20
+    assert outcome.metadata["tau_drop"] == pytest.approx(0.4)
+
+
+def _stats(*accepted: int) -> dict:
+    stats = AcceptanceStats(num_steps=3, prompts=1)
+    for a in accepted:
+        stats.add_cycle(a, min(a + 1, 3), bonus=True)
+    return stats.to_dict()
+
+
+def _publish_report(store: Storage, step: int, contestants: dict[str, tuple[str, dict]]):
+    report = AcceptanceReport(
+        step=step, policy_uri="", policy_sha256="", heldout={"prompts": 1}, settings={},
+        heldout_key="h", settings_key="s", fingerprint=f"report-{step}", seconds=0.0,
+        contestants={n: Contestant(n, None, fp, stats, 1)
+                     for n, (fp, stats) in contestants.items()})
+    prefix = eval_prefix(step)
+    written = store.write_bytes(f"{prefix}/{REPORT_FILE}", to_json(report).encode())
+    write_manifest(store, prefix, Manifest(kind=EVAL_KIND, kind_version=1,
+                                           files=(entry_for(prefix, written),)))
+
+
+def _serve(store: Storage, step: int, window: list[int], fingerprint: str) -> str:
+    """A published drafter of refresh ``step`` that serving now points at."""
+    write_manifest(store, drafter_prefix(step), Manifest(
+        kind="drafter_checkpoint", kind_version=1, files=(),
+        meta={"window_steps": window, "fingerprint": fingerprint}))
+    ledger = ServingLedger(store, "aerie-drafter-test")
+    ledger.publish(ServingTarget(store.url(drafter_prefix(step)), fingerprint, ledger.name,
+                                 "2"), SpecParams(3, 1, 4), mode="manifest", reason="test")
+    return ledger.name
+
+
+def test_serving_staleness_reads_the_window_and_the_taus_from_storage(store):
+    name = _serve(store, 4, [1, 2, 3, 4], "fp-served")
+    _publish_report(store, 4, {"candidate": ("fp-served", _stats(2, 1)),  # τ 2.5
+                               "no_drafter": (None, _stats(0))})
+    _publish_report(store, 8, {"candidate": ("fp-new", _stats(3, 3)),  # a refused candidate
+                               "champion": ("fp-served", _stats(1, 1, 1, 1))})  # τ 2.0
+    _publish_report(store, 12, {"candidate": ("fp-newer", _stats(2))})  # no champion here
+    fresh = serving_staleness(store, name, 12, stale_after_steps=8, max_tau_drop=0.5)
+    assert fresh.passed, fresh.description
+    assert (fresh.metadata["window_end"], fresh.metadata["steps_behind"]) == (4, 8)
+    assert (fresh.metadata["tau_at_promotion"], fresh.metadata["last_tau"],
+            fresh.metadata["last_tau_step"]) == (2.5, 2.0, 8)
+    stale = serving_staleness(store, name, 13, stale_after_steps=8, max_tau_drop=0.1)
+    assert not stale.passed
+    assert "9 RL steps past" in stale.description and "τ fell 20.0%" in stale.description
+
+
+def test_serving_staleness_without_a_readable_serving_drafter(store):
+    assert serving_staleness(store, "aerie-drafter-test", 50).passed  # nothing served
+    ledger = ServingLedger(store, "aerie-drafter-test")
+    ledger.publish(ServingTarget("s3://elsewhere/drafters/step=000004", "fp", ledger.name,
+                                 "1"), SpecParams(3, 1, 4), mode="manifest", reason="test")
+    outcome = serving_staleness(store, ledger.name, 5)
+    assert not outcome.passed and "staleness unknown" in outcome.description

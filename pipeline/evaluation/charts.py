@@ -1,8 +1,11 @@
 """PNG charts: per-position acceptance rates, τ over RL steps, the training curve.
 
-Pure functions from numbers to PNG bytes (matplotlib's Agg backend, no display): assets put
-them in Dagster metadata (:func:`markdown_image`), the registry logs them to MLflow, and the
-benchmarks write them next to BENCHMARKS.md.
+Pure functions from numbers to PNG bytes (matplotlib's Agg backend, no display). The assets
+store them next to the refresh's acceptance report (:func:`publish_chart`:
+``evals/step=NNNNNN/charts/<name>.png``) and link them from their metadata, so the Dagster
+event log holds a path, not the image; the registry logs them to MLflow, and the benchmarks
+write them next to BENCHMARKS.md. matplotlib is imported on first use: importing this module
+is cheap.
 """
 
 from __future__ import annotations
@@ -11,18 +14,22 @@ import base64
 import io
 import math
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import matplotlib
+from pipeline.layout import eval_prefix
+from pipeline.storage import Storage
 
-matplotlib.use("Agg")  # headless: never touch a display
-import matplotlib.pyplot as plt  # noqa: E402 (after the backend choice)
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+CHARTS_DIR = "charts"
 
 _COLORS = {"candidate": "#1f77b4", "champion": "#ff7f0e", "no_drafter": "#7f7f7f"}
 
 
 def alpha_chart(alphas: Mapping[str, Sequence[float]], title: str = "") -> bytes:
     """Grouped bars: α_k (acceptance rate at draft position k) per contestant."""
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    fig, ax = _pyplot().subplots(figsize=(6, 3.2), dpi=100)
     names = [n for n, a in alphas.items() if a]
     width = 0.8 / max(len(names), 1)
     for j, name in enumerate(names):
@@ -41,7 +48,7 @@ def tau_curve(series: Mapping[str, Mapping[int, float]], title: str = "",
               refresh_steps: Sequence[int] = ()) -> bytes:
     """Lines: τ against RL step per series (e.g. stale / refreshed / scratch drafters);
     dotted verticals at ``refresh_steps``."""
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    fig, ax = _pyplot().subplots(figsize=(6, 3.2), dpi=100)
     for name, points in series.items():
         steps = sorted(points)
         ax.plot(steps, [points[s] for s in steps], marker="o", markersize=3, label=name,
@@ -58,7 +65,7 @@ def tau_curve(series: Mapping[str, Mapping[int, float]], title: str = "",
 
 def training_curve(history: Sequence[Mapping[str, float]], title: str = "") -> bytes:
     """Loss (left axis) and simulated acceptance length (right axis) per logged step."""
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    fig, ax = _pyplot().subplots(figsize=(6, 3.2), dpi=100)
     steps = [h["step"] for h in history]
     ax.plot(steps, [h["loss"] for h in history], color=_COLORS["candidate"], label="loss")
     ax.set_xlabel("optimizer step")
@@ -72,14 +79,37 @@ def training_curve(history: Sequence[Mapping[str, float]], title: str = "") -> b
     return _png(fig)
 
 
+def chart_key(step: int, name: str) -> str:
+    """Storage key of chart ``name`` of refresh step ``step``."""
+    return f"{eval_prefix(step)}/{CHARTS_DIR}/{name}.png"
+
+
+def publish_chart(storage: Storage, step: int, name: str, png: bytes) -> str:
+    """Write ``png`` at :func:`chart_key` (atomically; a re-run overwrites it) and return its
+    URL, which the assets link from their metadata."""
+    key = chart_key(step, name)
+    storage.write_bytes(key, png)
+    return storage.url(key)
+
+
 def markdown_image(png: bytes, alt: str) -> str:
-    """Markdown that embeds ``png`` inline (Dagster renders it in the metadata panel)."""
+    """Markdown that embeds ``png`` inline, for reports outside Dagster (the assets link the
+    stored PNG instead: an inline image would bloat every event of the event log)."""
     return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
 
 
-def _png(fig: plt.Figure) -> bytes:
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: never touch a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig: Figure) -> bytes:
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png")
-    plt.close(fig)
+    _pyplot().close(fig)
     return buf.getvalue()

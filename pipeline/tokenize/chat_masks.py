@@ -14,7 +14,7 @@ the message content, or its whitespace-trimmed form for templates that ``| trim`
 else (content altered, rendered twice, dropped) is a :class:`ChatMaskError` naming the sample
 and the message index.
 
-Masking rules (pinned by the golden tests in ``tests/data/golden/``):
+Masking rules (pinned by the golden tests in ``tests/tokenize/golden/``):
 
 - **Closing tokens.** An assistant span runs from the start of its content through the
   end-of-turn special token that follows it (optionally after whitespace the template puts

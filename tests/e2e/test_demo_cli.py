@@ -43,6 +43,8 @@ def test_demo_world_flows_through_dagster(aerie_home):
         assert set(table.column("trainer_step").to_pylist()) == {step}
 
     assert cli.train_newest() == "step-000002"
+    # the refresh's own partition: one per refresh, none for the steps in between
+    assert instance.get_dynamic_partitions("refresh_steps") == ["step-000002"]
     for name in ("drafter_checkpoint", "acceptance_eval", "registered_drafter",
                  "serving_drafter"):
         assert instance.get_materialized_partitions(AssetKey(name)) == {"step-000002"}, name

@@ -1,29 +1,45 @@
 """The refresh loop, unattended: the demo RL trainer writes one step at a time; the snapshot
 sensor ingests it; the refresh sensor (N=2, K=2) asks for a refresh at steps 1, 3 and 5; each
 refresh trains, evaluates, registers and goes through the gate, on one persistent Dagster
-instance. The third cycle is built to be worse (a from-scratch drafter trained for one step)
-and must be refused with the serving drafter left as it was.
+instance. Every gate outcome is fixed by the setup: cycle 1 has no champion, and a trained
+drafter beats no drafter; cycle 2 is held to a margin no drafter can reach (τ <= num_steps + 1
+= 4 while the champion's τ >= 1, so +1000% is impossible) and is refused; cycle 3 is built to
+be worse (a from-scratch drafter trained for one step) and is refused, the serving drafter
+left as it was.
 
-The loop runs once per module (the ``loop`` fixture); the tests read what it left behind.
+The loop runs once per module (the ``loop`` fixture); the tests read what it left behind and
+never change it (the damaged-shard test works on a copy of its storage).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from dagster import AssetCheckKey, AssetKey, DagsterInstance, build_sensor_context
+from dagster import (
+    AssetCheckKey,
+    AssetCheckSeverity,
+    AssetKey,
+    DagsterInstance,
+    build_sensor_context,
+    instance_for_test,
+    materialize,
+)
 
+from assets.groups import DATA_ASSETS, REFRESH_ASSETS
 from jobs import cli
 from jobs.refresh import refresh_sensor
 from pipeline.capture.window import WindowError
 from pipeline.demo.config import DemoConfig
+from pipeline.evaluation.charts import chart_key
 from pipeline.evaluation.stage import read_report
 from pipeline.serving_now import read_serving
 from pipeline.storage import Storage
@@ -41,9 +57,11 @@ TRAIN = {"ops": {
     # a small world has a few hundred draft-verify cycles per evaluation, not thousands
     "serving_drafter": {"config": {"min_cycles": 20}},
 }}
+UNREACHABLE = {"ops": {"serving_drafter": {"config": {"min_relative_gain": 10.0}}}}
 WORSE = {"ops": {"drafter_checkpoint": {"config": {
     "warm_start": "none", "max_steps": 1, "lr": 1e-6}}}}  # an untrained drafter
-WORSE_CYCLE = 3
+CYCLE_CONFIG = {1: TRAIN, 2: cli.deep_merge(TRAIN, UNREACHABLE), 3: cli.deep_merge(TRAIN, WORSE)}
+REFRESHES = ["step-000001", "step-000003", "step-000005"]
 
 
 @dataclass
@@ -89,9 +107,9 @@ def _run_loop(home: Path) -> Loop:
         if not requests:
             continue
         cursor = tick.cursor
-        worse = len(loop.refreshed) + 1 == WORSE_CYCLE
-        loop.refreshed += cli.execute_requests(loop.instance, "drafter_refresh", requests,
-                                               cli.deep_merge(TRAIN, WORSE) if worse else TRAIN)
+        cycle = len(loop.refreshed) + 1
+        loop.refreshed += cli.execute_tick(loop.instance, "drafter_refresh", tick,
+                                           CYCLE_CONFIG[cycle])
     return loop
 
 
@@ -104,8 +122,13 @@ def _meta(loop: Loop, asset: str, partition: str) -> dict:
 
 
 def test_sensor_ticks_drive_exactly_three_refreshes(loop):
-    assert loop.refreshed == ["step-000001", "step-000003", "step-000005"]
+    assert loop.refreshed == REFRESHES
     assert loop.sensor_ticks == ["skip", "run"] * 3
+    # the refresh assets have a partition per refresh, none missing in between
+    assert loop.instance.get_dynamic_partitions("refresh_steps") == REFRESHES
+    assert loop.instance.get_materialized_partitions(AssetKey("serving_drafter")) == set(
+        REFRESHES)
+    assert len(loop.instance.get_dynamic_partitions("rl_steps")) == 6
 
 
 def _versions(loop: Loop) -> list[str]:
@@ -114,35 +137,39 @@ def _versions(loop: Loop) -> list[str]:
 
 def test_every_cycle_registers_a_version(loop):
     assert _versions(loop) == ["1", "2", "3"]
+    for partition in loop.refreshed:  # the K=2 window ending at the refresh step
+        step = int(partition.rsplit("-", 1)[1])
+        for asset in ("vocab_mapping", "drafter_checkpoint", "acceptance_eval",
+                      "registered_drafter"):
+            assert _meta(loop, asset, partition)["window_steps"] == [step - 1, step], asset
 
 
-def test_promotion_follows_the_measured_gain(loop):
-    decisions = [_meta(loop, "serving_drafter", p) for p in loop.refreshed]
-    worse = decisions[WORSE_CYCLE - 1]
-    for d in decisions:
+def test_the_gate_decides_every_cycle_as_set_up(loop):
+    first, second, worse = (_meta(loop, "serving_drafter", p) for p in loop.refreshed)
+    for d in (first, second, worse):  # the gate promotes iff the measured gain is enough
         decision = d["decision"]
         gain_ok = decision["candidate_tau"] >= decision["baseline_tau"] * (
             1 + decision["policy"]["min_relative_gain"])
-        assert d["promoted"] is gain_ok, d["reasons"]  # the gate promotes iff it is better
-    assert any(d["promoted"] for d in decisions[:2])  # the trained cycles: one gets in
-    assert worse["action"] == "refused"  # the cycle built to be worse
-    assert worse["decision"]["baseline"] == "champion"
+        assert d["promoted"] is gain_ok, d["reasons"]
+    assert (first["action"], first["decision"]["baseline"]) == ("promoted", "no-drafter")
+    assert (first["champion"], first["previous_champion"]) == ("1", "none")
+    assert (second["action"], second["decision"]["baseline"]) == ("refused", "champion")
+    assert second["decision"]["champion_version"] == "1"
+    assert "at least 1000.00% required" in second["reasons"]
+    assert (worse["action"], worse["decision"]["baseline"]) == ("refused", "champion")
     assert worse["decision"]["candidate_tau"] < worse["decision"]["baseline_tau"]
-    assert worse["champion"] == worse["previous_champion"]  # serving left as it was
-    promoted = [v for v, d in zip(_versions(loop), decisions, strict=True) if d["promoted"]]
+    assert second["champion"] == worse["champion"] == "1"  # serving left as it was
     champion = mlflow_from_environment().champion()
-    assert champion is not None and champion.version == promoted[-1]
+    assert champion is not None and champion.version == "1"
     serving = read_serving(loop.storage, champion.model)
-    assert serving.target is not None and serving.target.registry_version == promoted[-1]
+    assert serving.target is not None and serving.target.registry_version == "1"
 
 
 def test_a_refresh_warm_starts_from_the_drafter_serving_before_it(loop):
     first, second = (_meta(loop, "drafter_checkpoint", p) for p in loop.refreshed[:2])
     assert first["warm_start_source"] == "none"  # nothing served yet
-    if _meta(loop, "serving_drafter", loop.refreshed[0])["promoted"]:
-        assert "drafters/step=000001#" in second["warm_start_source"]
-    else:
-        assert second["warm_start_source"] == "none"
+    assert second["warm_start"] == "warm"  # cycle 1 was promoted (asserted above)
+    assert "drafters/step=000001#" in second["warm_start_source"]
 
 
 def test_the_worse_cycle_was_really_worse_and_still_lossless(loop):
@@ -153,27 +180,70 @@ def test_the_worse_cycle_was_really_worse_and_still_lossless(loop):
                for c in report.contestants.values())
 
 
+def _evaluations(loop: Loop, asset: str, check: str) -> list:
+    """The check's evaluations, oldest first, each with the partition of its run."""
+    history = loop.instance.event_log_storage.get_asset_check_execution_history(
+        AssetCheckKey(AssetKey(asset), check), limit=50)
+    return [(loop.instance.get_run_by_id(h.run_id).tags.get("dagster/partition"), h.evaluation)
+            for h in reversed(history) if h.evaluation is not None]
+
+
 def test_checks_ran_on_every_stage_of_every_cycle(loop):
     expected = {("hidden_state_shards", "shard_integrity"), ("vocab_mapping", "vocab_coverage"),
                 ("drafter_checkpoint", "training_loss"),
                 ("acceptance_eval", "acceptance_lossless")}
     for asset, check in expected:
-        key = AssetCheckKey(AssetKey(asset), check)
-        history = loop.instance.event_log_storage.get_asset_check_execution_history(
-            key, limit=50)
-        evaluations = [h.evaluation for h in history if h.evaluation is not None]
+        evaluations = [e for _, e in _evaluations(loop, asset, check)]
         assert evaluations, (asset, check)
         if check != "training_loss":  # the one-step worse cycle may not fall: a warning
             assert all(e.passed for e in evaluations), (asset, check)
 
 
-def test_metadata_has_charts_and_stage_counts(loop):
+def test_the_staleness_check_follows_the_serving_drafter(loop):
+    """Champion v1 (window 0..1) serves through all three refreshes: 0, 2, then 4 RL steps
+    behind; its τ at promotion and as the champion of each later report."""
+    partitions, evaluations = zip(*_evaluations(loop, "serving_drafter", "serving_staleness"),
+                                  strict=True)
+    assert list(partitions) == REFRESHES
+    metas = [{k: v.value for k, v in e.metadata.items()} for e in evaluations]
+    assert [m["steps_behind"] for m in metas] == [0, 2, 4]
+    assert [m["last_tau_step"] for m in metas] == [1, 3, 5]
+    reports = [read_report(loop.storage, s) for s in (1, 3, 5)]
+    assert metas[0]["tau_at_promotion"] == metas[0]["last_tau"] == reports[0].contestants[
+        "candidate"].tau
+    assert metas[2]["last_tau"] == reports[2].contestants["champion"].tau
+    for e, m in zip(evaluations, metas, strict=True):
+        assert e.severity == AssetCheckSeverity.WARN
+        assert e.passed is (m["steps_behind"] <= 8 and m.get("tau_drop", 0) <= 0.10)
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    return struct.unpack(">II", data[16:24])
+
+
+def test_metadata_links_stored_charts_and_the_event_log_stays_small(loop):
     evaluation = _meta(loop, "acceptance_eval", "step-000005")
-    for chart in ("acceptance_per_position", "tau_over_rl_steps"):
-        assert evaluation[chart].startswith("![") and "data:image/png;base64," in \
-            evaluation[chart]
-    assert "data:image/png;base64," in _meta(loop, "drafter_checkpoint", "step-000003")[
-        "training_curve"]
+    for chart, name in (("acceptance_per_position", "alpha"), ("tau_over_rl_steps", "tau")):
+        assert evaluation[chart] == loop.storage.url(chart_key(5, name))
+        assert _png_size(loop.storage.local_path(chart_key(5, name))) == (600, 320)
+    curve = _meta(loop, "drafter_checkpoint", "step-000003")["training_curve"]
+    assert curve == loop.storage.url(chart_key(3, "training_curve"))
+    assert _png_size(loop.storage.local_path(chart_key(3, "training_curve")))[0] == 600
+    sizes = {}
+    for asset in (*DATA_ASSETS, *REFRESH_ASSETS):
+        records = loop.instance.fetch_materializations(AssetKey(asset), limit=100).records
+        assert records, asset
+        for r in records:
+            text = json.dumps({k: str(v.value)
+                               for k, v in r.asset_materialization.metadata.items()})
+            assert "base64" not in text and "data:image" not in text, asset
+            sizes[asset] = max(len(text), sizes.get(asset, 0))
+    assert max(sizes.values()) < 12_000, sizes  # numbers, tables and links: no images
+
+
+def test_metadata_has_stage_counts(loop):
     shards = _meta(loop, "hidden_state_shards", "step-000005")
     assert shards["samples"] > 0 and shards["tokens"] > 0 and shards["seconds"] > 0
     summary = _meta(loop, "serving_drafter", "step-000005")["refresh_summary"].splitlines()
@@ -189,27 +259,40 @@ def test_metadata_has_charts_and_stage_counts(loop):
     assert all(float(r[-1]) > 0 for r in rows.values())  # wall time of every stage
 
 
-def test_z_a_damaged_shard_is_refused_by_training_and_repaired_by_a_rerun(loop):
-    """Named to run last: it damages, then repairs, the loop's own data."""
-    from definitions import defs
+@pytest.fixture
+def storage_copy(loop, tmp_path) -> Storage:
+    """A private copy of the loop's storage, for tests that damage data."""
+    shutil.copytree(loop.home / "storage", tmp_path / "storage")
+    return Storage((tmp_path / "storage").as_uri())
 
-    shard = sorted((loop.home / "storage" / "shards" / "step=000005").glob("*.parquet"))[0]
+
+def test_a_damaged_shard_is_refused_by_training_and_repaired_by_a_rerun(storage_copy,
+                                                                        tmp_path):
+    from assets.shards import hidden_state_shards
+    from assets.snapshots import rollout_snapshot
+    from assets.tokenized import tokenized_rollouts
+    from resources.capture import CaptureResource
+    from resources.storage import StorageResource
+
+    shard = sorted(storage_copy.local_path("shards/step=000005").glob("*.parquet"))[0]
     good = shard.read_bytes()
     shard.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
-    storage = Storage((loop.home / "storage").as_uri())
     with pytest.raises(WindowError, match=shard.name):  # no refresh trains on it
-        training_stage.run(storage, 5, TrainConfig(max_steps=1), work_root=loop.home / "t")
-    ingest = defs.resolve_job_def("ingest_step")
-    before = loop.instance.get_latest_materialization_event(AssetKey("tokenized_rollouts"))
-    rerun = ingest.execute_in_process(instance=loop.instance, partition_key="step-000005",
-                                      run_config=cli.DEMO_INGEST_CONFIG)
-    after = loop.instance.get_latest_materialization_event(AssetKey("tokenized_rollouts"))
-    assert after.run_id == rerun.run_id != before.run_id  # earlier assets re-validated
+        training_stage.run(storage_copy, 5, TrainConfig(max_steps=1), work_root=tmp_path / "t")
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_steps", ["step-000005"])
+        rerun = materialize(  # what re-running the step's ingest_step does
+            [rollout_snapshot, tokenized_rollouts, hidden_state_shards], instance=instance,
+            partition_key="step-000005", run_config=cli.DEMO_INGEST_CONFIG,
+            resources={"storage": StorageResource(url=storage_copy.root_url),
+                       "capture": CaptureResource()})
+    meta = {e.asset_key.path[0]: e.materialization.metadata
+            for e in rerun.get_asset_materialization_events()}
+    assert set(meta) == set(DATA_ASSETS)  # the earlier stages re-validated too
     (evaluation,) = [e for e in rerun.get_asset_check_evaluations()
                      if e.check_name == "shard_integrity"]
     assert evaluation.passed
-    meta = {e.asset_key.path[0]: e for e in rerun.get_asset_materialization_events()}
-    shards = meta["hidden_state_shards"].materialization.metadata
+    shards = meta["hidden_state_shards"]
     assert shards["shards_reused"].value == shards["shards"].value - 1  # only the damaged one
     assert shard.read_bytes() == good
 
@@ -294,19 +377,38 @@ def test_ui_shows_the_asset_graph(loop, webserver, browser, tmp_path):
             assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
 
 
-def test_ui_shows_a_materialization_with_its_charts(loop, webserver, browser, tmp_path):
+def test_ui_links_the_stored_charts_of_a_materialization(loop, webserver, browser, tmp_path):
+    """The metadata panel shows the charts as links to PNGs in storage (no inline images), and
+    the linked files render as the 600 px charts."""
     from selenium.webdriver.common.by import By
 
     browser.get(f"{webserver}/assets/acceptance_eval?partition=step-000005")
     _wait_text(browser, "acceptance_per_position")
     _dismiss_welcome(browser)
-    links = browser.find_elements(By.XPATH, "//a[normalize-space()='[Show Markdown]']")
-    assert len(links) == 2  # α per position and τ over RL steps
-    links[0].click()
-    _wait_text(browser, "Close")
-    charts = [img for img in browser.find_elements(By.CSS_SELECTOR, "img")
-              if (img.get_attribute("src") or "").startswith("data:image/png;base64,")]
-    assert len(charts) == 1 and charts[0].size["width"] >= 300  # rendered, not a broken icon
-    assert browser.execute_script("return arguments[0].naturalWidth", charts[0]) == 600
-    shot = tmp_path / "acceptance_chart.png"
+    urls, links = {}, []
+    for label, name in (("acceptance_per_position", "alpha"), ("tau_over_rl_steps", "tau")):
+        urls[name] = loop.storage.url(chart_key(5, name))
+        _wait_text(browser, label)  # the metadata row and its link
+        links.append(_wait_contains(browser, chart_key(5, name)))
+    _wait_text(browser, "window_steps")
+    assert not browser.find_elements(By.XPATH, "//a[normalize-space()='[Show Markdown]']")
+    assert not [img for img in browser.find_elements(By.CSS_SELECTOR, "img")
+                if (img.get_attribute("src") or "").startswith("data:")]
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", links[0])
+    assert links[0].is_displayed()
+    shot = tmp_path / "acceptance_metadata.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+    for url in urls.values():  # follow the link: the stored chart renders
+        browser.get(url)
+        (img,) = browser.find_elements(By.CSS_SELECTOR, "img")
+        assert browser.execute_script(
+            "return arguments[0].complete && arguments[0].naturalWidth", img) == 600
+
+
+def _wait_contains(driver, text: str, timeout: float = 120):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout).until(ec.presence_of_element_located(
+        (By.XPATH, f"//*[contains(text(), {json.dumps(text)})]")))

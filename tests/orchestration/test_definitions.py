@@ -1,10 +1,19 @@
-"""The definitions load, and renames of assets, checks, jobs or sensors fail loudly."""
+"""The definitions load (fast), renames of assets, checks, jobs or sensors fail loudly, and the
+run-config mirrors of the stage configs keep the stages' defaults."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 from dagster import AssetKey
 
 from definitions import defs
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "transformers", "matplotlib", "mlflow", "deepspeed", "pyarrow", "tokenizers")
 
 
 def test_definitions_load_and_names_are_stable():
@@ -14,14 +23,50 @@ def test_definitions_load_and_names_are_stable():
         "drafter_checkpoint", "acceptance_eval", "registered_drafter", "serving_drafter"}
     assert {c.name for c in repo.asset_graph.asset_check_keys} == {
         "quarantine_ratio", "shard_integrity", "vocab_coverage", "training_loss",
-        "acceptance_lossless"}
+        "acceptance_lossless", "serving_staleness"}
     assert {j.name for j in repo.get_all_jobs() if not j.name.startswith("__")} == {
         "ingest_step", "drafter_refresh", "promote_drafter_manually", "rollback_drafter"}
     assert {s.name for s in repo.sensor_defs} == {"snapshot_sensor", "refresh_sensor"}
     assert {s.name for s in repo.schedule_defs} == {"drafter_refresh_schedule"}
     assert set(defs.resources) == {"storage", "capture", "trainer", "mlflow", "serving",
                                   "refresh"}
-    for key in ("rollout_snapshot", "tokenized_rollouts", "hidden_state_shards",
-                "vocab_mapping", "drafter_checkpoint", "acceptance_eval", "registered_drafter",
-                "serving_drafter"):
-        assert repo.asset_graph.get(AssetKey(key)).partitions_def.name == "rl_steps"
+
+
+def test_loading_the_definitions_imports_no_heavy_library():
+    """torch, transformers, matplotlib & co. load in the runs that need them, not in every
+    process that loads the code location (webserver, daemon, sensor ticks)."""
+    probe = ("import json, sys, definitions; "
+             f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    assert json.loads(out.splitlines()[-1]) == []
+
+
+def test_refresh_assets_describe_their_window():
+    graph = defs.get_repository_def().asset_graph
+    for name in ("vocab_mapping", "drafter_checkpoint", "acceptance_eval",
+                 "registered_drafter"):
+        description = graph.get(AssetKey(name)).description
+        assert "refresh_steps" in description and "s-K+1..s" in description, name
+        assert "window_steps" in description, name
+
+
+def test_run_config_defaults_mirror_the_stage_configs():
+    """The asset configs write their defaults out (the stage modules import torch or
+    transformers); here they are compared with the stages' own."""
+    from assets.drafter import DRAFT_VOCAB_SIZE, VocabRunConfig
+    from assets.evaluation import EvalRunConfig
+    from assets.shards import ShardsConfig
+    from assets.tokenized import TokenizeRunConfig
+    from pipeline.capture.stage import ExtractConfig
+    from pipeline.evaluation.stage import EvalConfig
+    from pipeline.tokenize.stage import TokenizeConfig
+    from pipeline.vocab.mapping import DEFAULT_DRAFT_VOCAB_SIZE
+    from resources.serving import ServingResource
+
+    assert ShardsConfig().to_core() == ExtractConfig()
+    assert TokenizeRunConfig().to_core() == TokenizeConfig()
+    core = EvalRunConfig().to_core(ServingResource())
+    assert (core.max_prompts, core.max_new_tokens) == (EvalConfig().max_prompts,
+                                                       EvalConfig().max_new_tokens)
+    assert DRAFT_VOCAB_SIZE == VocabRunConfig().draft_vocab_size == DEFAULT_DRAFT_VOCAB_SIZE

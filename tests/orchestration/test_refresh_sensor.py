@@ -69,6 +69,9 @@ def test_sensor_requests_exactly_one_refresh_per_block():
         assert req.partition_key == "step-000003"
         assert req.run_key == "drafter-refresh-step-000003"
         assert req.run_config["ops"]["vocab_mapping"]["config"]["window"] == 4
+        (add,) = first.dynamic_partitions_requests  # the refresh's own partition, only it
+        assert (add.partitions_def_name, list(add.partition_keys)) == (
+            "refresh_steps", ["step-000003"])
         assert json.loads(first.cursor) == {"last": 3}
         assert isinstance(tick(instance, first.cursor), SkipReason)  # same tick: nothing new
         ingest(instance, 4, 5, 6)
@@ -114,10 +117,17 @@ def test_policy_reads_the_environment(monkeypatch):
 
     monkeypatch.setenv("AERIE_REFRESH_EVERY", "8")
     monkeypatch.setenv("AERIE_REFRESH_WINDOW", "2")
+    monkeypatch.setenv("AERIE_STALE_AFTER_STEPS", "20")
+    monkeypatch.setenv("AERIE_MAX_TAU_DROP_PERCENT", "5")
     resolved = refresh_policy_from_env().process_config_and_initialize()
     assert (resolved.every, resolved.window) == (8, 2)
-    monkeypatch.delenv("AERIE_REFRESH_WINDOW")
-    assert refresh_policy_from_env().process_config_and_initialize().window == 4
+    assert (resolved.stale_after_steps, resolved.max_tau_drop_percent) == (20, 5)
+    for var in ("AERIE_REFRESH_WINDOW", "AERIE_STALE_AFTER_STEPS",
+                "AERIE_MAX_TAU_DROP_PERCENT"):
+        monkeypatch.delenv(var)
+    defaults = refresh_policy_from_env().process_config_and_initialize()
+    assert (defaults.window, defaults.stale_after_steps, defaults.max_tau_drop_percent) == (
+        4, 8, 10)
     monkeypatch.setenv("AERIE_REFRESH_EVERY", "0")
     with instance_for_test() as instance, pytest.raises(Exception) as failed:
         refresh_sensor(build_sensor_context(instance=instance,
@@ -152,8 +162,11 @@ def test_schedule_refreshes_the_newest_step_once():
         instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(4)])
         assert isinstance(drafter_refresh_schedule(ctx), SkipReason)
         ingest(instance, 0, 1, 2, 3)
+        assert instance.get_dynamic_partitions("refresh_steps") == []
         req = drafter_refresh_schedule(ctx)
         assert req.run_key == "drafter-refresh-step-000003"  # same scheme as the sensor
+        # a schedule cannot return partition requests: it added the refresh partition itself
+        assert instance.get_dynamic_partitions("refresh_steps") == ["step-000003"]
         launched(instance, 3, DagsterRunStatus.FAILURE)
         skip = drafter_refresh_schedule(ctx)  # launched, even though it failed: not again
         assert isinstance(skip, SkipReason) and "already launched" in str(skip)
@@ -172,3 +185,26 @@ def test_embedded_instance_runs_one_refresh_at_a_time(tmp_path, monkeypatch):
     tags = _job().tags
     assert [(lim["key"], lim["value"], lim["limit"]) for lim in limits] == [
         ("aerie/serial", tags["aerie/serial"], 1)]
+
+
+def test_dagster_resolves_the_triggers_requests_in_the_refresh_partitions():
+    """Dagster's own tick evaluation (what the daemon runs) validates each request's partition
+    key against ``refresh_steps``: the sensor's request resolves because its result adds the
+    key, the schedule's because it added the key to the instance."""
+    from definitions import defs
+
+    repo = defs.get_repository_def()
+    with instance_for_test() as instance:
+        ingest(instance, 0, 1, 2, 3)
+        sensor_ctx = build_sensor_context(instance=instance, instance_ref=instance.get_ref(),
+                                          repository_def=repo,
+                                          resources={"refresh": RefreshPolicyResource()})
+        data = refresh_sensor.evaluate_tick(sensor_ctx)
+        (req,) = data.run_requests
+        assert req.tags["dagster/partition"] == "step-000003"
+        assert instance.get_dynamic_partitions("refresh_steps") == []  # the daemon adds it
+        with build_schedule_context(instance=instance, repository_def=repo, resources={
+                "refresh": RefreshPolicyResource()}) as schedule_ctx:
+            (req,) = drafter_refresh_schedule.evaluate_tick(schedule_ctx).run_requests
+        assert req.tags["dagster/partition"] == "step-000003"
+        assert instance.get_dynamic_partitions("refresh_steps") == ["step-000003"]

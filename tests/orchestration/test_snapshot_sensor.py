@@ -1,42 +1,135 @@
-"""The snapshot sensor, stepped through cursor states with build_sensor_context."""
+"""The snapshot sensor, ticked with build_sensor_context on a temporary instance: every
+completed step is requested until it is ingested or being ingested, whatever the order in
+which steps complete and whatever became of the cursor."""
 
 from __future__ import annotations
 
-from dagster import SensorResult, SkipReason, build_sensor_context
+from dagster import (
+    AssetKey,
+    AssetMaterialization,
+    DagsterRunStatus,
+    SensorResult,
+    build_sensor_context,
+)
 
-from jobs.snapshots import snapshot_sensor
+from assets.groups import DATA_ASSETS
+from jobs.snapshots import plan_ingest, snapshot_sensor
+from pipeline.contracts import MANIFEST_NAME
 from pipeline.layout import raw_prefix
+from pipeline.storage import Storage
 
 from .conftest import write_step
 
 
-def tick(instance, resource, cursor):
-    return snapshot_sensor(build_sensor_context(instance=instance, cursor=cursor,
-                                                resources={"storage": resource}))
+def tick(instance, resource, cursor) -> SensorResult:
+    result = snapshot_sensor(build_sensor_context(instance=instance, cursor=cursor,
+                                                  resources={"storage": resource}))
+    assert isinstance(result, SensorResult)
+    return result
+
+
+def requested(result: SensorResult) -> list[str]:
+    return [r.partition_key for r in result.run_requests]
+
+
+def complete(storage: Storage, *steps: int) -> None:
+    """The completion marker of each step (all the sensor looks at: one listing)."""
+    for s in steps:
+        storage.write_bytes(f"{raw_prefix(s)}/{MANIFEST_NAME}", b"{}")
+
+
+def launch(instance, result: SensorResult, status=DagsterRunStatus.NOT_STARTED) -> None:
+    """What the daemon does with a tick: add the partitions, create one run per request."""
+    from definitions import defs
+
+    job = defs.resolve_job_def("ingest_step")
+    for add in result.dynamic_partitions_requests:
+        instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys))
+    for request in result.run_requests:
+        instance.create_run_for_job(job_def=job, run_id=None, status=status,
+                                    tags={"dagster/partition": request.partition_key,
+                                          "dagster/run_key": request.run_key})
 
 
 def test_sensor_discovers_each_completed_step_once(instance, local_storage, tmp_path):
     storage, resource = local_storage
-    assert isinstance(tick(instance, resource, None), SkipReason)  # nothing yet
+    assert tick(instance, resource, None).skip_reason is not None  # nothing yet
 
     write_step(storage, tmp_path, 0)
     write_step(storage, tmp_path, 1)
     first = tick(instance, resource, None)
-    assert isinstance(first, SensorResult)
-    assert [r.partition_key for r in first.run_requests] == ["step-000000", "step-000001"]
+    assert requested(first) == ["step-000000", "step-000001"]
     assert [r.run_key for r in first.run_requests] == ["step-000000", "step-000001"]
-    assert list(first.dynamic_partitions_requests[0].partition_keys) == [
-        "step-000000", "step-000001"]
-    assert first.cursor == "1"
-
-    assert isinstance(tick(instance, resource, first.cursor), SkipReason)  # no repeats
+    (add,) = first.dynamic_partitions_requests
+    assert add.partitions_def_name == "rl_steps"
+    assert list(add.partition_keys) == ["step-000000", "step-000001"]
+    # before the daemon created the runs, the cursor keeps them from being requested again
+    assert tick(instance, resource, first.cursor).skip_reason is not None
+    launch(instance, first)
+    again = tick(instance, resource, first.cursor)
+    assert again.skip_reason is not None and again.cursor == '{"pending": []}'
 
     storage.write_bytes(f"{raw_prefix(3)}/part-00000.parquet", b"unfinished")  # no marker
     write_step(storage, tmp_path, 2)
-    second = tick(instance, resource, first.cursor)
-    assert [r.partition_key for r in second.run_requests] == ["step-000002"]
-    assert second.cursor == "2"
+    assert requested(tick(instance, resource, again.cursor)) == ["step-000002"]
 
-    restarted = tick(instance, resource, None)  # a lost cursor re-requests; run keys dedupe
-    assert [r.run_key for r in restarted.run_requests] == [
-        "step-000000", "step-000001", "step-000002"]
+
+def test_a_step_completing_after_a_later_one_is_requested(instance, local_storage):
+    storage, resource = local_storage
+    complete(storage, 0, 1, 3)  # step 2's snapshot is still being written
+    first = tick(instance, resource, None)
+    assert requested(first) == ["step-000000", "step-000001", "step-000003"]
+    launch(instance, first, DagsterRunStatus.SUCCESS)
+    assert tick(instance, resource, first.cursor).skip_reason is not None
+    complete(storage, 2)
+    late = tick(instance, resource, first.cursor)
+    assert requested(late) == ["step-000002"]
+    assert list(late.dynamic_partitions_requests[0].partition_keys) == ["step-000002"]
+
+
+def test_a_lost_cursor_requests_nothing_twice_and_loses_nothing(instance, local_storage):
+    storage, resource = local_storage
+    complete(storage, 0, 1, 2, 3)
+    first = tick(instance, resource, None)
+    launch(instance, first)  # the daemon created all four runs; then the cursor is lost
+    complete(storage, 5)
+    assert requested(tick(instance, resource, None)) == ["step-000005"]
+    for name in DATA_ASSETS:  # step 4 ingested another way (a UI backfill): not requested
+        instance.report_runless_asset_event(AssetMaterialization(name, partition="step-000004"))
+    complete(storage, 4)
+    assert requested(tick(instance, resource, None)) == ["step-000005"]
+    # a failed ingest is not an ingested step: it stays requested (the daemon dedupes the
+    # run key; `aerie demo` retries it)
+    (run,) = [r for r in instance.get_runs() if r.tags["dagster/partition"] == "step-000001"]
+    instance.report_run_failed(run)
+    assert requested(tick(instance, resource, None)) == ["step-000001", "step-000005"]
+
+
+def test_each_tick_lists_the_snapshot_root_once(instance, local_storage, monkeypatch):
+    """Per-tick cost does not grow with the number of steps: one listing, no per-step reads."""
+    storage, resource = local_storage
+    complete(storage, *range(40))
+    for s in range(30):
+        for name in DATA_ASSETS:
+            instance.report_runless_asset_event(
+                AssetMaterialization(AssetKey(name), partition=f"step-{s:06d}"))
+    calls: dict[str, int] = {}
+    for method in ("list", "list_dirs", "exists", "read_bytes", "open_read"):
+        original = getattr(Storage, method)
+
+        def counted(self, *args, _name=method, _original=original, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Storage, method, counted)
+    result = tick(instance, resource, None)
+    assert requested(result) == [f"step-{s:06d}" for s in range(30, 40)]
+    assert calls == {"list": 1}
+
+
+def test_plan_ingest():
+    failed, ok = DagsterRunStatus.FAILURE, DagsterRunStatus.SUCCESS
+    assert plan_ingest([0, 1, 2, 3], {0: ok, 1: failed}, [2], []) == ([1, 3], [1, 3])
+    assert plan_ingest([0, 1, 2, 3], {0: ok, 1: failed}, [2], [3]) == ([1], [1, 3])
+    assert plan_ingest([3, 0], {3: DagsterRunStatus.STARTED}, [], [0]) == ([], [0])
+    assert plan_ingest([], {}, [], [7]) == ([], [7])  # requested, its run not created yet

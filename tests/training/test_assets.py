@@ -28,7 +28,7 @@ TRAIN = {k: v for k, v in to_dict(FAST).items()
 
 def run(instance, storage, tmp_path, step: int, assets, **vocab):
     key = f"step-{step:06d}"
-    instance.add_dynamic_partitions("rl_steps", [key])
+    instance.add_dynamic_partitions("refresh_steps", [key])
     config = {"vocab_mapping": {"config": {"window": 2, "draft_vocab_size": 64, **vocab}},
               "drafter_checkpoint": {"config": {**TRAIN, "max_steps": 6}}}
     return materialize(
@@ -84,7 +84,7 @@ def test_two_refreshes_train_publish_and_warm_start_with_lineage(storage, tmp_pa
 
 def test_the_window_defaults_to_the_refresh_resources_k(storage):
     with instance_for_test() as instance:
-        instance.add_dynamic_partitions("rl_steps", ["step-000003"])
+        instance.add_dynamic_partitions("refresh_steps", ["step-000003"])
         result = materialize(
             [vocab_mapping], partition_key="step-000003", instance=instance,
             resources={"storage": StorageResource(url=storage.root_url),
@@ -105,9 +105,23 @@ def test_missing_inputs_fail_the_assets_with_named_steps(storage, tmp_path):
         assert "materialize vocab_mapping" in failure.event_specific_data.error.to_string()
 
 
-def test_the_job_selects_the_refresh_assets():
-    assert drafter_refresh.name == "drafter_refresh"
-    assert REFRESH_ASSETS == ("vocab_mapping", "drafter_checkpoint", "acceptance_eval",
-                              "registered_drafter", "serving_drafter")
-    assert vocab_mapping.partitions_def.name == drafter_checkpoint.partitions_def.name == \
-        "rl_steps"
+def test_the_two_jobs_split_the_assets_by_partitioning():
+    """ingest_step and drafter_refresh together cover every asset of the definitions exactly
+    once; every refresh asset is partitioned by refresh step, every data asset by RL step."""
+    from definitions import defs
+    from jobs.snapshots import ingest_step
+
+    graph = defs.get_repository_def().asset_graph
+    every = set(graph.get_all_asset_keys())
+    jobs = [defs.resolve_job_def(j.name) for j in (ingest_step, drafter_refresh)]
+    selected = [set(job.asset_layer.executable_asset_keys) for job in jobs]
+    assert selected[0] | selected[1] == every and not selected[0] & selected[1]
+    for job, keys, partitions in zip(jobs, selected, ("rl_steps", "refresh_steps"),
+                                     strict=True):
+        assert job.partitions_def.name == partitions
+        assert {graph.get(k).partitions_def.name for k in keys} == {partitions}, job.name
+    for key in every:  # the groups agree: drafter + release are the refresh
+        node = graph.get(key)
+        refresh = node.group_name in ("drafter", "release")
+        assert node.partitions_def.name == ("refresh_steps" if refresh else "rl_steps"), key
+        assert (key.to_user_string() in REFRESH_ASSETS) is refresh, key
