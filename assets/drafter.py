@@ -22,14 +22,13 @@ from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.checks import MIN_VOCAB_COVERAGE, training_loss, vocab_coverage
 from pipeline.release.mlflow_registry import model_name
 from pipeline.training.config import TrainConfig
+from pipeline.vocab.config import DEFAULT_DRAFT_VOCAB_SIZE
 from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
 from resources.trainer import TrainerResource
 
 _T = TrainConfig()
-DRAFT_VOCAB_SIZE = 32000  # pipeline.vocab.mapping.DEFAULT_DRAFT_VOCAB_SIZE (torch: not loaded
-#                           with the definitions; a test keeps the two equal)
 WINDOW_NOTE = ("Partition: the refresh step s (refresh_steps). It reads the last K RL steps "
                "s-K+1..s of the data assets (metadata window_steps); Dagster draws the edge "
                "to the RL-step partition of the same key, the window's newest step.")
@@ -40,7 +39,7 @@ class VocabRunConfig(Config):
 
     window: int | None = Field(default=None, description="train on RL steps s-window+1 .. s; "
                                "unset: the refresh resource's K (AERIE_REFRESH_WINDOW)")
-    draft_vocab_size: int = Field(default=DRAFT_VOCAB_SIZE,
+    draft_vocab_size: int = Field(default=DEFAULT_DRAFT_VOCAB_SIZE,
                                   description="draft vocab size (capped by the target vocab)")
     min_coverage: float = Field(default=MIN_VOCAB_COVERAGE,
                                 description="vocab_coverage check: least share of masked "

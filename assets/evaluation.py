@@ -15,6 +15,7 @@ from assets.drafter import WINDOW_NOTE
 from assets.partitions import refresh_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.checks import evaluation_sound
+from pipeline.evaluation.config import EvalConfig
 from pipeline.layout import drafter_prefix
 from pipeline.release.mlflow_registry import model_name
 from pipeline.serving_now import serving_drafter_key
@@ -22,13 +23,14 @@ from resources.mlflow import MlflowResource
 from resources.serving import ServingResource
 from resources.storage import StorageResource
 
+_E = EvalConfig()
+
 
 class EvalRunConfig(Config):
-    """Run config of ``acceptance_eval``; mirrors :class:`EvalConfig` plus the champion (its
-    defaults written out: the evaluation stage imports torch; a test keeps them equal)."""
+    """Run config of ``acceptance_eval``; mirrors :class:`EvalConfig` plus the champion."""
 
-    max_prompts: int = Field(default=32, description="held-out prompts (at most)")
-    max_new_tokens: int = Field(default=128, description="tokens per prompt")
+    max_prompts: int = Field(default=_E.max_prompts, description="held-out prompts (at most)")
+    max_new_tokens: int = Field(default=_E.max_new_tokens, description="tokens per prompt")
     num_steps: int | None = Field(default=None, description="--speculative-num-steps (unset: "
                                                             "the serving resource's settings)")
     eagle_topk: int | None = Field(default=None, description="--speculative-eagle-topk")
@@ -37,10 +39,8 @@ class EvalRunConfig(Config):
     champion: str = Field(default="serving", description="serving (the drafter serving now) | "
                                                          "none | a storage prefix")
 
-    def to_core(self, serving: ServingResource):
+    def to_core(self, serving: ServingResource) -> EvalConfig:
         """Unset speculative settings are the ones the servers run (the serving resource)."""
-        from pipeline.evaluation.stage import EvalConfig
-
         given = (self.num_steps, self.eagle_topk, self.num_draft_tokens)
         if all(v is None for v in given):
             given = (serving.num_steps, serving.topk, serving.num_draft_tokens)

@@ -7,37 +7,36 @@ from pydantic import Field
 from assets.checks import result, spec
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from pipeline.capture.config import ExtractConfig
 from pipeline.checks import shard_integrity
 from resources.capture import CaptureResource
 from resources.storage import StorageResource
+
+_E = ExtractConfig()
 
 
 class ShardsConfig(Config):
     """Run config of ``hidden_state_shards``; mirrors :class:`ExtractConfig` field by field.
 
-    Which backend captures the states is the ``capture`` resource's business. The defaults
-    are written out (the capture stage imports torch, too slow to load with the
-    definitions); a test keeps them equal to :class:`ExtractConfig`'s.
+    Which backend captures the states is the ``capture`` resource's business.
     """
 
-    token_budget: int = Field(default=16384,
+    token_budget: int = Field(default=_E.token_budget,
                               description="max padded tokens (batch × longest) per forward")
-    max_batch_size: int = Field(default=64, description="max samples per forward")
-    shard_bytes: int = Field(default=512 << 20,
+    max_batch_size: int = Field(default=_E.max_batch_size, description="max samples per forward")
+    shard_bytes: int = Field(default=_E.shard_bytes,
                              description="bf16 state bytes per shard before compression")
-    row_group_bytes: int = Field(default=64 << 20,
+    row_group_bytes: int = Field(default=_E.row_group_bytes,
                                  description="state bytes per Parquet row group (read unit)")
-    compression: str = Field(default="zstd",
+    compression: str = Field(default=_E.compression,
                              description="Parquet codec: zstd (smaller) or none (faster)")
-    sort_by_length: bool = Field(default=True,
+    sort_by_length: bool = Field(default=_E.sort_by_length,
                                  description="batch a shard's samples longest first")
-    heldout_fraction: float = Field(default=0.05,
+    heldout_fraction: float = Field(default=_E.heldout_fraction,
                                     description="share of prompts held out for evaluation "
                                                 "(never trained on)")
 
-    def to_core(self):
-        from pipeline.capture.stage import ExtractConfig
-
+    def to_core(self) -> ExtractConfig:
         return ExtractConfig(
             token_budget=self.token_budget, max_batch_size=self.max_batch_size,
             shard_bytes=self.shard_bytes, row_group_bytes=self.row_group_bytes,

@@ -6,36 +6,33 @@ from pydantic import Field
 
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from pipeline.tokenize.config import TokenizeConfig
 from resources.storage import StorageResource
+
+_T = TokenizeConfig()
 
 
 class TokenizeRunConfig(Config):
-    """Run config of ``tokenized_rollouts``; mirrors :class:`TokenizeConfig` field by field.
+    """Run config of ``tokenized_rollouts``; mirrors :class:`TokenizeConfig` field by field."""
 
-    The defaults are written out (the tokenize stage imports transformers, too slow to load
-    with the definitions); a test keeps them equal to :class:`TokenizeConfig`'s.
-    """
-
-    max_length: int = Field(default=2048,
+    max_length: int = Field(default=_T.max_length,
                             description="longest sample in tokens; longer ones are cut")
-    keep_tail: int = Field(default=512,
+    keep_tail: int = Field(default=_T.keep_tail,
                            description="when cutting, at least this many tokens ending at the "
                                        "response's last masked token are kept; the prompt "
                                        "head gets the rest (= max_length: keep only the end)")
-    min_response_tokens: int = Field(default=1,
+    min_response_tokens: int = Field(default=_T.min_response_tokens,
                                      description="drop samples with fewer masked tokens")
-    rows_per_file: int = Field(default=4096,
+    rows_per_file: int = Field(default=_T.rows_per_file,
                                description="samples per Parquet part")
     end_of_turn_tokens: list[str] = Field(
         default_factory=list,
         description="special tokens closing an assistant turn; empty: the tokenizer's EOS "
                     "plus known closers (<|eot_id|>, <|im_end|>, ...) in its vocab")
-    max_examples: int = Field(default=5,
+    max_examples: int = Field(default=_T.max_examples,
                               description="example sample ids per problem kind in metadata")
 
-    def to_core(self):
-        from pipeline.tokenize.stage import TokenizeConfig
-
+    def to_core(self) -> TokenizeConfig:
         return TokenizeConfig(
             max_length=self.max_length, keep_tail=self.keep_tail,
             min_response_tokens=self.min_response_tokens, rows_per_file=self.rows_per_file,

@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.capture import stage as capture_stage
+from pipeline.capture.config import ExtractConfig
 from pipeline.capture.hf import HFCaptureBackend  # noqa: E402
 from pipeline.capture.shards import (
     ShardSample,
@@ -48,7 +49,6 @@ from pipeline.capture.shards import (
     read_shards_manifest,
     write_shard,
 )
-from pipeline.capture.stage import ExtractConfig
 from pipeline.contracts import Manifest  # noqa: E402
 from pipeline.layout import shards_prefix, tokenized_prefix
 from pipeline.manifest import entry_for, write_manifest  # noqa: E402

@@ -38,8 +38,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.capture import stage as capture_stage
+from pipeline.capture.config import ExtractConfig
 from pipeline.capture.hf import HFCaptureBackend  # noqa: E402
-from pipeline.capture.stage import ExtractConfig
 from pipeline.capture.window import load_target, read_window  # noqa: E402
 from pipeline.contracts import Manifest  # noqa: E402
 from pipeline.eagle3.ttt_batch import collate

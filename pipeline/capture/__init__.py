@@ -7,4 +7,5 @@
 - :mod:`.stage`: ``run`` extracts one step, resumably, shard by shard.
 - :mod:`.window`: reading the committed shards and policy of a K-step window (for vocab,
   training and evaluation).
+- :mod:`.config`: :class:`~.config.ExtractConfig` (torch-free: the run config mirrors it).
 """

@@ -9,11 +9,10 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from pipeline.capture.base import CaptureBackend
+from pipeline.capture.config import DEFAULT_TOKEN_BUDGET
 from pipeline.eagle3.config import default_aux_layer_ids
 from pipeline.layout import policy_prefix
 from pipeline.storage import Storage
-
-DEFAULT_TOKEN_BUDGET = 16384  # ExtractConfig.token_budget: max padded tokens per call
 
 BACKENDS = ("hf", "sglang")
 

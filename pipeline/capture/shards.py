@@ -51,6 +51,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from pipeline.capture.config import DEFAULT_ROW_GROUP_BYTES
 from pipeline.contracts import Manifest
 from pipeline.layout import shards_prefix
 from pipeline.manifest import read_manifest
@@ -61,7 +62,6 @@ SHARDS_KIND = "hidden_state_shards"
 SHARD_SCHEMA_VERSION = 1
 SHARD_DTYPE = "bfloat16"
 SHARD_LAYOUT = "aux_hidden, final_hidden: little-endian bf16 bits of a row-major (T, W) tensor"
-DEFAULT_ROW_GROUP_BYTES = 64 << 20
 _MAX_VALUE_BYTES = (1 << 31) - 1  # a Parquet BYTE_ARRAY value has an int32 length
 _KEY = "aerie."  # prefix of Aerie's key-value metadata
 

@@ -37,11 +37,10 @@ from typing import Any
 
 import torch
 
-from pipeline.capture.backends import DEFAULT_TOKEN_BUDGET
 from pipeline.capture.base import CaptureBackend, CapturedStates
+from pipeline.capture.config import ExtractConfig
 from pipeline.capture.heldout import HeldoutSplit
 from pipeline.capture.shards import (
-    DEFAULT_ROW_GROUP_BYTES,
     SHARD_DTYPE,
     SHARD_SCHEMA_VERSION,
     SHARDS_KIND,
@@ -77,27 +76,6 @@ PROGRESS_DIR = "_progress"
 
 class ExtractionError(RuntimeError):
     """The inputs or a backend's output break the contract; the message says where."""
-
-
-@dataclass(frozen=True)
-class ExtractConfig:
-    """How a step is batched and sharded. Every field changes the bytes written."""
-
-    token_budget: int = DEFAULT_TOKEN_BUDGET  # max padded tokens per backend call: B * T_max
-    max_batch_size: int = 64
-    shard_bytes: int = 512 << 20  # bf16 state bytes per shard (before compression)
-    row_group_bytes: int = DEFAULT_ROW_GROUP_BYTES
-    compression: str = "zstd"  # Parquet codec: "zstd" (~20% smaller) or "none" (faster)
-    sort_by_length: bool = True  # inside a shard: longest first, less padding
-    heldout_fraction: float = 0.05  # prompts kept out of the shards for evaluation
-
-    def __post_init__(self) -> None:
-        for name in ("token_budget", "max_batch_size", "shard_bytes", "row_group_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        HeldoutSplit(self.heldout_fraction)  # validates the fraction
-        if self.compression not in ("zstd", "none", "lz4", "snappy"):
-            raise ValueError(f"unsupported compression {self.compression!r}")
 
 
 @dataclass(frozen=True)

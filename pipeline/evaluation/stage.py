@@ -26,7 +26,6 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ import torch
 from pipeline.capture.heldout import heldout_prompts
 from pipeline.contracts import Manifest
 from pipeline.eagle3.export import load_drafter
-from pipeline.eagle3.spec import SpecParams
+from pipeline.evaluation.config import EvalConfig
 from pipeline.evaluation.engine import evaluate
 from pipeline.evaluation.metrics import AcceptanceStats
 from pipeline.layout import EVALS, eval_prefix, policy_prefix, steps_of
@@ -51,33 +50,6 @@ EVAL_KIND = "acceptance_eval"
 REPORT_SCHEMA_VERSION = 1
 REPORT_FILE = "report.json"
 NO_DRAFTER = "no_drafter"
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """What is measured: prompt count, generation length and SGLang's speculative settings.
-
-    ``num_steps``/``eagle_topk``/``num_draft_tokens``: all three or none (None: SGLang's
-    auto choice for the target's architecture, DESIGN §5).
-    """
-
-    max_prompts: int = 32
-    max_new_tokens: int = 128
-    num_steps: int | None = None
-    eagle_topk: int | None = None
-    num_draft_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_prompts < 1 or self.max_new_tokens < 1:
-            raise ValueError("max_prompts and max_new_tokens must be >= 1")
-
-    def spec_params(self, architectures: Sequence[str] | None) -> SpecParams:
-        given = (self.num_steps, self.eagle_topk, self.num_draft_tokens)
-        if all(v is None for v in given):
-            return SpecParams.auto_for(architectures)
-        if any(v is None for v in given):
-            raise ValueError("set num_steps, eagle_topk and num_draft_tokens together, or none")
-        return SpecParams(*given)
-
 
 @dataclass(frozen=True)
 class Contestant:

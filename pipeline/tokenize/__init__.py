@@ -4,4 +4,5 @@
 - :mod:`.schema`: the tokenized dataset's Arrow schema.
 - :mod:`.stage`: ``run`` tokenizes one step's accepted rollouts.
 - :mod:`.reader`: streams a committed tokenized dataset (for capture and held-out prompts).
+- :mod:`.config`: :class:`~.config.TokenizeConfig` (torch-free: the run config mirrors it).
 """

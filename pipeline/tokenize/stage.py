@@ -54,6 +54,7 @@ from pipeline.snapshot.schema import ROLLOUT_SCHEMA
 from pipeline.snapshot.sieve import SnapshotError
 from pipeline.storage import Storage
 from pipeline.tokenize.chat_masks import ChatMaskError, encode_chat, encode_prompt
+from pipeline.tokenize.config import TokenizeConfig
 from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA, TOKENIZED_SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
@@ -61,26 +62,6 @@ log = logging.getLogger(__name__)
 _TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                               "chat_template.json", "special_tokens_map.json",
                               "added_tokens.json"})
-
-
-@dataclass(frozen=True)
-class TokenizeConfig:
-    """How samples are built; see the module docstring for the truncation window."""
-
-    max_length: int = 2048
-    keep_tail: int = 512  # response-end tokens always kept when cutting (capped at max_length)
-    min_response_tokens: int = 1  # fewer masked tokens than this: the sample is dropped
-    rows_per_file: int = 4096
-    end_of_turn_tokens: tuple[str, ...] = ()  # empty: EOS + known turn closers in the vocab
-    max_examples: int = 5  # example sample ids per problem kind in the manifest
-
-    def __post_init__(self) -> None:
-        if self.max_length < 2:
-            raise ValueError(f"max_length {self.max_length} must be at least 2")
-        if self.keep_tail < 1:
-            raise ValueError(f"keep_tail {self.keep_tail} must be positive")
-        if self.min_response_tokens < 1 or self.rows_per_file < 1 or self.max_examples < 0:
-            raise ValueError("min_response_tokens and rows_per_file must be positive")
 
 
 @dataclass(frozen=True)

@@ -3,4 +3,5 @@
 - :mod:`.mapping`: token counting and the d2t/t2d mapping (SGLang's format).
 - :mod:`.stage`: ``run`` counts the window's shards and commits the mapping (content-keyed
   cache plus a per-step pointer).
+- :mod:`.config`: the default draft vocab size (torch-free).
 """

@@ -17,10 +17,11 @@ from assets.shards import ShardsConfig, hidden_state_shards
 from pipeline.capture import stage as capture_stage
 from pipeline.capture.backends import open_backend
 from pipeline.capture.base import CapturedStates
+from pipeline.capture.config import ExtractConfig
 from pipeline.capture.heldout import HeldoutSplit, heldout_prompts
 from pipeline.capture.hf import HFCaptureBackend
 from pipeline.capture.shards import iter_shard, iter_step, read_shards_manifest
-from pipeline.capture.stage import ExtractConfig, ExtractionError
+from pipeline.capture.stage import ExtractionError
 from pipeline.contracts import Manifest
 from pipeline.layout import shards_prefix, tokenized_prefix
 from pipeline.manifest import entry_for, read_manifest, verify_manifest, write_manifest

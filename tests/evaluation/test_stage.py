@@ -14,7 +14,8 @@ from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.evaluation import stage
-from pipeline.evaluation.stage import NO_DRAFTER, EvalConfig, read_report, tau_history
+from pipeline.evaluation.config import EvalConfig
+from pipeline.evaluation.stage import NO_DRAFTER, read_report, tau_history
 from pipeline.manifest import entry_for, write_manifest
 from pipeline.storage import Storage
 from tests.training.world import EXTRACT, build_world, tiny_target

@@ -14,7 +14,7 @@ import pytest
 from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation import stage as evaluation_stage
 from pipeline.evaluation.charts import alpha_chart
-from pipeline.evaluation.stage import EvalConfig
+from pipeline.evaluation.config import EvalConfig
 from pipeline.layout import drafter_prefix
 from pipeline.manifest import entry_for, read_manifest, write_manifest
 from pipeline.release import register as register_stage

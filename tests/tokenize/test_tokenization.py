@@ -25,14 +25,9 @@ from pipeline.tokenize.chat_masks import (
     encode_prompt,
     mask_from_offsets,
 )
+from pipeline.tokenize.config import TokenizeConfig
 from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
-from pipeline.tokenize.stage import (
-    TokenizeConfig,
-    first_difference,
-    load_step_tokenizer,
-    tokenize_record,
-    truncate,
-)
+from pipeline.tokenize.stage import first_difference, load_step_tokenizer, tokenize_record, truncate
 from resources.storage import StorageResource
 
 from .test_tokenization_templates import chatml_think_tokenizer, chatml_tokenizer, demo_tokenizer

@@ -17,8 +17,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.capture import stage as capture_stage
+from pipeline.capture.config import ExtractConfig
 from pipeline.capture.hf import HFCaptureBackend
-from pipeline.capture.stage import ExtractConfig
 from pipeline.contracts import Manifest
 from pipeline.layout import tokenized_prefix
 from pipeline.manifest import entry_for, write_manifest
