@@ -36,8 +36,9 @@ class EvalRunConfig(Config):
     eagle_topk: int | None = Field(default=None, description="--speculative-eagle-topk")
     num_draft_tokens: int | None = Field(default=None,
                                          description="--speculative-num-draft-tokens")
-    champion: str = Field(default="serving", description="serving (the drafter serving now) | "
-                                                         "none | a storage prefix")
+    champion: str = Field(default="serving", description="serving (the drafter serving now; "
+                                                         "'registry' is the old name) | none "
+                                                         "| a storage prefix")
 
     def to_core(self, serving: ServingResource) -> EvalConfig:
         """Unset speculative settings are the ones the servers run (the serving resource)."""
@@ -66,7 +67,7 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
     store, step = storage.build(), step_of(context.partition_key)
     with fail_fast_on_permanent_errors():
         champion = (serving_drafter_key(store, model_name(mlflow.target_family))
-                    if config.champion == "serving"
+                    if config.champion in ("serving", "registry")
                     else None if config.champion == "none" else config.champion)
         r = evaluation_stage.run(store, step, drafter_prefix(step), champion,
                                  config.to_core(serving))

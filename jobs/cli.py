@@ -47,7 +47,33 @@ def _prepare_dagster_home() -> Path:
     config = home / "dagster.yaml"
     if not config.exists():
         config.write_text(INSTANCE_YAML)
+    else:
+        _add_missing_limits(config)
     return home
+
+
+def _add_missing_limits(config: Path) -> None:
+    """An instance written by an older Aerie lacks the refresh serial limit or the promotion
+    pool limit: add what is missing, keep every value already set."""
+    import yaml
+
+    current = yaml.safe_load(config.read_text()) or {}
+    if "run_queue" in current or "run_coordinator" in current:
+        log.warning("%s configures runs its own way; add the concurrency limits of "
+                    "jobs/cli.py INSTANCE_YAML yourself", config)
+        return
+    wanted = yaml.safe_load(INSTANCE_YAML)["concurrency"]
+    concurrency = current.setdefault("concurrency", {})
+    changed = False
+    for key, value in wanted.items():
+        section = concurrency.setdefault(key, {})
+        for name, setting in value.items():
+            if name not in section:
+                section[name] = setting
+                changed = True
+    if changed:
+        config.write_text(yaml.safe_dump(current, sort_keys=False))
+        log.info("%s: added Aerie's concurrency limits", config)
 
 
 def generate_demo_world(force: bool = False, config=None) -> dict:

@@ -25,11 +25,13 @@ and the SGLang format, shared by training and evaluation).
 
 Data flows one way: a stage imports the foundation and earlier stages, never a later one;
 the foundation imports no stage. :mod:`checks` (quality checks over several stages) and
-:mod:`demo` (the demo RL trainer) sit on top. ``tests/test_architecture.py`` enforces this,
-and that nothing here imports ``dagster``.
+:mod:`demo` (the demo RL trainer) sit on top, with the deprecated aliases of
+:data:`DEPRECATED` (old import paths users of earlier releases relied on).
+``tests/test_architecture.py`` enforces this, and that nothing here imports ``dagster``.
 """
 
 STAGES = ("snapshot", "tokenize", "capture", "vocab", "training", "evaluation", "release")
 FOUNDATION = ("storage", "layout", "records", "contracts", "manifest", "parquet",
               "serving_now", "eagle3")
 ON_TOP = ("checks", "demo")
+DEPRECATED = ("data", "serving")  # import paths of earlier releases, re-exported

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.layout import DRAFTERS, EVALS, shards_prefix, step_of_prefix, steps_of
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.serving_now import read_serving, serving_drafter_key
-from pipeline.storage import Storage
+from pipeline.storage import Storage, StorageError
 
 if TYPE_CHECKING:
     from pipeline.evaluation.stage import AcceptanceReport
@@ -166,7 +166,10 @@ def serving_state(storage: Storage, name: str) -> ServingState | None:
     record = read_serving(storage, name)
     if record is None or record.target is None:
         return None
-    key = serving_drafter_key(storage, name)
+    try:
+        key = serving_drafter_key(storage, name)
+    except StorageError as e:  # served from outside this storage root
+        raise ValueError(str(e)) from e
     drafter = read_manifest(storage, key) if key else None
     if drafter is None or not drafter.meta.get("window_steps"):
         raise ValueError(f"serving drafter {record.target.drafter_uri} has no readable "

@@ -14,8 +14,9 @@ dataset is a key prefix holding its files and, written last, ``_manifest.json``:
     evals/step=NNNNNN/        acceptance report + charts             (stage 6, evaluation)
     serving/<name>/           serving manifests + current.json       (stage 7, release)
 
-Step directories are ``step=`` plus exactly six ASCII digits (:func:`parse_step_dir`
-refuses anything else, so ``step=0003`` and ``step=²`` are never read as steps).
+Step directories are ``step=`` plus the step as :func:`step_dir` writes it: six ASCII digits,
+zero-padded, or more without padding (:func:`parse_step_dir` refuses anything else, so
+``step=0003`` and ``step=²`` are never read as steps).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ DRAFTERS = "drafters"
 EVALS = "evals"
 SERVING = "serving"
 
-_STEP_DIR = re.compile(r"step=([0-9]{6})")
+_STEP_DIR = re.compile(r"step=([0-9]{6}|[1-9][0-9]{6,})")  # what step_dir writes
 _SERVING_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 

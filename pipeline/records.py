@@ -78,6 +78,8 @@ def _value(hint: Any, value: Any, where: str) -> Any:
         if not isinstance(value, list | tuple):
             raise RecordError(f"{where}: expected a list, got {type(value).__name__}")
         if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise RecordError(f"{where}: expected {len(args)} items, got {len(value)}")
             items = [_value(a, v, where) for a, v in zip(args, value, strict=True)]
         else:
             items = [_value(args[0], v, where) for v in value] if args else list(value)

@@ -112,14 +112,12 @@ def serving_history(storage: Storage, name: str) -> list[ServingManifest]:
 
 
 def serving_drafter_key(storage: Storage, name: str) -> str | None:
-    """Storage key of the drafter serving ``name`` now, or None (nothing served, serving
-    without a drafter, or a drafter outside this storage root)."""
+    """Storage key of the drafter serving ``name`` now, or None (nothing served, or serving
+    without a drafter). A drafter outside this storage root is a :class:`StorageError`."""
     manifest = read_serving(storage, name)
     if manifest is None or manifest.target is None:
         return None
-    root = storage.url() + "/"
-    uri = manifest.target.drafter_uri
-    return uri[len(root):] if uri.startswith(root) else None
+    return storage.key_of(manifest.target.drafter_uri)
 
 
 def read_serving(storage: Storage, name: str) -> ServingManifest | None:

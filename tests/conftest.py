@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from pipeline.storage import Storage
-from tests.training.world import build_world
 
 
 def free_port() -> int:
@@ -77,6 +76,8 @@ def storage(request, tmp_path) -> Storage:
 def world_root(tmp_path_factory) -> Path:
     """The tiny training world of tests/training/world.py (3 steps × 32 samples), built
     once per session; never written to."""
+    from tests.training.world import build_world
+
     root = tmp_path_factory.mktemp("world") / "storage"
     build_world(root)
     return root

@@ -17,19 +17,24 @@ from pathlib import Path
 import pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ("pipeline", "assets", "jobs", "resources", "definitions.py")
+CODE = ("pipeline", "assets", "jobs", "resources", "definitions.py", "bench")
 
 
-def imports(source: str) -> list[tuple[int, str]]:
-    """``(line, module)`` of every absolute import in ``source``."""
+def imports(source: str, module: str = "", is_package: bool = False) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import in ``source`` (of ``module``), relative ones made
+    absolute."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found += [(node.lineno, node.module)]
+        elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            target = node.module or ""
+            if node.level:
+                base = module.split(".")[:len(module.split(".")) - node.level + is_package]
+                target = ".".join(base + ([target] if target else []))
+            found += [(node.lineno, target)]
             # ``from pipeline import stage_pkg`` imports the package named after it
-            if node.module == "pipeline":
+            if target == "pipeline":
                 found += [(node.lineno, f"pipeline.{a.name}") for a in node.names]
     return found
 
@@ -39,7 +44,7 @@ def layer_of(module: str) -> tuple[str, int] | None:
     parts = module.split(".")
     top = parts[0]
     if top != "pipeline":
-        return (top, 0) if top in ("assets", "jobs", "resources", "tests", "definitions") \
+        return (top, 0) if top in ("assets", "jobs", "resources", "tests", "definitions", "bench") \
             else None
     if len(parts) == 1:
         return ("pipeline", 0)
@@ -48,16 +53,16 @@ def layer_of(module: str) -> tuple[str, int] | None:
         return ("pipeline", 0)
     if sub in pipeline.STAGES:
         return ("pipeline", 1 + pipeline.STAGES.index(sub))
-    if sub in pipeline.ON_TOP:
+    if sub in pipeline.ON_TOP or sub in pipeline.DEPRECATED:
         return ("pipeline", 1 + len(pipeline.STAGES))
     return ("pipeline", -1)  # unknown: every package must be placed
 
 
-def violations(module: str, source: str, where: str) -> list[str]:
+def violations(module: str, source: str, where: str, is_package: bool = False) -> list[str]:
     """Import edges from ``module`` (whose text is ``source``) that break the layering."""
     me = layer_of(module)
     out = []
-    for line, target in imports(source):
+    for line, target in imports(source, module, is_package):
         if target == "dagster" or target.startswith(("dagster.", "dagster_")):
             if me[0] == "pipeline":
                 out.append(f"{where}:{line} imports {target} (the core is framework-free)")
@@ -98,7 +103,8 @@ def test_every_pipeline_package_is_placed():
     packages = {p.name for p in (ROOT / "pipeline").iterdir()
                 if (p / "__init__.py").is_file() or p.suffix == ".py"}
     packages = {p.removesuffix(".py") for p in packages} - {"__init__"}
-    placed = set(pipeline.STAGES) | set(pipeline.FOUNDATION) | set(pipeline.ON_TOP)
+    placed = (set(pipeline.STAGES) | set(pipeline.FOUNDATION) | set(pipeline.ON_TOP)
+              | set(pipeline.DEPRECATED))
     assert packages == placed
 
 
@@ -107,7 +113,7 @@ def test_the_code_base_is_layered():
     assert len(files) > 50
     found = [v for f in files
              for v in violations(module_name(f), f.read_text(encoding="utf-8"),
-                                 str(f.relative_to(ROOT)))]
+                                 str(f.relative_to(ROOT)), f.name == "__init__.py")]
     assert found == []
 
 
@@ -135,6 +141,10 @@ def test_a_planted_upward_import_is_caught():
             "assets import jobs (jobs.drafter)",
         ("resources.trainer", "from assets.partitions import step_of\n"):
             "resources import assets.partitions",
+        ("pipeline.capture.stage", "from ..release import ledger\n"):
+            "pipeline.capture.stage imports the later pipeline.release",
+        ("bench.extraction", "from tests.capture import test_shards\n"):
+            "imports tests.capture (tests are never imported)",
     }
     for (module, source), expected in planted.items():
         found = violations(module, source, "probe.py")
@@ -146,3 +156,35 @@ def test_a_planted_upward_import_is_caught():
                       "serving_history\n", "probe.py") == []
     assert violations("pipeline.demo.world", "from pipeline.snapshot.writer import "
                       "SnapshotWriter\n", "probe.py") == []
+
+
+def test_step_directories_parse_strictly():
+    from pipeline.layout import committed_steps, parse_step_dir, step_dir
+
+    for step in (0, 7, 999_999, 1_000_000, 12_345_678):
+        assert parse_step_dir(step_dir(step)) == step
+    for bad in ("step=0003", "step=²00003", "step=0000012", "step=00001a", "steps=000001"):
+        assert parse_step_dir(bad) is None, bad
+    keys = ["rollouts/step=000003/_manifest.json", "rollouts/step=1000000/_manifest.json",
+            "rollouts/step=000004/part-00000.parquet", "rollouts/step=0005/_manifest.json"]
+    assert committed_steps(keys, "rollouts") == [3, 1_000_000]
+
+
+def test_the_import_paths_of_earlier_releases_still_work_and_warn():
+    import importlib
+    import sys
+    import warnings
+
+    from pipeline.serving_now import resolve_serving
+    from pipeline.snapshot.writer import SnapshotWriter
+
+    for name, attr, expected in (("pipeline.data.rollouts", "SnapshotWriter", SnapshotWriter),
+                                 ("pipeline.serving.ledger", "resolve_serving",
+                                  resolve_serving)):
+        sys.modules.pop(name, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(name)
+        assert getattr(module, attr) is expected
+        assert any(issubclass(w.category, DeprecationWarning) and "deprecated" in
+                   str(w.message) for w in caught), name

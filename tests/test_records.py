@@ -42,6 +42,7 @@ def test_nested_records_round_trip_with_their_types():
     ({"inner": {"ids": 5}}, r"Inner.ids: expected a list"),
     ({"by_name": [1]}, r"Outer.by_name: expected an object"),
     ({"inner": {"note": "n"}}, r"Inner: .*missing .*'ids'"),
+    ({"pair": ["k", 4, 5]}, r"Outer.pair: expected 2 items, got 3"),
 ])
 def test_bad_values_are_refused_naming_the_field(change, message):
     with pytest.raises(RecordError, match=message):

@@ -123,9 +123,18 @@ def force_promote(registry: DrafterRegistry, serving: ServingBackend, candidate_
         raise ValueError("force_promote needs a non-empty actor and reason")
     with lock if lock is not None else registry.promotion_lock():
         current = serving_champion(registry, serving, reconcile=True)
-        if current == candidate_version and registry.alias(CHAMPION) == current:
-            return PromotionResult("unchanged", registry.model_name, current, current,
-                                   serving.current(), ("candidate is already the champion",))
+        if current == candidate_version:  # served already: at most the alias lags behind
+            alias = registry.alias(CHAMPION)
+            if alias == current:
+                return PromotionResult("unchanged", registry.model_name, current, current,
+                                       serving.current(), ("candidate is already the champion",))
+            why = (f"alias {CHAMPION} moved from {_v(alias)} to the served v{current} by "
+                   f"{actor}: {reason}")
+            registry.set_tags(current, {"reconciled_at": _now(), "reconciled_by": actor,
+                                        "reconcile_reason": reason})
+            registry.set_alias(CHAMPION, current)  # previous_champion stays as it was
+            return PromotionResult("forced", registry.model_name, current, alias,
+                                   serving.current(), (why,))
         tags = {PREVIOUS_CHAMPION: current or NONE, "promoted_at": _now(),
                 "promoted_by": actor, "gate.decision": "forced", "forced_by": actor,
                 "force_reason": reason}
@@ -170,7 +179,12 @@ def serving_champion(registry: DrafterRegistry, serving: ServingBackend, *,
     does not, promotion and rollback refuse, and only a forced promotion (``reconcile``)
     goes on, rewriting both."""
     manifest = serving.current()
-    version = manifest.target.registry_version if manifest and manifest.target else None
+    target = manifest.target if manifest else None
+    if target is not None and target.registry_model != registry.model_name:
+        raise PromotionError(f"the serving record serves {target.registry_model} "
+                             f"v{target.registry_version}, not a version of "
+                             f"{registry.model_name}")
+    version = target.registry_version if target else None
     alias = registry.alias(CHAMPION)
     if alias != version and not reconcile:
         raise PromotionError(

@@ -23,7 +23,7 @@ from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
 COLUMNS = ["sample_id", "step", "input_ids", "loss_mask"]
 
 
-class TokenizedReadError(RuntimeError):
+class TokenizedReadError(ValueError):
     """A committed tokenized dataset is missing or does not hold what its schema says."""
 
 

@@ -175,3 +175,21 @@ def test_two_promotion_runs_are_serialised_by_the_pool(world, monkeypatch):
     partition, meta = latest_serving_drafter(instance)
     assert (partition, meta["champion"], meta["previous_champion"]) == (
         "step-000020", "2", "3")
+
+
+def test_an_older_embedded_instance_gets_the_missing_limits(tmp_path, monkeypatch):
+    """An instance written before the pool existed gains the limits; its own values stay."""
+    import yaml
+
+    home = tmp_path / "dagster"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(
+        "telemetry:\n  enabled: false\nconcurrency:\n  runs:\n    max_concurrent_runs: 3\n")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    cli._prepare_dagster_home()
+    config = yaml.safe_load((home / "dagster.yaml").read_text())
+    assert config["concurrency"]["pools"] == {"default_limit": 1}
+    assert config["concurrency"]["runs"]["max_concurrent_runs"] == 3
+    assert config["concurrency"]["runs"]["tag_concurrency_limits"][0]["key"] == "aerie/serial"
+    with DagsterInstance.get() as instance:  # Dagster accepts the merged file
+        assert instance.get_concurrency_config().pool_config.default_pool_limit == 1

@@ -248,3 +248,21 @@ def test_the_serving_record_is_the_champion_and_a_disagreeing_alias_is_refused(
     forced = force_promote(sqlite_registry, serving, v2, actor="t", reason="reconcile")
     assert forced.action == "forced" and forced.previous_champion == v1
     assert served_version(serving) == v2 == sqlite_registry.alias(CHAMPION)
+
+
+def test_reconciling_a_lagging_alias_keeps_the_rollback_chain(
+        sqlite_registry, storage, serving, drafter_dirs):
+    """Servers run v2 but alias champion was moved back to v1: forcing v2 only moves the
+    alias; v2 keeps v1 as its previous champion, so a rollback still restores v1."""
+    from pipeline.release.promotion import PREVIOUS_CHAMPION
+
+    v1 = register(sqlite_registry, storage, drafter_dirs[0], 1)
+    v2 = register(sqlite_registry, storage, drafter_dirs[1], 2)
+    promote(sqlite_registry, serving, v1, gate(2.0, None))
+    promote(sqlite_registry, serving, v2, gate(3.0, summary(2.0, v1)))
+    sqlite_registry.set_alias(CHAMPION, v1)
+    r = force_promote(sqlite_registry, serving, v2, actor="ops", reason="realign alias")
+    assert r.action == "forced" and sqlite_registry.alias(CHAMPION) == v2
+    assert sqlite_registry.get_version(v2).tags[PREVIOUS_CHAMPION] == v1
+    assert rollback(sqlite_registry, serving, actor="ops", reason="r").version == v1
+    assert served_version(serving) == v1 == sqlite_registry.alias(CHAMPION)
