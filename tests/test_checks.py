@@ -22,7 +22,7 @@ from pipeline.evaluation.metrics import AcceptanceStats
 from pipeline.evaluation.stage import EVAL_KIND, REPORT_FILE, AcceptanceReport, Contestant
 from pipeline.layout import drafter_prefix, eval_prefix, shards_prefix
 from pipeline.manifest import entry_for, write_manifest
-from pipeline.records import to_json
+from pipeline.records import to_dict, to_json
 from pipeline.release.ledger import ServingLedger
 from pipeline.serving_now import ServingTarget
 from pipeline.storage import Storage
@@ -91,7 +91,7 @@ def _report(matches: dict[str, int], cycles: int = 10, prompts: int = 4) -> Acce
     stats = AcceptanceStats(num_steps=3, prompts=prompts)
     for _ in range(cycles):
         stats.add_cycle(2, 3, bonus=True)  # two of three drafts accepted, plus the bonus
-    contestants = {n: Contestant(n, None, None, stats.to_dict(), m) for n, m in matches.items()}
+    contestants = {n: Contestant(n, None, None, to_dict(stats), m) for n, m in matches.items()}
     return AcceptanceReport(step=1, policy_uri="", policy_sha256="",
                             heldout={"prompts": prompts}, settings={}, heldout_key="h",
                             settings_key="s", contestants=contestants, fingerprint="f",
@@ -148,7 +148,7 @@ def _stats(*accepted: int) -> dict:
     stats = AcceptanceStats(num_steps=3, prompts=1)
     for a in accepted:
         stats.add_cycle(a, min(a + 1, 3), bonus=True)
-    return stats.to_dict()
+    return to_dict(stats)
 
 
 def _publish_report(store: Storage, step: int, contestants: dict[str, tuple[str, dict]]):

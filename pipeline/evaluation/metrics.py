@@ -33,8 +33,7 @@ the sums. ``emitted_tokens == Σ a·accept_hist[a] + bonus_tokens``. JSON round 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 STATS_SCHEMA_VERSION = 1
@@ -59,6 +58,7 @@ class AcceptanceStats:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0  # drafter: draft extend + tree drafting
     verify_seconds: float = 0.0  # target: tree verification forward + cache bookkeeping
+    schema_version: int = STATS_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         if self.num_steps < 0:
@@ -72,6 +72,9 @@ class AcceptanceStats:
             elif len(value) != size:
                 raise ValueError(f"{name} has {len(value)} entries, expected {size} for "
                                  f"num_steps={self.num_steps}")
+        if self.emitted_tokens != sum(a * n for a, n in enumerate(self.accept_hist)) \
+                + self.bonus_tokens:
+            raise ValueError("emitted_tokens disagrees with accept_hist and bonus_tokens")
 
     # -- recording ---------------------------------------------------------------------
     def add_cycle(self, accepted: int, attempted: int, bonus: bool) -> None:
@@ -158,27 +161,3 @@ class AcceptanceStats:
         """Every count, no timings: equal for equal work however prompts were grouped."""
         return {name: getattr(self, name)
                 for name in ("num_steps",) + _COUNT_FIELDS + _LIST_FIELDS}
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"schema_version": STATS_SCHEMA_VERSION}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = list(value) if isinstance(value, list) else value
-        return out
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> AcceptanceStats:
-        raw = dict(raw)
-        version = raw.pop("schema_version", None)
-        if version != STATS_SCHEMA_VERSION:
-            raise ValueError(f"stats schema version {version!r}, expected "
-                             f"{STATS_SCHEMA_VERSION}")
-        known = {f.name for f in fields(cls)}
-        unknown = set(raw) - known
-        if unknown:
-            raise ValueError(f"unknown stats fields {sorted(unknown)}")
-        out = cls(**{k: (list(v) if k in _LIST_FIELDS else v) for k, v in raw.items()})
-        if out.emitted_tokens != sum(a * n for a, n in enumerate(out.accept_hist)) \
-                + out.bonus_tokens:
-            raise ValueError("emitted_tokens disagrees with accept_hist and bonus_tokens")
-        return out

@@ -40,7 +40,7 @@ from pipeline.evaluation.engine import evaluate
 from pipeline.evaluation.metrics import AcceptanceStats
 from pipeline.layout import EVALS, eval_prefix, policy_prefix, steps_of
 from pipeline.manifest import entry_for, read_manifest, write_manifest
-from pipeline.records import from_json, to_dict, to_json
+from pipeline.records import from_dict, from_json, to_dict, to_json
 from pipeline.snapshot.policy import load_policy_ref
 from pipeline.storage import Storage
 
@@ -63,7 +63,7 @@ class Contestant:
 
     @property
     def acceptance(self) -> AcceptanceStats:
-        return AcceptanceStats.from_dict(self.stats)
+        return from_dict(AcceptanceStats, self.stats)
 
     @property
     def tau(self) -> float:
@@ -131,7 +131,7 @@ def run(storage: Storage, step: int, candidate: str,
         ids = [list(p.prompt_ids) for p in prompts]
         base = evaluate(target, None, ids, None, max_new_tokens=config.max_new_tokens,
                         eos_token_id=eos)
-        results = {NO_DRAFTER: Contestant(NO_DRAFTER, None, None, base.stats.to_dict(),
+        results = {NO_DRAFTER: Contestant(NO_DRAFTER, None, None, to_dict(base.stats),
                                           len(ids))}
         embed = target.get_input_embeddings().weight.detach()
         for name, prefix in (("candidate", candidate), ("champion", champion)):
@@ -147,7 +147,7 @@ def run(storage: Storage, step: int, candidate: str,
                             "prompts", step, name, len(ids) - match, len(ids))
             results[name] = Contestant(name, storage.url(prefix),
                                        drafters[name].meta.get("fingerprint"),
-                                       run.stats.to_dict(), match)
+                                       to_dict(run.stats), match)
     report = AcceptanceReport(
         step=step, policy_uri=policy.uri, policy_sha256=policy.sha256, heldout=heldout,
         settings=settings, heldout_key=heldout["keys_sha256"], settings_key=_sha256(settings),

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from pipeline.evaluation.metrics import AcceptanceStats
+from pipeline.records import from_dict, to_dict
 
 
 def example() -> AcceptanceStats:
@@ -62,18 +63,18 @@ def test_merge_sums_counts_before_dividing():
 
 def test_json_round_trip():
     s = example()
-    back = AcceptanceStats.from_dict(json.loads(json.dumps(s.to_dict(), allow_nan=False)))
+    back = from_dict(AcceptanceStats, json.loads(json.dumps(to_dict(s), allow_nan=False)))
     assert back == s
     json.dumps(s.summary(), allow_nan=False)
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"schema_version": 99}, "schema version"),
-    ({"extra": 1}, "unknown"),
+    ({"schema_version": 99}, "schema_version 99 is not supported"),
+    ({"extra": 1}, "unknown keys"),
     ({"emitted_tokens": 10}, "disagrees"),
     ({"accept_hist": [1, 1]}, "entries"),
 ])
 def test_from_dict_validates(change, message):
-    raw = {**example().to_dict(), **change}
+    raw = {**to_dict(example()), **change}
     with pytest.raises(ValueError, match=message):
-        AcceptanceStats.from_dict(raw)
+        from_dict(AcceptanceStats, raw)
