@@ -11,7 +11,7 @@ dataset is a key prefix holding its files and, written last, ``_manifest.json``:
     vocab/<cache key>/        a draft-vocab mapping, keyed by its inputs (stage 4, vocab)
     vocab/step=NNNNNN/        which mapping and window refresh step N uses
     drafters/step=NNNNNN/     the drafter trained at refresh step N  (stage 5, training)
-    evals/step=NNNNNN/        acceptance report + charts             (stage 6, evaluation)
+    evals/step=NNNNNN/        acceptance report, charts/<name>.png   (stage 6, evaluation)
     serving/<name>/           serving manifests + current.json       (stage 7, release)
 
 Step directories are ``step=`` plus the step as :func:`step_dir` writes it: six ASCII digits,
@@ -84,6 +84,12 @@ def drafter_prefix(step: int) -> str:
 
 def eval_prefix(step: int) -> str:
     return f"{EVALS}/{step_dir(step)}"
+
+
+def chart_key(step: int, name: str) -> str:
+    """A PNG chart of refresh step ``step`` (α per position, τ over steps, training curve):
+    stored beside the report, never inside the drafter directory that is served."""
+    return f"{eval_prefix(step)}/charts/{name}.png"
 
 
 def serving_prefix(name: str) -> str:

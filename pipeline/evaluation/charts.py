@@ -10,19 +10,17 @@ is cheap.
 
 from __future__ import annotations
 
-import base64
 import io
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from pipeline.layout import eval_prefix
+from pipeline.layout import chart_key
 from pipeline.storage import Storage
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-CHARTS_DIR = "charts"
 
 _COLORS = {"candidate": "#1f77b4", "champion": "#ff7f0e", "no_drafter": "#7f7f7f"}
 
@@ -79,23 +77,12 @@ def training_curve(history: Sequence[Mapping[str, float]], title: str = "") -> b
     return _png(fig)
 
 
-def chart_key(step: int, name: str) -> str:
-    """Storage key of chart ``name`` of refresh step ``step``."""
-    return f"{eval_prefix(step)}/{CHARTS_DIR}/{name}.png"
-
-
 def publish_chart(storage: Storage, step: int, name: str, png: bytes) -> str:
     """Write ``png`` at :func:`chart_key` (atomically; a re-run overwrites it) and return its
     URL, which the assets link from their metadata."""
     key = chart_key(step, name)
     storage.write_bytes(key, png)
     return storage.url(key)
-
-
-def markdown_image(png: bytes, alt: str) -> str:
-    """Markdown that embeds ``png`` inline, for reports outside Dagster (the assets link the
-    stored PNG instead: an inline image would bloat every event of the event log)."""
-    return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
 
 
 def _pyplot():

@@ -39,8 +39,8 @@ from jobs import cli
 from jobs.refresh import refresh_sensor
 from pipeline.capture.window import WindowError
 from pipeline.demo.config import DemoConfig
-from pipeline.evaluation.charts import chart_key
 from pipeline.evaluation.stage import read_report
+from pipeline.layout import chart_key
 from pipeline.serving_now import read_serving
 from pipeline.storage import Storage
 from pipeline.training import stage as training_stage

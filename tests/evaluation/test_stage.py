@@ -116,13 +116,16 @@ def test_a_drafter_without_lineage_is_refused(world):
         stage.run(storage, 2, "drafters/step=000009", None)
 
 
-def test_charts_are_png_and_embed_as_markdown():
-    from pipeline.evaluation.charts import alpha_chart, markdown_image, tau_curve
+def test_charts_are_png_and_published_to_storage(tmp_path):
+    from pipeline.evaluation.charts import alpha_chart, publish_chart, tau_curve
+    from pipeline.storage import Storage
 
     png = alpha_chart({"candidate": [0.9, 0.7, float("nan")], "champion": [0.5, 0.2, 0.1]})
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 2000
     curve = tau_curve({"stale": {0: 3.0, 4: 2.5}, "refreshed": {0: 3.0, 4: 3.1}},
                       refresh_steps=[4])
     assert curve.startswith(b"\x89PNG") and curve != png
-    md = markdown_image(png, "alpha")
-    assert md.startswith("![alpha](data:image/png;base64,") and md.endswith(")")
+    storage = Storage((tmp_path / "s").as_uri())
+    url = publish_chart(storage, 7, "alpha", png)
+    assert url == storage.url("evals/step=000007/charts/alpha.png")
+    assert storage.read_bytes(storage.key_of(url)) == png

@@ -3,6 +3,7 @@ run-config mirrors of the stage configs keep the stages' defaults."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -66,6 +67,15 @@ def test_run_config_defaults_mirror_the_stage_configs():
 
     assert ShardsConfig().to_core() == ExtractConfig()
     assert TokenizeRunConfig().to_core() == TokenizeConfig()
+    # and every field is carried over, not only the defaults
+    changed = ExtractConfig(token_budget=99, max_batch_size=3, shard_bytes=5,
+                            row_group_bytes=7, compression="none", sort_by_length=False,
+                            heldout_fraction=0.5)
+    assert ShardsConfig(**dataclasses.asdict(changed)).to_core() == changed
+    changed = TokenizeConfig(max_length=99, keep_tail=9, min_response_tokens=2,
+                             rows_per_file=11, end_of_turn_tokens=("<x>",), max_examples=1)
+    assert TokenizeRunConfig(**{**dataclasses.asdict(changed), "end_of_turn_tokens": ["<x>"]}
+                             ).to_core() == changed
     core = EvalRunConfig().to_core(ServingResource())
     assert (core.max_prompts, core.max_new_tokens) == (EvalConfig().max_prompts,
                                                        EvalConfig().max_new_tokens)
