@@ -8,13 +8,33 @@ and sha256 with the manifest (Parquet page checksums do not cover footers).
 
 from __future__ import annotations
 
+import json
+from datetime import UTC, datetime
+from typing import Any
+
 from pipeline.contracts import MANIFEST_NAME, FileEntry, Manifest
-from pipeline.records import from_json, to_json
+from pipeline.records import RecordError, from_json, to_json
 from pipeline.storage import Storage, WrittenObject
+
+
+class ManifestError(ValueError):
+    """A committed manifest is unreadable or lacks what its reader needs; the message names
+    the manifest's URL and the field."""
+
+    def __init__(self, url: str, field: str, reason: str):
+        super().__init__(f"{url}: {field}: {reason}")
+        self.url, self.field, self.reason = url, field, reason
+
+
+REWRITING_NAME = "_rewriting.json"  # present while a committed dataset is being rewritten
 
 
 def manifest_key(prefix: str) -> str:
     return f"{prefix.strip('/')}/{MANIFEST_NAME}"
+
+
+def rewriting_key(prefix: str) -> str:
+    return f"{prefix.strip('/')}/{REWRITING_NAME}"
 
 
 def entry_for(prefix: str, written: WrittenObject, rows: int | None = None) -> FileEntry:
@@ -30,18 +50,80 @@ def write_manifest(storage: Storage, prefix: str, manifest: Manifest) -> str:
     """Commit the dataset at ``prefix``; returns the manifest's URL."""
     key = manifest_key(prefix)
     storage.write_bytes(key, to_json(manifest).encode())
+    if storage.exists(rewriting_key(prefix)):
+        storage.delete(rewriting_key(prefix))
     return storage.url(key)
 
 
-def read_manifest(storage: Storage, prefix: str) -> Manifest | None:
-    """The committed manifest at ``prefix``, or None when the dataset is unfinished."""
+def withdraw_manifest(storage: Storage, prefix: str) -> None:
+    """Before (re)writing the dataset at ``prefix``: sweep what crashed writers left there,
+    mark it as being rewritten and remove its manifest, so that no reader ever takes the
+    old manifest for the new files (:func:`rewrite_started` tells them why it is gone)."""
+    storage.sweep_temporary(prefix)
     key = manifest_key(prefix)
-    if not storage.exists(key):
-        return None
+    if storage.exists(key):
+        storage.write_bytes(rewriting_key(prefix), json.dumps(
+            {"since": datetime.now(UTC).isoformat(timespec="seconds")}).encode())
+        storage.delete(key)
+
+
+def rewrite_started(storage: Storage, prefix: str) -> str | None:
+    """When the unfinished rewrite of ``prefix`` started (ISO time), or None."""
     try:
-        return from_json(Manifest, storage.read_bytes(key).decode())
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{storage.url(key)}: unreadable manifest ({e})") from e
+        data = json.loads(storage.read_bytes(rewriting_key(prefix)))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return "an unknown time"
+    return str(data.get("since")) if isinstance(data, dict) else "an unknown time"
+
+
+def read_manifest(storage: Storage, prefix: str, *, kind: str | None = None,
+                  kind_versions: tuple[int, ...] | None = None) -> Manifest | None:
+    """The committed manifest at ``prefix``, or None when the dataset is unfinished.
+
+    A manifest that is not a well-formed :class:`Manifest` (a JSON list, ``null``, a field
+    of the wrong type), or whose ``kind``/``kind_version`` is not the one asked for, is a
+    :class:`ManifestError` naming the file and the field.
+    """
+    key = manifest_key(prefix)
+    try:
+        data = storage.read_bytes(key)
+    except FileNotFoundError:
+        return None
+    url = storage.url(key)
+    try:
+        manifest = from_json(Manifest, data)
+    except RecordError as e:
+        field, _, reason = str(e).partition(": ")
+        raise ManifestError(url, field if reason else "<manifest>", reason or str(e)) from e
+    if kind is not None and manifest.kind != kind:
+        raise ManifestError(url, "kind", f"{_short(manifest.kind)} is not {kind!r}")
+    if kind_versions is not None and manifest.kind_version not in kind_versions:
+        raise ManifestError(url, "kind_version", f"{manifest.kind_version} is not one this "
+                                                 f"release reads ({list(kind_versions)})")
+    return manifest
+
+
+def meta_value(storage: Storage, prefix: str, manifest: Manifest, name: str,
+               expected: type | tuple[type, ...]) -> Any:
+    """``manifest.meta[name]``, checked to be of type ``expected`` (``bool`` is never an
+    ``int`` here); a :class:`ManifestError` naming the file and the field otherwise."""
+    url = storage.url(manifest_key(prefix))
+    if name not in manifest.meta:
+        raise ManifestError(url, f"meta.{name}", "missing")
+    value = manifest.meta[name]
+    types = expected if isinstance(expected, tuple) else (expected,)
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        wanted = " or ".join(t.__name__ for t in types)
+        raise ManifestError(url, f"meta.{name}", f"expected {wanted}, got "
+                                                 f"{type(value).__name__} {_short(value)}")
+    return value
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def verify_manifest(storage: Storage, prefix: str, manifest: Manifest) -> list[str]:

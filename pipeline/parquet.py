@@ -13,7 +13,9 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.contracts import FileEntry
 from pipeline.storage import Storage, WrittenObject
+from pipeline.verified import check_bytes
 
 
 class ParquetFileError(ValueError):
@@ -29,11 +31,18 @@ def write_table(storage: Storage, key: str, table: pa.Table, *,
     return WrittenObject(key, f.bytes, f.hexdigest())
 
 
-def read_table(storage: Storage, key: str, schema: pa.Schema | None = None) -> pa.Table:
-    """Read ``key`` whole, verifying page checksums; ``schema`` casts on read."""
+def read_table(storage: Storage, key: str, schema: pa.Schema | None = None, *,
+               entry: FileEntry | None = None) -> pa.Table:
+    """Read ``key`` whole, verifying page checksums; ``schema`` casts on read. With the
+    file's manifest ``entry``, its size and sha256 are checked on the same bytes first."""
     try:
-        with storage.open_read(key) as f:
-            table = pq.read_table(f, page_checksum_verification=True)
+        if entry is not None:
+            data = storage.read_bytes(key)
+            check_bytes(storage.url(key), entry, data)
+            table = pq.read_table(pa.BufferReader(data), page_checksum_verification=True)
+        else:
+            with storage.open_read(key) as f:
+                table = pq.read_table(f, page_checksum_verification=True)
     except FileNotFoundError:
         raise
     except (pa.ArrowException, OSError, ValueError) as e:

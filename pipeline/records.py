@@ -36,8 +36,10 @@ def to_json(record: Any) -> str:
 def from_json(cls: type[T], text: str | bytes) -> T:
     try:
         raw = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RecordError(f"{cls.__name__}: not JSON ({e})") from e
+    except RecursionError:
+        raise RecordError(f"{cls.__name__}: JSON nested too deeply") from None
     return from_dict(cls, raw)
 
 
@@ -88,4 +90,23 @@ def _value(hint: Any, value: Any, where: str) -> Any:
         if not isinstance(value, Mapping):
             raise RecordError(f"{where}: expected an object, got {type(value).__name__}")
         return {k: _value(args[1], v, where) for k, v in value.items()}
+    if hint in _SCALARS and not _is_scalar(hint, value):
+        raise RecordError(f"{where}: expected {hint.__name__}, got {type(value).__name__} "
+                          f"{_short(value)}")
     return value
+
+
+_SCALARS = (int, float, str, bool)
+
+
+def _is_scalar(hint: type, value: Any) -> bool:
+    if hint is float:  # JSON writes 1.0 as 1.0 but other writers may write 1
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"

@@ -21,20 +21,15 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
-import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.contracts import MANIFEST_NAME
 from pipeline.eagle3.spec import SpecParams
 from pipeline.layout import serving_prefix
-from pipeline.manifest import read_manifest
-from pipeline.records import from_json, to_json
+from pipeline.records import from_json
 from pipeline.storage import Storage
+from pipeline.verified import DEFAULT_CACHE_BYTES, DatasetCache, IntegrityError
 
 SERVING_SCHEMA_VERSION = 1
 DRAFTER_DIR = "{drafter_dir}"
@@ -127,7 +122,16 @@ def read_serving(storage: Storage, name: str) -> ServingManifest | None:
         data = storage.read_bytes(key)
     except FileNotFoundError:
         return None
-    return from_json(ServingManifest, data.decode())
+    manifest = from_json(ServingManifest, data)
+    try:  # current.json is a copy of the immutable manifest-N.json it names
+        copied = storage.read_bytes(entry_key(name, manifest.sequence))
+    except FileNotFoundError:
+        copied = None
+    if copied != data:
+        raise IntegrityError(f"{storage.url(key)}: differs from "
+                             f"{storage.url(entry_key(name, manifest.sequence))}, the record "
+                             f"it must copy")
+    return manifest
 
 
 @dataclass(frozen=True)
@@ -153,36 +157,11 @@ def resolve_serving(storage: Storage, name: str, cache_dir: str | Path,
     return ServingLaunch(manifest, local, tuple(manifest.launch_args(str(local))))
 
 
-def materialize_drafter(storage: Storage, drafter_uri: str, cache_dir: str | Path) -> Path:
-    """A local directory holding the drafter at ``drafter_uri`` (under ``storage``'s root).
-
-    Local storage: the stored directory itself. Otherwise a verified copy in ``cache_dir``
-    named by the content of the drafter's manifest, downloaded to a temporary name first.
-    """
+def materialize_drafter(storage: Storage, drafter_uri: str, cache_dir: str | Path,
+                        max_bytes: int | None = None) -> Path:
+    """A local directory holding the drafter at ``drafter_uri`` (under ``storage``'s root),
+    from the dataset cache in ``cache_dir``: every file verified against the drafter's
+    manifest (:class:`~pipeline.verified.IntegrityError` naming the file otherwise)."""
     key = storage.key_of(drafter_uri)
-    manifest = read_manifest(storage, key)
-    local = storage.local_path(key)
-    if local is not None and (local / "config.json").is_file():
-        return local
-    if manifest is None:
-        raise FileNotFoundError(f"{drafter_uri} has no committed drafter manifest")
-    digest = hashlib.sha256(to_json(manifest).encode()).hexdigest()[:16]
-    dest = Path(cache_dir) / f"drafter-{digest}"
-    if (dest / MANIFEST_NAME).is_file():
-        return dest
-    tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        storage.download_dir(key, tmp)
-        for entry in manifest.files:
-            data = (tmp / entry.path).read_bytes()
-            if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
-                raise ValueError(f"{drafter_uri}/{entry.path} does not match its manifest")
-        (tmp / MANIFEST_NAME).write_text(to_json(manifest))  # written last: complete
-        try:
-            os.replace(tmp, dest)
-        except OSError:
-            if not (dest / MANIFEST_NAME).is_file():  # not a concurrent twin: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    cache = DatasetCache(Path(cache_dir), max_bytes or DEFAULT_CACHE_BYTES)
+    return cache.fetch(storage, key, label="drafter")

@@ -12,6 +12,15 @@ Invariants every caller relies on:
   (see :mod:`pipeline.manifest`); the manifest is a single small PUT and is the commit
   point of the dataset.
 
+- **Durable roots only.** ``file://``, ``s3://`` (and the other object stores fsspec knows)
+  are accepted; ``memory://``, ``http://``, ``ftp://`` and other non-durable or read-only
+  filesystems are refused unless ``allow_ephemeral`` (tests).
+- **Nothing from outside.** :meth:`Storage.upload_dir` refuses symbolic links that leave the
+  uploaded directory, and anything that is not a regular file or directory.
+- **Crashes leave no litter for long.** A local temporary file is named after its host and
+  process; :meth:`Storage.sweep_temporary` removes those of dead processes under a prefix
+  (and, on S3, aborts the multipart uploads left under it) before a dataset is rewritten.
+
 Keys are ``/``-separated paths relative to the root. This module never reads the
 environment: credentials and endpoints arrive as ``storage_options``.
 """
@@ -22,19 +31,32 @@ import contextlib
 import hashlib
 import os
 import posixpath
+import socket
+import stat
+import tempfile
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import fsspec
 
 _CHUNK = 1 << 20
+DURABLE_PROTOCOLS = frozenset({"file", "local", "s3", "s3a", "gs", "gcs", "az", "abfs",
+                               "abfss", "adl"})
+_STALE_TMP_S = 24 * 3600  # a temporary file of another host is abandoned after a day
 
 
 class StorageError(RuntimeError):
-    """A storage operation failed; the message names the URL."""
+    """A storage operation failed for good (bad key, foreign URL, refused root): the message
+    names the URL. Not worth retrying."""
+
+
+class StorageUnavailable(StorageError):
+    """The store could not be reached or refused a transient request: worth retrying."""
 
 
 @dataclass(frozen=True)
@@ -84,15 +106,27 @@ class _HashingWriter:
 class Storage:
     """A root URL and its fsspec filesystem; all keys are relative to the root."""
 
-    def __init__(self, root_url: str, storage_options: Mapping[str, Any] | None = None):
+    def __init__(self, root_url: str, storage_options: Mapping[str, Any] | None = None, *,
+                 cache_dir: str | Path | None = None, cache_max_bytes: int | None = None,
+                 allow_ephemeral: bool = False):
+        """``cache_dir``/``cache_max_bytes``: where verified local copies of committed
+        datasets are kept (:class:`pipeline.verified.DatasetCache`); default a per-user
+        directory under the system's temporary directory."""
         if "://" not in root_url:
             root_url = Path(root_url).resolve().as_uri()
         self.root_url = root_url.rstrip("/")
+        protocol = self.root_url.split("://", 1)[0].lower()
+        if protocol not in DURABLE_PROTOCOLS and not allow_ephemeral:
+            raise StorageError(f"{self.root_url}: {protocol}:// is not a durable store; use "
+                               f"one of {sorted(DURABLE_PROTOCOLS)}")
         self.fs, root_path = fsspec.core.url_to_fs(self.root_url, **dict(storage_options or {}))
         self._root = root_path.rstrip("/")
         self.is_local = "file" in _protocols(self.fs)
         if self.is_local:
             os.makedirs(self._root, exist_ok=True)
+        self.cache_dir = Path(cache_dir) if cache_dir else (
+            Path(tempfile.gettempdir()) / f"aerie-cache-{os.getuid()}")
+        self.cache_max_bytes = cache_max_bytes
 
     def __repr__(self) -> str:
         return f"Storage({self.root_url!r})"
@@ -136,7 +170,7 @@ class Storage:
         try:
             raw = self.fs.open(target, "wb", autocommit=False)
         except OSError as e:
-            raise StorageError(f"cannot open {self.url(key)} for writing: {e}") from e
+            raise StorageUnavailable(f"cannot open {self.url(key)} for writing: {e}") from e
         writer = _HashingWriter(raw)
         try:
             yield writer
@@ -151,7 +185,8 @@ class Storage:
     def _local_atomic(self, target: str) -> Iterator[BinaryIO]:
         directory = os.path.dirname(target)
         os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{os.path.basename(target)}.{uuid.uuid4().hex}.tmp")
+        tmp = os.path.join(directory, f".{os.path.basename(target)}.{owner_tag()}"
+                                      f".{uuid.uuid4().hex[:8]}.tmp")
         try:
             with open(tmp, "wb") as f:
                 yield f
@@ -179,15 +214,49 @@ class Storage:
         return WrittenObject(key, dst.bytes, dst.hexdigest())
 
     def upload_dir(self, local_dir: str | Path, prefix: str) -> list[WrittenObject]:
-        """Copy every file under ``local_dir`` to ``prefix/<relative path>``, sorted."""
+        """Copy every file under ``local_dir`` to ``prefix/<relative path>``, sorted.
+
+        Refuses (before copying anything) a symbolic link whose target is outside
+        ``local_dir``, and anything that is neither a regular file nor a directory.
+        """
         local_dir = Path(local_dir)
-        files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+        files = _regular_files(local_dir)
         return [self.upload_file(p, f"{prefix}/{p.relative_to(local_dir).as_posix()}")
                 for p in files]
 
     def delete(self, key: str) -> None:
         """Remove one object (e.g. withdraw a manifest before rebuilding its dataset)."""
         self.fs.rm(self.path(key))
+
+    def sweep_temporary(self, prefix: str) -> int:
+        """Remove what writers that died left under ``prefix``: local temporary files of
+        dead processes (or older than a day, from another host), and on S3 the unfinished
+        multipart uploads of keys under it started before now. Returns how many. Call it
+        before rewriting a dataset only one writer writes at a time."""
+        if self.is_local:
+            base = Path(self.path(prefix))
+            stale = [p for p in base.rglob(".*.tmp") if _abandoned(p)] if base.is_dir() else []
+            for p in stale:
+                p.unlink(missing_ok=True)
+            return len(stale)
+        if "s3" in _protocols(self.fs):
+            return self._abort_uploads(prefix)
+        return 0
+
+    def _abort_uploads(self, prefix: str) -> int:
+        bucket, _, key_prefix = self.path(prefix).partition("/")
+        started = datetime.now(UTC)
+        try:
+            found = self.fs.call_s3("list_multipart_uploads", Bucket=bucket,
+                                    Prefix=key_prefix.rstrip("/") + "/")
+            uploads = [u for u in found.get("Uploads", []) if u["Initiated"] < started]
+            for u in uploads:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=u["Key"],
+                                UploadId=u["UploadId"])
+        except OSError as e:
+            raise StorageUnavailable(f"cannot list or abort the uploads under "
+                                     f"{self.url(prefix)}: {e}") from e
+        return len(uploads)
 
     # -- reading ----------------------------------------------------------------------
     def open_read(self, key: str) -> BinaryIO:
@@ -250,6 +319,49 @@ class Storage:
     def local_path(self, key: str) -> Path | None:
         """The local filesystem path of ``key`` for ``file://`` roots, else None."""
         return Path(self.path(key)) if self.is_local else None
+
+
+def _regular_files(local_dir: Path) -> list[Path]:
+    root = local_dir.resolve()
+    files = []
+    for p in sorted(local_dir.rglob("*")):
+        if p.is_symlink():
+            target = p.resolve()
+            if not target.is_relative_to(root):
+                raise StorageError(f"{p}: a symbolic link to {os.readlink(p)}, outside {root}; "
+                                   "copy the file into the directory instead")
+            if not target.exists():
+                raise StorageError(f"{p}: a symbolic link to {os.readlink(p)}, which is missing")
+        mode = p.stat().st_mode
+        if stat.S_ISREG(mode):
+            files.append(p)
+        elif not stat.S_ISDIR(mode):
+            raise StorageError(f"{p}: not a regular file or directory")
+    return files
+
+
+def owner_tag() -> str:
+    """``<host>-<pid>`` of this process, without dots (temporary names split on them)."""
+    return f"{socket.gethostname().replace('.', '_')}-{os.getpid()}"
+
+
+def _abandoned(tmp: Path) -> bool:
+    """A ``.<name>.<host>-<pid>.<hex>.tmp`` file of a dead process of this host, or any
+    temporary file older than a day (another host's, or an older naming)."""
+    parts = tmp.name.split(".")
+    host, _, pid = (parts[-3] if len(parts) >= 4 else "").rpartition("-")
+    if host == owner_tag().rpartition("-")[0] and pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    try:
+        return time.time() - tmp.stat().st_mtime > _STALE_TMP_S
+    except FileNotFoundError:
+        return False
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

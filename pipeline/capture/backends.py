@@ -12,7 +12,9 @@ from pipeline.capture.base import CaptureBackend
 from pipeline.capture.config import DEFAULT_TOKEN_BUDGET
 from pipeline.eagle3.config import default_aux_layer_ids
 from pipeline.layout import policy_prefix
+from pipeline.snapshot.policy import POLICY_KIND
 from pipeline.storage import Storage
+from pipeline.verified import committed, read_verified
 
 BACKENDS = ("hf", "sglang")
 
@@ -43,7 +45,9 @@ def open_backend(storage: Storage, step: int, kind: str = "hf", *,
     elif kind == "sglang":
         from pipeline.capture.sglang import SGLangCaptureConfig
 
-        config = json.loads(storage.read_bytes(f"{policy_prefix(step)}/config.json"))
+        prefix = policy_prefix(step)
+        config = json.loads(read_verified(storage, prefix, committed(storage, prefix, POLICY_KIND),
+                                          "config.json"))
         layers = int(config["num_hidden_layers"])
         ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(
             layers)

@@ -26,7 +26,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,9 @@ from torch import nn
 from pipeline.capture.base import CapturedStates
 from pipeline.eagle3.config import default_aux_layer_ids
 from pipeline.layout import policy_prefix
+from pipeline.snapshot.policy import POLICY_KIND
 from pipeline.storage import Storage
+from pipeline.verified import fetch
 
 DEFAULT_TOKEN_BUDGET = 16384
 
@@ -171,11 +172,8 @@ def hf_backend_for_step(storage: Storage, step: int, **kwargs: Any
                         ) -> Iterator[HFCaptureBackend]:
     """The backend over the policy checkpoint that generated ``step``'s rollouts.
 
-    Downloads ``policies/step=NNNNNN/`` to a temporary directory, loads it, and removes the
-    directory on exit; ``kwargs`` go to :class:`HFCaptureBackend`.
+    Loads ``policies/step=NNNNNN/`` from the verified dataset cache (every file checked
+    against the checkpoint's manifest); ``kwargs`` go to :class:`HFCaptureBackend`.
     """
-    with tempfile.TemporaryDirectory(prefix=f"aerie-policy-{step:06d}-") as tmp:
-        local = storage.download_dir(policy_prefix(step), Path(tmp) / "policy")
-        if not (local / "config.json").is_file():
-            raise FileNotFoundError(f"{storage.url(policy_prefix(step))}: no policy checkpoint")
-        yield HFCaptureBackend(local, **kwargs)
+    local = fetch(storage, policy_prefix(step), kind=POLICY_KIND, label="policy")
+    yield HFCaptureBackend(local, **kwargs)

@@ -13,10 +13,8 @@ config ties them. Nothing is unpickled.
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,9 +23,10 @@ from safetensors import safe_open
 from pipeline.capture.shards import read_shards_manifest
 from pipeline.contracts import Manifest
 from pipeline.layout import policy_prefix, shards_prefix
-from pipeline.manifest import read_manifest, verify_manifest
+from pipeline.manifest import verify_manifest
 from pipeline.snapshot.policy import POLICY_KIND
 from pipeline.storage import Storage
+from pipeline.verified import committed, fetch, read_verified
 
 _EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight")
 _HEAD_NAMES = ("lm_head.weight",)
@@ -98,27 +97,28 @@ class TargetWeights:
 def load_target(storage: Storage, step: int) -> TargetWeights:
     """Config, embedding and lm_head of the committed policy checkpoint of ``step``."""
     prefix = policy_prefix(step)
-    manifest = read_manifest(storage, prefix)
-    if manifest is None or manifest.kind != POLICY_KIND:
-        raise WindowError(f"{storage.url(prefix)}: no committed policy checkpoint")
-    config = json.loads(storage.read_bytes(f"{prefix}/config.json"))
-    weights = sorted(f.path for f in manifest.files if f.path.endswith(".safetensors"))
-    if not weights:
-        raise WindowError(f"{storage.url(prefix)}: the policy has no safetensors weights")
+    try:
+        manifest = committed(storage, prefix, POLICY_KIND)
+    except FileNotFoundError as e:
+        raise WindowError(str(e)) from e
+    config = json.loads(read_verified(storage, prefix, manifest, "config.json"))
     tied = bool(config.get("tie_word_embeddings", False))
     wanted = {"embed": _EMBED_NAMES} if tied else {"embed": _EMBED_NAMES, "head": _HEAD_NAMES}
+    weights = _weight_files(storage, prefix, manifest, wanted)
+    if not weights:
+        raise WindowError(f"{storage.url(prefix)}: the policy has no safetensors weights")
+    # only the files holding the embedding and head, verified, in the dataset cache
+    local = fetch(storage, prefix, kind=POLICY_KIND, label="policy-head", paths=weights)
     found: dict[str, torch.Tensor] = {}
-    with tempfile.TemporaryDirectory(prefix="aerie-target-") as tmp:
-        for name in weights:
-            path = _local_copy(storage, f"{prefix}/{name}", Path(tmp) / name)
-            with safe_open(str(path), framework="pt") as f:
-                keys = set(f.keys())
-                for role, candidates in wanted.items():
-                    hit = next((k for k in candidates if k in keys), None)
-                    if hit is not None and role not in found:
-                        found[role] = f.get_tensor(hit).float()
-            if len(found) == len(wanted):
-                break
+    for name in weights:
+        with safe_open(str(local / name), framework="pt") as f:
+            keys = set(f.keys())
+            for role, candidates in wanted.items():
+                hit = next((k for k in candidates if k in keys), None)
+                if hit is not None and role not in found:
+                    found[role] = f.get_tensor(hit).float()
+        if len(found) == len(wanted):
+            break
     missing = [wanted[r][0] for r in wanted if r not in found]
     if missing:
         raise WindowError(f"{storage.url(prefix)}: tensors {missing} not found in {weights}")
@@ -133,12 +133,16 @@ def load_target(storage: Storage, step: int) -> TargetWeights:
                          config=config, embed=embed, lm_head=head)
 
 
-def _local_copy(storage: Storage, key: str, dest: Path) -> Path:
-    local = storage.local_path(key)
-    if local is not None:
-        return local
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with storage.open_read(key) as src, open(dest, "wb") as dst:
-        while chunk := src.read(1 << 20):
-            dst.write(chunk)
-    return dest
+
+def _weight_files(storage: Storage, prefix: str, manifest: Manifest,
+                  wanted: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """The safetensors files that hold the ``wanted`` tensors: those the sharded index maps
+    them to, or every safetensors file of the checkpoint when it has no index."""
+    weights = sorted(f.path for f in manifest.files if f.path.endswith(".safetensors"))
+    index_name = "model.safetensors.index.json"
+    if index_name not in {f.path for f in manifest.files}:
+        return weights
+    weight_map = json.loads(read_verified(storage, prefix, manifest, index_name)).get(
+        "weight_map", {})
+    chosen = {weight_map[n] for names in wanted.values() for n in names if n in weight_map}
+    return sorted(chosen & set(weights)) or weights

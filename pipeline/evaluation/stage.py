@@ -24,10 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,8 +39,10 @@ from pipeline.evaluation.metrics import AcceptanceStats
 from pipeline.layout import EVALS, eval_prefix, policy_prefix, steps_of
 from pipeline.manifest import entry_for, read_manifest, write_manifest
 from pipeline.records import from_dict, from_json, to_dict, to_json
-from pipeline.snapshot.policy import load_policy_ref
+from pipeline.snapshot.policy import POLICY_KIND, load_policy_ref
 from pipeline.storage import Storage
+from pipeline.training.stage import DRAFTER_KIND
+from pipeline.verified import committed, fetch, read_verified
 
 log = logging.getLogger(__name__)
 
@@ -123,31 +123,30 @@ def run(storage: Storage, step: int, candidate: str,
         log.info("step %d: acceptance report already committed", step)
         return existing
 
-    with tempfile.TemporaryDirectory(prefix=f"aerie-eval-{step:06d}-") as tmp:
-        target = _load_target(storage, step, Path(tmp) / "policy")
-        params = config.spec_params(target.config.architectures)
-        settings = {**asdict(params), "max_new_tokens": config.max_new_tokens}
-        eos = target.config.eos_token_id
-        ids = [list(p.prompt_ids) for p in prompts]
-        base = evaluate(target, None, ids, None, max_new_tokens=config.max_new_tokens,
-                        eos_token_id=eos)
-        results = {NO_DRAFTER: Contestant(NO_DRAFTER, None, None, to_dict(base.stats),
-                                          len(ids))}
-        embed = target.get_input_embeddings().weight.detach()
-        for name, prefix in (("candidate", candidate), ("champion", champion)):
-            if prefix is None:
-                continue
-            local = storage.download_dir(prefix, Path(tmp) / name)
-            drafter = load_drafter(local, embed, dtype=torch.float32)
-            run = evaluate(target, drafter, ids, params, max_new_tokens=config.max_new_tokens,
-                           eos_token_id=eos)
-            match = sum(a == b for a, b in zip(run.outputs, base.outputs, strict=True))
-            if match < len(ids):
-                log.warning("step %d: %s emitted other tokens than greedy decoding on %d of %d "
-                            "prompts", step, name, len(ids) - match, len(ids))
-            results[name] = Contestant(name, storage.url(prefix),
-                                       drafters[name].meta.get("fingerprint"),
-                                       to_dict(run.stats), match)
+    target = _load_target(storage, step)
+    params = config.spec_params(target.config.architectures)
+    settings = {**asdict(params), "max_new_tokens": config.max_new_tokens}
+    eos = target.config.eos_token_id
+    ids = [list(p.prompt_ids) for p in prompts]
+    base = evaluate(target, None, ids, None, max_new_tokens=config.max_new_tokens,
+                    eos_token_id=eos)
+    results = {NO_DRAFTER: Contestant(NO_DRAFTER, None, None, to_dict(base.stats),
+                                      len(ids))}
+    embed = target.get_input_embeddings().weight.detach()
+    for name, prefix in (("candidate", candidate), ("champion", champion)):
+        if prefix is None:
+            continue
+        local = fetch(storage, prefix, kind=DRAFTER_KIND, label="drafter")  # verified
+        drafter = load_drafter(local, embed, dtype=torch.float32)
+        run = evaluate(target, drafter, ids, params, max_new_tokens=config.max_new_tokens,
+                       eos_token_id=eos)
+        match = sum(a == b for a, b in zip(run.outputs, base.outputs, strict=True))
+        if match < len(ids):
+            log.warning("step %d: %s emitted other tokens than greedy decoding on %d of %d "
+                        "prompts", step, name, len(ids) - match, len(ids))
+        results[name] = Contestant(name, storage.url(prefix),
+                                   drafters[name].meta.get("fingerprint"),
+                                   to_dict(run.stats), match)
     report = AcceptanceReport(
         step=step, policy_uri=policy.uri, policy_sha256=policy.sha256, heldout=heldout,
         settings=settings, heldout_key=heldout["keys_sha256"], settings_key=_sha256(settings),
@@ -163,7 +162,7 @@ def read_report(storage: Storage, step: int) -> AcceptanceReport | None:
     manifest = read_manifest(storage, prefix)
     if manifest is None or manifest.kind != EVAL_KIND:
         return None
-    return from_json(AcceptanceReport, storage.read_bytes(f"{prefix}/{REPORT_FILE}").decode())
+    return from_json(AcceptanceReport, read_verified(storage, prefix, manifest, REPORT_FILE))
 
 
 def tau_history(storage: Storage) -> dict[str, dict[int, float]]:
@@ -195,20 +194,16 @@ def _publish(storage: Storage, report: AcceptanceReport) -> None:
 
 
 def _drafter_manifest(storage: Storage, prefix: str) -> Manifest:
-    manifest = read_manifest(storage, prefix)
-    if manifest is None:
-        raise FileNotFoundError(f"{storage.url(prefix)}: no committed drafter")
+    manifest = committed(storage, prefix, DRAFTER_KIND)
     if "window_steps" not in manifest.meta:
         raise ValueError(f"{storage.url(prefix)}: drafter manifest has no window_steps")
     return manifest
 
 
-def _load_target(storage: Storage, step: int, dest: Path) -> torch.nn.Module:
+def _load_target(storage: Storage, step: int) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    local = storage.download_dir(policy_prefix(step), dest)
-    if not (local / "config.json").is_file():
-        raise FileNotFoundError(f"{storage.url(policy_prefix(step))}: no policy checkpoint")
+    local = fetch(storage, policy_prefix(step), kind=POLICY_KIND, label="policy")  # verified
     return AutoModelForCausalLM.from_pretrained(str(local), dtype=torch.float32).eval()
 
 

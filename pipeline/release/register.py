@@ -10,7 +10,6 @@ fingerprint), or registration refuses: numbers are never attached to another dra
 from __future__ import annotations
 
 import math
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,8 @@ from pipeline.manifest import read_manifest
 from pipeline.release.lineage import lineage_from_manifest
 from pipeline.release.mlflow_registry import DrafterRegistry, Registration
 from pipeline.storage import Storage
+from pipeline.training.stage import DRAFTER_KIND
+from pipeline.verified import fetch
 
 
 class ReleaseError(RuntimeError):
@@ -60,14 +61,11 @@ def run(storage: Storage, registry: DrafterRegistry, step: int, dagster_run_id: 
                      if n != NO_DRAFTER}, f"step {step}: α per draft position")
         charts.append(chart_dir / "acceptance_per_position.png")
         charts[-1].write_bytes(png)
-    with tempfile.TemporaryDirectory(prefix="aerie-drafter-", dir=chart_dir) as tmp:
-        local = storage.download_dir(prefix, Path(tmp) / "drafter")
-        (local / "_manifest.json").unlink(missing_ok=True)
-        registration = registry.publish(
-            drafter_dir=local, lineage=lineage, params=manifest.meta.get("config"),
-            history=manifest.meta["result"]["history"], metrics=_eval_metrics(report),
-            charts=charts,
-            run_name=f"drafter-step-{step:06d}")
+    local = fetch(storage, prefix, kind=DRAFTER_KIND, label="drafter")  # verified copy
+    registration = registry.publish(
+        drafter_dir=local, lineage=lineage, params=manifest.meta.get("config"),
+        history=manifest.meta["result"]["history"], metrics=_eval_metrics(report),
+        charts=charts, run_name=f"drafter-step-{step:06d}")
     return Registered(registration, stats.tau)
 
 

@@ -10,9 +10,7 @@ and a report without a champion while one exists is refused the same way.
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 from pipeline.evaluation.stage import NO_DRAFTER, AcceptanceReport, Contestant
 from pipeline.layout import drafter_prefix
@@ -23,6 +21,8 @@ from pipeline.release.mlflow_registry import DrafterRegistry
 from pipeline.release.promotion import PromotionResult, promote
 from pipeline.release.register import ReleaseError, read_refresh_report
 from pipeline.storage import Storage
+from pipeline.training.stage import DRAFTER_KIND
+from pipeline.verified import fetch
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,8 @@ def run(storage: Storage, registry: DrafterRegistry, serving: ServingBackend,
     if version is None:
         raise ReleaseError(f"drafter {cand.fingerprint} of step {step} is not registered: "
                            f"materialize registered_drafter first")
-    with tempfile.TemporaryDirectory(prefix="aerie-release-") as tmp:
-        local = storage.download_dir(drafter_prefix(step), Path(tmp) / "drafter")
-        (local / "_manifest.json").unlink(missing_ok=True)
-        errors = drafter_format_errors(local)
+    local = fetch(storage, drafter_prefix(step), kind=DRAFTER_KIND, label="drafter")
+    errors = drafter_format_errors(local)
     champion = None
     if "champion" in report.contestants:
         measured = report.contestants["champion"]

@@ -296,7 +296,7 @@ def _accepted_records(storage: Storage, step: int) -> Iterator[dict[str, Any]]:
         raise SnapshotError(f"{storage.url(prefix)}: snapshot not validated yet")
     for entry in manifest.files:
         if entry.path.startswith("accepted-"):
-            table = read_table(storage, f"{prefix}/{entry.path}", ROLLOUT_SCHEMA)
+            table = read_table(storage, f"{prefix}/{entry.path}", ROLLOUT_SCHEMA, entry=entry)
             for batch in table.to_batches(max_chunksize=1024):
                 yield from batch.to_pylist()
 

@@ -35,7 +35,6 @@ from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.eagle3.ttt import TTTMetrics, ttt_loss
 from pipeline.eagle3.ttt_batch import TTTBatch, collate
-from pipeline.layout import mapping_prefix
 from pipeline.records import from_dict, to_dict, to_json
 from pipeline.storage import Storage
 from pipeline.training import checkpoint as ckpt
@@ -46,8 +45,7 @@ from pipeline.training.engine_state import capture, full_fp32_params, restore
 from pipeline.training.metrics import MetricSums, aggregate, all_reduce
 from pipeline.training.spec import TrainResult, TrainSpec
 from pipeline.training.warmstart import apply_warm_start
-from pipeline.vocab.mapping import vocab_mapping_from_bytes
-from pipeline.vocab.stage import MAPPING_FILE
+from pipeline.vocab.stage import load_mapping
 
 log = logging.getLogger(__name__)
 RESULT_NAME = "result.json"
@@ -75,8 +73,7 @@ def build_drafter(spec: TrainSpec, storage: Storage) -> tuple[Eagle3Drafter, Any
         raise WindowError(f"{target.uri} changed since the run was planned")
     manifests = read_window(storage, spec.window_steps)
     hidden, aux_ids = shard_geometry(manifests)
-    data = storage.read_bytes(f"{mapping_prefix(spec.vocab_key)}/{MAPPING_FILE}")
-    mapping = vocab_mapping_from_bytes(data)
+    mapping = load_mapping(storage, spec.vocab_key)
     config = DrafterConfig.from_target(target.config, draft_vocab_size=mapping.draft_vocab_size,
                                        aux_layer_ids=aux_ids)
     if hidden != config.target_hidden_size or mapping.target_vocab_size != config.vocab_size:

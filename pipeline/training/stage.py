@@ -47,6 +47,7 @@ from pipeline.storage import Storage
 from pipeline.training.config import TrainConfig
 from pipeline.training.launch import launch
 from pipeline.training.spec import TrainResult, TrainSpec
+from pipeline.verified import fetch
 from pipeline.vocab.stage import load_window_vocab
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def served_drafter(storage: Storage, serving_name: str, step: int) -> int | None
     return None
 
 
-def resolve_warm_start(storage: Storage, step: int, warm_start: str, cache_dir: Path,
+def resolve_warm_start(storage: Storage, step: int, warm_start: str,
                        serving_name: str | None = None) -> tuple[str | None, str | None]:
     """``(local directory, source label)`` of the warm start, or ``(None, None)``.
 
@@ -110,10 +111,7 @@ def resolve_warm_start(storage: Storage, step: int, warm_start: str, cache_dir: 
         warm_start.startswith("/") else None
     if manifest is not None:
         digest = hashlib.sha256(to_json(manifest).encode()).hexdigest()
-        local = cache_dir / f"warm-{digest[:16]}"
-        if not local.is_dir():
-            storage.download_dir(warm_start, local)
-            (local / "_manifest.json").unlink(missing_ok=True)
+        local = fetch(storage, warm_start, label="drafter")  # verified against its manifest
         return str(local), f"{storage.url(warm_start)}#{digest[:16]}"
     local = Path(warm_start.removeprefix("file://"))
     if not (local / "config.json").is_file():
@@ -130,7 +128,7 @@ def plan(storage: Storage, step: int, config: TrainConfig, work_root: Path,
     read_window(storage, window)  # names any missing step
     shard_sha = {str(s): hashlib.sha256(storage.read_bytes(
         manifest_key(shards_prefix(s)))).hexdigest() for s in window}
-    warm_dir, warm_source = resolve_warm_start(storage, step, warm_start, work_root / "warm",
+    warm_dir, warm_source = resolve_warm_start(storage, step, warm_start,
                                                serving_name)
     spec = TrainSpec(config=config, storage_url=storage.root_url, step=step,
                      window_steps=tuple(window), shard_manifest_sha256=shard_sha,

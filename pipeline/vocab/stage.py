@@ -26,13 +26,14 @@ import pyarrow as pa
 import torch
 
 from pipeline.capture.shards import read_shards_manifest
-from pipeline.capture.window import WindowError, read_window, window_steps
+from pipeline.capture.window import WindowError, read_window, verify_window, window_steps
 from pipeline.contracts import Manifest
 from pipeline.layout import mapping_prefix, shards_prefix, vocab_pointer_prefix
-from pipeline.manifest import entry_for, read_manifest, write_manifest
+from pipeline.manifest import entry_for, meta_value, read_manifest, write_manifest
 from pipeline.parquet import open_parquet
 from pipeline.snapshot.policy import load_policy_ref
 from pipeline.storage import Storage
+from pipeline.verified import committed, read_verified
 from pipeline.vocab.mapping import (
     TokenCounter,
     VocabMapping,
@@ -77,12 +78,13 @@ def run(storage: Storage, step: int, window: int, draft_vocab_size: int, *,
     vocab = target_vocab_size or load_policy_ref(storage, step).vocab_size
     key = vocab_cache_key(manifest_digests(shards[s] for s in steps), vocab, draft_vocab_size)
     prefix = mapping_prefix(key)
-    cached = read_manifest(storage, prefix)
+    cached = read_manifest(storage, prefix, kind=VOCAB_KIND)
     if cached is not None:
-        mapping = vocab_mapping_from_bytes(storage.read_bytes(f"{prefix}/{MAPPING_FILE}"))
+        mapping = vocab_mapping_from_bytes(read_verified(storage, prefix, cached, MAPPING_FILE))
         hit = True
     else:
         counter = TokenCounter(vocab)
+        verify_window(storage, shards)  # count only the bytes the manifests name
         for s in steps:
             _count_step(storage, s, shards[s], counter)
         mapping = build_vocab_mapping(counter.counts(), draft_vocab_size, cache_key=key)
@@ -106,13 +108,21 @@ def run(storage: Storage, step: int, window: int, draft_vocab_size: int, *,
 
 def load_window_vocab(storage: Storage, step: int) -> tuple[tuple[int, ...], VocabMapping]:
     """``(window_steps, mapping)`` chosen for refresh step ``step`` by the vocab stage."""
-    pointer = read_manifest(storage, vocab_pointer_prefix(step))
+    prefix = vocab_pointer_prefix(step)
+    pointer = read_manifest(storage, prefix)
     if pointer is None or pointer.kind != VOCAB_POINTER_KIND:
-        raise WindowError(f"{storage.url(vocab_pointer_prefix(step))}: no vocab mapping for step "
+        raise WindowError(f"{storage.url(prefix)}: no vocab mapping for step "
                           f"{step}; materialize vocab_mapping for this partition first")
-    key = pointer.meta["cache_key"]
-    data = storage.read_bytes(f"{mapping_prefix(key)}/{MAPPING_FILE}")
-    return tuple(pointer.meta["window_steps"]), vocab_mapping_from_bytes(data)
+    key = meta_value(storage, prefix, pointer, "cache_key", str)
+    steps = meta_value(storage, prefix, pointer, "window_steps", list)
+    return tuple(steps), load_mapping(storage, key)
+
+
+def load_mapping(storage: Storage, cache_key: str) -> VocabMapping:
+    """The committed mapping ``vocab/<cache_key>/``, verified against its manifest."""
+    prefix = mapping_prefix(cache_key)
+    manifest = committed(storage, prefix, VOCAB_KIND)
+    return vocab_mapping_from_bytes(read_verified(storage, prefix, manifest, MAPPING_FILE))
 
 
 def _count_step(storage: Storage, step: int, manifest: Manifest, counter: TokenCounter) -> None:

@@ -135,7 +135,9 @@ def test_the_swap_sequence(tmp_path, sglang, drafters):
     assert calls["/begin_weight_update"] == {"selector": "draft"}
     update = calls["/update_weights_from_tensor"]
     assert update["selector"] == "draft"
-    assert update["serialized_named_tensors"] == ["payload-of:step=000002"]  # its local dir
+    served = backend._local(backend.current().target)  # the verified copy in the cache
+    assert served.parent == tmp_path / "cache"
+    assert update["serialized_named_tensors"] == [f"payload-of:{served.name}"]
     assert manifest.mode == "sglang-hotswap" and manifest.details["servers"] == sglang.url
 
 

@@ -13,6 +13,7 @@ from pipeline.release.backend import LedgerBackend, ServingError
 from pipeline.release.ledger import ServingLedger
 from pipeline.serving_now import ServingManifest, ServingTarget, read_serving, resolve_serving
 from pipeline.storage import Storage
+from pipeline.verified import IntegrityError
 from tests.release.helpers import make_drafter_dir, publish_drafter
 
 SETTINGS = SpecParams(3, 1, 4)
@@ -111,9 +112,9 @@ def test_a_corrupt_download_is_refused(tmp_path, moto_endpoint):
     storage.write_bytes("drafters/step=000007/config.json", b"{}")  # bytes changed after commit
     ledger = ServingLedger(storage, "m")
     ledger.publish(target("1", uri), SETTINGS, mode="manifest", reason="v1")
-    with pytest.raises(ValueError, match="does not match its manifest"):
+    with pytest.raises(IntegrityError, match=r"step=000007/config\.json: 2 bytes, its manifest"):
         resolve_serving(storage, "m", tmp_path / "cache")
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing half-copied left behind
 
 
 def test_restore_writes_a_new_manifest_naming_the_old_one(tmp_path):
@@ -136,7 +137,7 @@ def test_manifest_schema_and_settings_are_validated():
     with pytest.raises(ValueError, match="schema_version"):
         from_json(ServingManifest, '{"schema_version": 99}')
     with pytest.raises(ValueError, match="serving name"):
-        ServingLedger(Storage("memory://x"), "../etc")
+        ServingLedger(Storage("memory://x", allow_ephemeral=True), "../etc")
 
 
 @pytest.mark.parametrize("uri", ["file:///elsewhere/drafters/step=000001",

@@ -97,7 +97,9 @@ def test_promotions_move_alias_and_serving_and_record_lineage(sqlite_registry, s
     assert (launch.drafter_dir / "config.json").is_file()
     assert launch.args[launch.args.index("--speculative-draft-model-path") + 1] == \
         str(launch.drafter_dir)
-    assert "drafters/step=000020" in str(launch.drafter_dir)
+    assert launch.drafter_dir.parent == tmp_path / "cache"  # a verified copy
+    assert (launch.drafter_dir / "model.safetensors").read_bytes() == storage.read_bytes(
+        "drafters/step=000020/model.safetensors")
     assert promote(registry, serving, v2, gate(2.5, summary(2.0, v1))).action == "unchanged"
 
 

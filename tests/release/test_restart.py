@@ -38,7 +38,8 @@ def test_success_fills_placeholders_without_a_shell(published, tmp_path):
     backend = LedgerBackend(ServingLedger(storage, "demo"), SETTINGS, hook,
                             cache_dir=tmp_path / "cache")
     manifest = backend.apply(target, reason="promote v3")
-    drafter_dir = storage.local_path("drafters/step=000003")
+    drafter_dir = backend._local(target)  # the verified copy in the cache
+    assert drafter_dir.parent == tmp_path / "cache"
     assert out.read_text().split("|") == [str(drafter_dir), "--steps=4", "1", "5", "v3",
                                           "fp3", "$HOME;{literal}"]
     assert manifest.mode == "sglang-restart" and manifest.details["exit_status"] == "0"
