@@ -13,9 +13,12 @@ Invariants:
   settings (``heldout_key``, ``settings_key``; the no-drafter baseline has no speculative
   settings, so only its held-out key is compared); and the candidate's τ beats the
   baseline's by at least ``policy.min_relative_gain`` (relative) and strictly.
+- A candidate that IS the champion (same registry version) is not compared with itself:
+  the verdict is ``already_champion``, nothing to promote and nothing to refuse.
 - Reasons always explain: a refusal lists every failed check (not only the first); a
   promotion states the gain and what was compared. Each reason starts with the name of its
-  check (``format:``, ``measurement:``, ``heldout:``, ``settings:``, ``gain:``).
+  check (``format:``, ``measurement:``, ``heldout:``, ``settings:``, ``gain:``;
+  ``champion:`` for ``already_champion``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,13 @@ import math
 from dataclasses import dataclass, field
 
 GATE_SCHEMA_VERSION = 1
+DECISION_SCHEMA_VERSION = 2  # 2: verdict
 NO_DRAFTER_TAU = 1.0
+
+PROMOTE = "promote"
+REFUSE = "refuse"
+ALREADY_CHAMPION = "already_champion"
+VERDICTS = (PROMOTE, REFUSE, ALREADY_CHAMPION)
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,11 @@ class GatePolicy:
 
 @dataclass(frozen=True)
 class Decision:
-    """The gate's verdict. ``baseline`` is ``"champion"`` or ``"no-drafter"``."""
+    """The gate's verdict. ``baseline`` is ``"champion"`` or ``"no-drafter"``.
+
+    ``verdict`` is one of :data:`VERDICTS`; ``promote`` is ``verdict == "promote"`` (kept
+    as a field for readers of the JSON). ``verdict`` defaults from ``promote``.
+    """
 
     promote: bool
     reasons: tuple[str, ...]
@@ -91,7 +104,16 @@ class Decision:
     relative_gain: float  # candidate τ / baseline τ - 1 (NaN when not comparable)
     champion_version: str | None = None  # the champion the candidate was measured against
     policy: GatePolicy = field(default_factory=GatePolicy)
-    schema_version: int = GATE_SCHEMA_VERSION
+    verdict: str = ""
+    schema_version: int = DECISION_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.verdict:
+            object.__setattr__(self, "verdict", PROMOTE if self.promote else REFUSE)
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict {self.verdict!r} is not one of {VERDICTS}")
+        if self.promote != (self.verdict == PROMOTE):
+            raise ValueError(f"promote={self.promote} contradicts verdict {self.verdict!r}")
 
 
 def decide(candidate: Candidate, champion: EvalSummary | None,
@@ -104,6 +126,9 @@ def decide(candidate: Candidate, champion: EvalSummary | None,
     """
     policy = policy or GatePolicy()
     cand = candidate.summary
+    if champion is not None and champion.drafter_version is not None \
+            and champion.drafter_version == cand.drafter_version:
+        return _already_champion(cand, champion, policy)
     failed: list[str] = []
     passed: list[str] = []
 
@@ -160,6 +185,20 @@ def decide(candidate: Candidate, champion: EvalSummary | None,
                     relative_gain=float(gain),
                     champion_version=champion.drafter_version if champion else None,
                     policy=policy)
+
+
+def _already_champion(cand: EvalSummary, champion: EvalSummary, policy: GatePolicy
+                      ) -> Decision:
+    """The candidate is the champion's registry version: a re-run after its promotion (or
+    an evaluation of the served drafter); comparing it with itself would be meaningless."""
+    gain = cand.tau / champion.tau - 1.0 if _finite(cand.tau) and _finite(champion.tau) \
+        and champion.tau > 0 else math.nan
+    return Decision(promote=False, verdict=ALREADY_CHAMPION,
+                    reasons=(f"champion: the candidate is champion v{champion.drafter_version} "
+                             f"itself; there is nothing to promote or refuse",),
+                    baseline="champion", candidate_tau=float(cand.tau),
+                    baseline_tau=float(champion.tau), relative_gain=float(gain),
+                    champion_version=champion.drafter_version, policy=policy)
 
 
 def _measurement_problems(name: str, s: EvalSummary, policy: GatePolicy) -> list[str]:

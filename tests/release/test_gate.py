@@ -158,3 +158,30 @@ def test_inputs_are_validated():
     with pytest.raises(ValueError):
         EvalSummary(tau=2.0, cycles=-1, emitted_tokens=0, alpha=(), settings_key="s",
                     heldout_key="h")
+
+
+def test_a_candidate_that_is_the_champion_is_not_compared_with_itself():
+    """A re-run after the candidate's promotion measures it against itself: τ equals τ, which
+    is no reason to refuse the champion."""
+    d = decide(Candidate(summary(2.0, version="4"), True), summary(2.0, version="4"),
+               policy=POLICY)
+    assert (d.verdict, d.promote, d.champion_version) == ("already_champion", False, "4")
+    assert d.reasons == ("champion: the candidate is champion v4 itself; there is nothing "
+                         "to promote or refuse",)
+    assert from_json(Decision, to_json(d)) == d
+    other = decide(Candidate(summary(2.0, version="5"), True), summary(2.0, version="4"),
+                   policy=POLICY)
+    assert other.verdict == "refuse" and any("equals" in r for r in other.reasons)
+    unknown = decide(Candidate(summary(2.0), True), summary(2.0), policy=POLICY)
+    assert unknown.verdict == "refuse"  # versions unknown: nothing says they are the same
+
+
+def test_verdict_and_promote_agree():
+    fields = dict(reasons=("x",), baseline="champion", candidate_tau=2.0, baseline_tau=2.0,
+                  relative_gain=0.0)
+    assert Decision(promote=True, **fields).verdict == "promote"
+    assert Decision(promote=False, **fields).verdict == "refuse"
+    with pytest.raises(ValueError, match="contradicts"):
+        Decision(promote=True, verdict="already_champion", **fields)
+    with pytest.raises(ValueError, match="verdict"):
+        Decision(promote=False, verdict="maybe", **fields)
