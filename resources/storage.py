@@ -7,13 +7,15 @@ from dagster import ConfigurableResource, EnvVar
 from pydantic import Field
 
 from pipeline.storage import Storage
-from resources.home import default_storage_url
+from resources.home import aerie_home, default_storage_url
 
 _ENV = {
     "url": "AERIE_STORAGE_URL",
     "endpoint_url": "AWS_ENDPOINT_URL",
     "access_key_id": "AWS_ACCESS_KEY_ID",
     "secret_access_key": "AWS_SECRET_ACCESS_KEY",
+    "cache_dir": "AERIE_CACHE_DIR",
+    "cache_max_gb": "AERIE_CACHE_MAX_GB",
 }
 
 
@@ -26,6 +28,12 @@ class StorageResource(ConfigurableResource):
         default=None, description="S3 endpoint (e.g. MinIO, moto); unset: AWS default")
     access_key_id: str | None = Field(default=None, description="S3 key id (via EnvVar)")
     secret_access_key: str | None = Field(default=None, description="S3 secret (via EnvVar)")
+    cache_dir: str | None = Field(
+        default=None, description="verified local copies of policies and drafters, named by "
+                                  "content; unset: $AERIE_HOME/cache")
+    cache_max_gb: str | None = Field(
+        default=None, description="size bound of the cache (least recently used entries go "
+                                  "first); unset: 64")
 
     def build(self) -> Storage:
         url = self.url or default_storage_url()
@@ -37,7 +45,9 @@ class StorageResource(ConfigurableResource):
                 options["key"] = self.access_key_id
             if self.secret_access_key:
                 options["secret"] = self.secret_access_key
-        return Storage(url, options)
+        cache_dir = self.cache_dir or aerie_home() / "cache"
+        max_bytes = _gigabytes(self.cache_max_gb) if self.cache_max_gb else None
+        return Storage(url, options, cache_dir=cache_dir, cache_max_bytes=max_bytes)
 
 
 def storage_from_env() -> StorageResource:
@@ -53,3 +63,13 @@ def storage_from_environment() -> Storage:
     """The same storage, built outside Dagster (the CLI): values read from the environment."""
     return StorageResource(**{f: os.environ[v] for f, v in _ENV.items()
                               if v in os.environ}).build()
+
+
+def _gigabytes(text: str) -> int:
+    try:
+        gb = float(text)
+    except ValueError:
+        raise ValueError(f"AERIE_CACHE_MAX_GB / cache_max_gb: {text!r} is not a number") from None
+    if not gb > 0:
+        raise ValueError(f"AERIE_CACHE_MAX_GB / cache_max_gb: {text!r} must be positive")
+    return int(gb * 2**30)

@@ -57,6 +57,7 @@ from pipeline.manifest import (
     manifest_key,
     read_manifest,
     verify_manifest,
+    withdraw_manifest,
     write_manifest,
 )
 from pipeline.records import to_dict
@@ -158,11 +159,10 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
     if damaged:
         log.warning("step %d: committed shards differ from their manifest (%s); withdrawing "
                     "it and re-extracting the damaged shards", step, "; ".join(damaged[:3]))
-        storage.delete(manifest_key(out_prefix))
     elif existing is not None:
         log.warning("step %d: committed shards were made with another configuration; "
                     "withdrawing the manifest and rebuilding", step)
-        storage.delete(manifest_key(out_prefix))
+    withdraw_manifest(storage, out_prefix)  # also sweeps what a killed run left
 
     problems = verify_manifest(storage, in_prefix, tokenized)
     if problems:

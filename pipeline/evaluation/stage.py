@@ -37,7 +37,7 @@ from pipeline.evaluation.config import EvalConfig
 from pipeline.evaluation.engine import evaluate
 from pipeline.evaluation.metrics import AcceptanceStats
 from pipeline.layout import EVALS, eval_prefix, policy_prefix, steps_of
-from pipeline.manifest import entry_for, read_manifest, write_manifest
+from pipeline.manifest import entry_for, read_manifest, withdraw_manifest, write_manifest
 from pipeline.records import from_dict, from_json, to_dict, to_json
 from pipeline.snapshot.policy import POLICY_KIND, load_policy_ref
 from pipeline.storage import Storage
@@ -186,6 +186,7 @@ def _committed(storage: Storage, step: int, fingerprint: str) -> AcceptanceRepor
 
 def _publish(storage: Storage, report: AcceptanceReport) -> None:
     prefix = eval_prefix(report.step)
+    withdraw_manifest(storage, prefix)
     written = storage.write_bytes(f"{prefix}/{REPORT_FILE}", to_json(report).encode())
     write_manifest(storage, prefix, Manifest(
         kind=EVAL_KIND, kind_version=REPORT_SCHEMA_VERSION,

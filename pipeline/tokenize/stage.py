@@ -47,7 +47,7 @@ from transformers import PreTrainedTokenizerFast
 
 from pipeline.contracts import FileEntry, Manifest
 from pipeline.layout import policy_prefix, snapshot_prefix, tokenized_prefix
-from pipeline.manifest import entry_for, read_manifest, write_manifest
+from pipeline.manifest import entry_for, read_manifest, withdraw_manifest, write_manifest
 from pipeline.parquet import read_table, write_table
 from pipeline.snapshot.policy import PolicyRef, load_policy_ref
 from pipeline.snapshot.schema import ROLLOUT_SCHEMA
@@ -306,6 +306,7 @@ def run(storage: Storage, step: int,
     """Tokenize the validated snapshot of ``step`` and commit ``tokenized/step=NNNNNN/``."""
     tokenizer, policy = load_step_tokenizer(storage, step)
     prefix = tokenized_prefix(step)
+    withdraw_manifest(storage, prefix)
     tally = _Tally(config.max_examples)
     entries: list[FileEntry] = []
     rows: list[dict[str, Any]] = []

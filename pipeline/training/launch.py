@@ -34,7 +34,7 @@ from pipeline.records import from_json, to_json
 from pipeline.training.distributed import free_port
 from pipeline.training.loop import RESULT_NAME
 from pipeline.training.spec import TrainResult, TrainSpec
-from pipeline.training.worker import STORAGE_OPTIONS_ENV
+from pipeline.training.worker import CACHE_ENV, STORAGE_OPTIONS_ENV
 
 log = logging.getLogger(__name__)
 LAUNCHERS = ("auto", "python", "torchrun", "deepspeed")
@@ -68,8 +68,8 @@ def training_command(spec_path: Path, world_size: int, launcher: str = "auto",
             "--master_addr", "127.0.0.1", "--master_port", port, "--module", *entry]
 
 
-def child_environment(spec: TrainSpec, storage_options: Mapping[str, Any] | None
-                      ) -> dict[str, str]:
+def child_environment(spec: TrainSpec, storage_options: Mapping[str, Any] | None,
+                      cache: Mapping[str, Any] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # a parent's own group must not leak into the child's
@@ -78,6 +78,7 @@ def child_environment(spec: TrainSpec, storage_options: Mapping[str, Any] | None
     if spec.config.threads:
         env["OMP_NUM_THREADS"] = str(spec.config.threads)
     env[STORAGE_OPTIONS_ENV] = json.dumps(dict(storage_options or {}))
+    env[CACHE_ENV] = json.dumps(dict(cache or {}))
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
@@ -88,6 +89,7 @@ class TrainingProcess:
 
     def __init__(self, spec: TrainSpec, *, launcher: str = "auto",
                  storage_options: Mapping[str, Any] | None = None,
+                 cache: Mapping[str, Any] | None = None,
                  on_line: Callable[[str], None] | None = None):
         self.spec = spec
         self.work_dir = Path(spec.work_dir)
@@ -102,7 +104,7 @@ class TrainingProcess:
         self._lines: queue.Queue[str | None] = queue.Queue()
         self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env=child_environment(spec, storage_options),
+                                     env=child_environment(spec, storage_options, cache),
                                      cwd=str(self.work_dir), start_new_session=True)
         # Drained from the start, so a full pipe never blocks the child, even if nobody waits.
         self._pump = threading.Thread(target=self._drain, daemon=True)
@@ -151,7 +153,9 @@ class TrainingProcess:
 
 def launch(spec: TrainSpec, *, launcher: str = "auto",
            storage_options: Mapping[str, Any] | None = None,
+           cache: Mapping[str, Any] | None = None,
            on_line: Callable[[str], None] | None = None) -> TrainResult:
-    """Run ``spec`` to completion in child process(es); resumes from its work dir."""
+    """Run ``spec`` to completion in child process(es); resumes from its work dir.
+    ``cache``: ``{"dir", "max_bytes"}`` of the dataset cache the children share."""
     return TrainingProcess(spec, launcher=launcher, storage_options=storage_options,
-                           on_line=on_line).wait()
+                           cache=cache, on_line=on_line).wait()

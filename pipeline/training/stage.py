@@ -39,7 +39,13 @@ from pipeline.layout import (
     step_of_prefix,
     steps_of,
 )
-from pipeline.manifest import entry_for, manifest_key, read_manifest, write_manifest
+from pipeline.manifest import (
+    entry_for,
+    manifest_key,
+    read_manifest,
+    withdraw_manifest,
+    write_manifest,
+)
 from pipeline.records import to_dict, to_json
 from pipeline.serving_now import serving_history
 from pipeline.snapshot.policy import load_policy_ref
@@ -152,10 +158,12 @@ def run(storage: Storage, step: int, config: TrainConfig, *, work_root: Path,
         return DrafterRefresh(step, storage.url(prefix), existing,
                               TrainResult(**existing.meta["result"]), reused=True)
     verify_window(storage, read_window(storage, spec.window_steps))
-    result = launch(spec, launcher=launcher, storage_options=storage_options, on_line=on_line)
+    result = launch(spec, launcher=launcher, storage_options=storage_options,
+                    cache={"dir": str(storage.cache_dir), "max_bytes": storage.cache_max_bytes},
+                    on_line=on_line)
     if existing is not None:
         log.warning("step %d: replacing a drafter trained from other inputs", step)
-        storage.delete(manifest_key(prefix))
+    withdraw_manifest(storage, prefix)
     written = storage.upload_dir(spec.out_dir, prefix)
     manifests = read_window(storage, spec.window_steps)
     _, aux_ids = shard_geometry(manifests)

@@ -18,6 +18,7 @@ from pathlib import Path
 from pipeline.records import from_json
 
 STORAGE_OPTIONS_ENV = "AERIE_TRAIN_STORAGE_OPTIONS"
+CACHE_ENV = "AERIE_TRAIN_CACHE"  # {"dir": ..., "max_bytes": ...}: the parent's dataset cache
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = from_json(TrainSpec, Path(args.spec).read_text())
     options = json.loads(os.environ.get(STORAGE_OPTIONS_ENV) or "{}")
+    cache = json.loads(os.environ.get(CACHE_ENV) or "{}")
     try:
-        train(spec, Storage(spec.storage_url, options))
+        train(spec, Storage(spec.storage_url, options, cache_dir=cache.get("dir"),
+                            cache_max_bytes=cache.get("max_bytes")))
     finally:
         shutdown()
     return 0

@@ -98,7 +98,7 @@ def run(storage: Storage, step: int, window: int, draft_vocab_size: int, *,
     result = WindowVocab(step=step, window_steps=tuple(steps), mapping=mapping, cache_key=key,
                          cache_hit=hit, uri=storage.url(prefix),
                          seconds=time.perf_counter() - started)
-    write_manifest(storage, vocab_pointer_prefix(step), Manifest(
+    write_manifest(storage, vocab_pointer_prefix(step), Manifest(  # one small PUT: no withdraw
         kind=VOCAB_POINTER_KIND, kind_version=1, files=(),
         meta={"step": step, "window": window, "window_steps": steps, "cache_key": key,
               "uri": result.uri, "draft_vocab_size": mapping.draft_vocab_size,

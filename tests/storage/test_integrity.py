@@ -1,0 +1,198 @@
+"""The storage layer's integrity promises: durable roots only, nothing from outside an
+uploaded directory, crashed writers swept, and verified, bounded, content-named copies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pipeline.contracts import FileEntry, Manifest
+from pipeline.manifest import entry_for, withdraw_manifest, write_manifest
+from pipeline.storage import Storage, StorageError
+from pipeline.verified import DatasetCache, IntegrityError, committed, fetch, read_verified
+from tests.conftest import s3_options
+
+
+def publish(storage: Storage, prefix: str, files: dict[str, bytes]) -> Manifest:
+    written = [storage.write_bytes(f"{prefix}/{name}", data) for name, data in files.items()]
+    manifest = Manifest(kind="test_data", kind_version=1,
+                        files=tuple(entry_for(prefix, w) for w in written))
+    write_manifest(storage, prefix, manifest)
+    return manifest
+
+
+@pytest.mark.parametrize("url", ["memory://x", "http://127.0.0.1:9/x", "ftp://127.0.0.1/x"])
+def test_non_durable_roots_are_refused_unless_allowed(url):
+    with pytest.raises(StorageError, match="not a durable store"):
+        Storage(url)
+    if url.startswith("memory"):
+        assert Storage(url, allow_ephemeral=True).root_url == url
+
+
+def test_links_leaving_the_directory_are_refused_before_anything_is_copied(tmp_path):
+    storage = Storage((tmp_path / "s").as_uri())
+    src = tmp_path / "policy"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "inside.json").symlink_to(src / "config.json")  # stays inside: copied as a file
+    written = storage.upload_dir(src, "p")
+    assert sorted(w.key for w in written) == ["p/config.json", "p/inside.json"]
+
+    secret = tmp_path / "hostname"
+    secret.write_text("not yours")
+    (src / "weights.bin").symlink_to(secret)
+    with pytest.raises(StorageError, match=r"weights\.bin: a symbolic link .* outside"):
+        storage.upload_dir(src, "q")
+    assert storage.list("q") == []
+    (src / "weights.bin").unlink()
+    (src / "sub").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(StorageError, match="outside"):
+        storage.upload_dir(src, "q")
+    (src / "sub").unlink()
+    os.mkfifo(src / "pipe")
+    with pytest.raises(StorageError, match="not a regular file"):
+        storage.upload_dir(src, "q")
+
+
+def test_read_verified_names_the_tampered_file(tmp_path):
+    storage = Storage((tmp_path / "s").as_uri())
+    manifest = publish(storage, "d", {"a.bin": b"alpha", "b.bin": b"beta"})
+    assert read_verified(storage, "d", manifest, "a.bin") == b"alpha"
+    storage.write_bytes("d/a.bin", b"alphA")  # same size, other bytes
+    with pytest.raises(IntegrityError, match=r"d/a\.bin: sha256 .* differs from its manifest"):
+        read_verified(storage, "d", manifest, "a.bin")
+    storage.write_bytes("d/b.bin", b"longer")
+    with pytest.raises(IntegrityError, match=r"d/b\.bin: 6 bytes, its manifest says 4"):
+        read_verified(storage, "d", manifest, "b.bin")
+    with pytest.raises(IntegrityError, match="not in the committed"):
+        read_verified(storage, "d", manifest, "c.bin")
+
+
+def test_a_withdrawn_dataset_tells_readers_it_is_being_rewritten(tmp_path):
+    storage = Storage((tmp_path / "s").as_uri())
+    publish(storage, "d", {"a.bin": b"alpha"})
+    withdraw_manifest(storage, "d")
+    with pytest.raises(FileNotFoundError, match="being rewritten"):
+        committed(storage, "d")
+    publish(storage, "d", {"a.bin": b"again"})  # the commit clears the marker
+    assert committed(storage, "d").files[0].bytes == 5
+    assert not storage.exists("d/_rewriting.json")
+
+
+def test_the_cache_is_named_by_content_verified_and_bounded(tmp_path):
+    storage = Storage((tmp_path / "s").as_uri())
+    cache = DatasetCache(tmp_path / "cache", max_bytes=2_500)
+    publish(storage, "one", {"w.bin": b"1" * 1000, "config.json": b"{}"})
+    first = cache.fetch(storage, "one")
+    assert sorted(p.name for p in first.iterdir()) == ["config.json", "w.bin"]  # no extras
+    assert cache.fetch(storage, "one") == first  # reused
+
+    publish(storage, "one", {"w.bin": b"2" * 1000, "config.json": b"{}"})  # re-published
+    second = cache.fetch(storage, "one")
+    assert second != first and (second / "w.bin").read_bytes() == b"2" * 1000
+
+    publish(storage, "two", {"w.bin": b"3" * 1000})
+    cache.fetch(storage, "two")
+    assert cache.size() <= 2_500 and not first.exists()  # least recently used went first
+
+    storage.write_bytes("two/w.bin", b"4" * 1000)  # replaced after publication
+    with pytest.raises(IntegrityError, match=r"two/w\.bin: sha256"):
+        DatasetCache(tmp_path / "other").fetch(storage, "two")
+    assert list((tmp_path / "other").iterdir()) == []  # nothing half-copied is left
+
+
+def test_unsafe_manifest_paths_never_leave_the_cache(tmp_path):
+    storage = Storage((tmp_path / "s").as_uri())
+    bad = Manifest(kind="test_data", kind_version=1,
+                   files=(FileEntry("../escape", 1, "0" * 64),))
+    write_manifest(storage, "d", bad)
+    with pytest.raises(IntegrityError, match="unsafe path"):
+        DatasetCache(tmp_path / "cache").fetch(storage, "d")
+    assert not (tmp_path / "escape").exists()
+
+
+_KILLED_FETCH = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    import pipeline.verified as verified
+    from pipeline.storage import Storage
+
+    storage = Storage(sys.argv[1])
+    real = verified.copy_verified
+    def copy_then_die(storage, prefix, entry, dest):
+        real(storage, prefix, entry, dest)
+        os.kill(os.getpid(), signal.SIGKILL)  # killed half-way, like an OOM kill
+    verified.copy_verified = copy_then_die
+    verified.DatasetCache(Path(sys.argv[2])).fetch(storage, "policy")
+""")
+_KILLED_WRITE = textwrap.dedent("""
+    import os, signal, sys
+    from pipeline.storage import Storage
+
+    storage = Storage(sys.argv[1])
+    with storage.open_write("shards/step=000001/shard-00000.parquet") as f:
+        f.write(b"x" * 100_000)
+        os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def _killed(script: str, *args: str) -> None:
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=root,
+                          env={**os.environ, "PYTHONPATH": root}, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+
+
+def test_repeated_sigkill_leaves_no_growth(tmp_path):
+    storage = Storage((tmp_path / "s").as_uri())
+    manifest = publish(storage, "policy", {"a.safetensors": os.urandom(200_000),
+                                           "b.safetensors": os.urandom(200_000)})
+    cache_dir = tmp_path / "cache"
+    sizes = []
+    for _ in range(4):
+        _killed(_KILLED_FETCH, storage.root_url, str(cache_dir))
+        sizes.append(DatasetCache(cache_dir).size())
+    assert sizes[0] > 0  # a killed fetch does leave a temporary directory behind ...
+    local = DatasetCache(cache_dir).fetch(storage, "policy")  # ... which the re-run sweeps
+    assert DatasetCache(cache_dir).size() == manifest.total_bytes + len(
+        (cache_dir / (local.name + ".done.json")).read_bytes())
+    assert [p.name for p in cache_dir.iterdir() if p.name.startswith(".tmp-")] == []
+
+    for _ in range(3):
+        _killed(_KILLED_WRITE, storage.root_url)
+    left = [p for p in Path(storage.path("shards/step=000001")).iterdir()]
+    assert len(left) == 3 and all(p.name.endswith(".tmp") for p in left)
+    assert storage.list("shards") == []  # never visible as data
+    withdraw_manifest(storage, "shards/step=000001")  # what a re-run does first
+    assert list(Path(storage.path("shards/step=000001")).iterdir()) == []
+
+
+def test_live_writers_temporary_files_are_kept(tmp_path):
+    storage = Storage((tmp_path / "s").as_uri())
+    with storage.open_write("d/x.bin") as f:
+        f.write(b"in flight")
+        assert storage.sweep_temporary("d") == 0  # this process is alive: not swept
+    assert storage.read_bytes("d/x.bin") == b"in flight"
+
+
+def test_s3_orphaned_multipart_uploads_of_the_prefix_are_aborted(moto_endpoint):
+    opts = s3_options(moto_endpoint)
+    Storage("s3://aerie-multipart", opts).fs.mkdir("aerie-multipart")
+    storage = Storage("s3://aerie-multipart/root", opts)
+    for key in ("root/shards/step=000001/shard-00000.parquet", "root/shards/step=000002/x"):
+        storage.fs.call_s3("create_multipart_upload", Bucket="aerie-multipart", Key=key)
+    assert storage.sweep_temporary("shards/step=000001") == 1
+    left = storage.fs.call_s3("list_multipart_uploads", Bucket="aerie-multipart")
+    assert [u["Key"] for u in left.get("Uploads", [])] == ["root/shards/step=000002/x"]
+
+
+def test_fetch_uses_the_storage_cache_settings(tmp_path):
+    storage = Storage((tmp_path / "s").as_uri(), cache_dir=tmp_path / "c", cache_max_bytes=10**6)
+    publish(storage, "d", {"a": b"a"})
+    assert fetch(storage, "d", label="x").parent == tmp_path / "c"
