@@ -15,10 +15,13 @@ from pathlib import Path
 
 from pipeline.contracts import FileEntry, Manifest
 from pipeline.layout import policy_prefix
-from pipeline.manifest import entry_for, read_manifest, write_manifest
+from pipeline.manifest import entry_for, write_manifest
+from pipeline.snapshot.reader import checked_manifest, meta_int, meta_str
 from pipeline.storage import Storage
 
 POLICY_KIND = "policy_checkpoint"
+POLICY_KIND_VERSIONS = (1,)  # what load_policy_ref reads
+_MAX_VOCAB = 2**31  # token ids are int32
 _TOKENIZER_FILES = ("tokenizer.json", "chat_template.jinja")
 
 
@@ -70,14 +73,22 @@ def publish_policy(storage: Storage, step: int, policy_dir: Path) -> PolicyRef:
 
 
 def load_policy_ref(storage: Storage, step: int) -> PolicyRef:
-    """The committed policy checkpoint of ``step``."""
+    """The committed policy checkpoint of ``step``.
+
+    ``FileNotFoundError`` when none is committed; :class:`~.sieve.SnapshotError` naming the
+    manifest and the field when it is not a policy manifest this release reads, or its
+    ``sha256``, ``vocab_size`` (an integer, never a bool, in [1, 2**31]) or
+    ``tokenizer_fingerprint`` is missing or malformed.
+    """
     prefix = policy_prefix(step)
-    manifest = read_manifest(storage, prefix)
+    manifest = checked_manifest(storage, prefix, POLICY_KIND, POLICY_KIND_VERSIONS)
     if manifest is None:
         raise FileNotFoundError(f"{storage.url(prefix)}: no committed policy checkpoint")
-    return PolicyRef(uri=storage.url(prefix), sha256=manifest.meta["sha256"],
-                     vocab_size=manifest.meta["vocab_size"],
-                     tokenizer_fingerprint=manifest.meta["tokenizer_fingerprint"])
+    return PolicyRef(
+        uri=storage.url(prefix), sha256=meta_str(storage, prefix, manifest, "sha256"),
+        vocab_size=meta_int(storage, prefix, manifest, "vocab_size", minimum=1,
+                            maximum=_MAX_VOCAB),
+        tokenizer_fingerprint=meta_str(storage, prefix, manifest, "tokenizer_fingerprint"))
 
 
 def _ref(uri: str, entries: tuple[FileEntry, ...], small: dict[str, bytes]) -> PolicyRef:

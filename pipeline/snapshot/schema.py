@@ -3,23 +3,31 @@
 An RL trainer hands Aerie one record per rollout (see DESIGN §3). Validation is done on
 plain Python values so that it covers records from Aerie's own writer and Parquet written
 by other tools alike; string fields may arrive as ``bytes`` (read as binary so that invalid
-UTF-8 is caught per record rather than failing a whole column).
+UTF-8 is caught per record rather than failing a whole column). Integers may be any
+:class:`numbers.Integral` (numpy's included, ``bool`` never), numbers any
+:class:`numbers.Real`, and token id lists any 1-D array-like with ``.tolist()``.
 
 :func:`validate_record` either returns the normalised record (exactly the fields of
-:data:`ROLLOUT_SCHEMA`) or raises :class:`RecordError` naming the field and the reason.
-Duplicate ids are a property of a set of records, checked by the callers.
+:data:`ROLLOUT_SCHEMA`, plain Python values that fit its Arrow types) or raises
+:class:`RecordError` naming the field and the reason, both quoted within
+:data:`~.render.QUOTE_CHARS` characters. It reads a mapping once, into a plain dict, so a
+mapping that raises while being read is a :class:`RecordError` too. Duplicate ids are a
+property of a set of records, checked by the callers.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import math
+import numbers
+import operator
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+
+from pipeline.snapshot.render import int_text, quote, safe_repr, type_name
 
 ROLLOUT_SCHEMA_VERSION = 1
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -44,6 +52,7 @@ ROLLOUT_SCHEMA = pa.schema(
     metadata={"aerie.kind": "rollout_snapshot",
               "aerie.schema_version": str(ROLLOUT_SCHEMA_VERSION)},
 )
+READABLE_SCHEMA_VERSIONS = (ROLLOUT_SCHEMA_VERSION,)  # what this release reads
 REQUIRED = ("rollout_id", "trainer_step", "generated_by_policy_version", "policy_uri",
             "token_fidelity")
 
@@ -60,52 +69,83 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+INT64_MAX = 2**63 - 1
+_TOKEN_ID_BOUND = 2**31  # token ids are stored as int32, whatever the vocab claims
+_MAX_FIELDS = 64  # more keys than that and a mapping is not a record
 
 
 class RecordError(ValueError):
-    """A record violates the contract; ``field`` names the offending field."""
+    """A record violates the contract; ``field`` names the offending field.
+
+    Both ``field`` and ``reason`` are quoted (valid UTF-8, bounded) because they echo
+    untrusted input into logs, manifests and Dagster metadata.
+    """
 
     def __init__(self, field: str, reason: str):
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
+        self.field, self.reason = quote(field), quote(reason)
+        super().__init__(f"{self.field}: {self.reason}")
+
+
+# Characters that are blank on screen although unicodedata does not file them under Cc, Cf,
+# Zs, Zl or Zp: the Hangul fillers, the braille blank, and the default-ignorable marks
+# (combining grapheme joiner, Khmer inherent vowels, Mongolian and other variation selectors).
+BLANK_FILLERS = frozenset(
+    "\u115f\u1160\u3164\uffa0\u2800\u034f\u17b4\u17b5\u180b\u180c\u180d\u180f"
+    + "".join(map(chr, range(0xFE00, 0xFE10)))
+    + "".join(map(chr, range(0xE0100, 0xE01F0))))
+_INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
+
+
+def has_visible_content(text: str) -> bool:
+    """Whether ``text`` shows anything: not only control, format (zero-width), separator
+    characters and blank fillers."""
+    return any(ch not in BLANK_FILLERS and unicodedata.category(ch) not in _INVISIBLE_CATEGORIES
+               for ch in text)
 
 
 def validate_record(raw: Mapping[str, Any], *, vocab_size: int, step: int | None = None,
-                    limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
-    """The normalised record, or :class:`RecordError` for the first violation found."""
-    if not isinstance(raw, Mapping):
-        raise RecordError("<record>", f"expected a mapping, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(ROLLOUT_SCHEMA.names))
-    if unknown:
-        raise RecordError(unknown[0], "unknown field")
+                    limits: Limits = DEFAULT_LIMITS,
+                    defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The normalised record, or :class:`RecordError` for the first violation found.
+
+    ``defaults`` fill fields the record does not have at all (a field present as ``None``
+    stays missing).
+    """
+    record = _read_mapping("<record>", raw)
+    for key in record:
+        if not isinstance(key, str):
+            raise RecordError(safe_repr(key), f"field name is {type_name(key)}, not text")
+        if key not in _FIELDS:
+            raise RecordError(key, "unknown field")
+    for name, value in (defaults or {}).items():
+        record.setdefault(name, value)
     for name in REQUIRED:
-        if raw.get(name) is None:
+        if record.get(name) is None:
             raise RecordError(name, "missing")
 
     rec: dict[str, Any] = {}
-    rec["rollout_id"] = _text(raw, "rollout_id", limits.max_id_chars, allow_empty=False)
-    rec["trainer_step"] = _int(raw, "trainer_step", minimum=0)
+    rec["rollout_id"] = _text(record, "rollout_id", limits.max_id_chars, allow_empty=False)
+    rec["trainer_step"] = _int(record, "trainer_step", minimum=0)
     if step is not None and rec["trainer_step"] != step:
         raise RecordError("trainer_step", f"{rec['trainer_step']} in the snapshot of step {step}")
-    rec["generated_by_policy_version"] = _int(raw, "generated_by_policy_version", minimum=0)
+    rec["generated_by_policy_version"] = _int(record, "generated_by_policy_version", minimum=0)
     if rec["generated_by_policy_version"] > rec["trainer_step"]:
         raise RecordError("generated_by_policy_version",
                           f"{rec['generated_by_policy_version']} is newer than trainer_step "
                           f"{rec['trainer_step']}")
-    rec["policy_uri"] = _text(raw, "policy_uri", limits.max_text_chars, allow_empty=False)
-    rec["messages"] = _messages(raw.get("messages"), limits)
-    rec["prompt"] = _optional_text(raw, "prompt", limits.max_text_chars)
+    rec["policy_uri"] = _text(record, "policy_uri", limits.max_text_chars, allow_empty=False)
+    rec["messages"] = _messages(record.get("messages"), limits)
+    rec["prompt"] = _optional_text(record, "prompt", limits.max_text_chars)
     if rec["messages"] is None and rec["prompt"] is None:
         raise RecordError("messages", "missing (and no prompt either)")
-    rec["prompt_token_ids"] = _token_ids(raw, "prompt_token_ids", vocab_size,
+    rec["prompt_token_ids"] = _token_ids(record, "prompt_token_ids", vocab_size,
                                          limits.max_prompt_tokens)
-    rec["response_token_ids"] = _token_ids(raw, "response_token_ids", vocab_size,
+    rec["response_token_ids"] = _token_ids(record, "response_token_ids", vocab_size,
                                            limits.max_response_tokens)
-    rec["response_loss_mask"] = _loss_mask(raw, rec["response_token_ids"])
-    rec["reward"] = _reward(raw.get("reward"))
-    rec["finish_reason"] = _optional_text(raw, "finish_reason", 64)
-    fidelity = _text(raw, "token_fidelity", 32, allow_empty=False)
+    rec["response_loss_mask"] = _loss_mask(record, rec["response_token_ids"])
+    rec["reward"] = _reward(record.get("reward"))
+    rec["finish_reason"] = _optional_text(record, "finish_reason", 64)
+    fidelity = _text(record, "token_fidelity", 32, allow_empty=False)
     if fidelity not in FIDELITIES:
         raise RecordError("token_fidelity", f"{fidelity!r} is not one of {sorted(FIDELITIES)}")
     rec["token_fidelity"] = fidelity
@@ -117,6 +157,27 @@ def validate_record(raw: Mapping[str, Any], *, vocab_size: int, step: int | None
     return rec
 
 
+_FIELDS = frozenset(ROLLOUT_SCHEMA.names)
+
+
+def _read_mapping(where: str, value: Any) -> dict[Any, Any]:
+    """``value`` copied into a plain dict, read once; anything it raises is the record's."""
+    if not isinstance(value, Mapping):
+        raise RecordError(where, f"expected a mapping, got {type_name(value)}")
+    out: dict[Any, Any] = {}
+    try:
+        for key in value:
+            if len(out) == _MAX_FIELDS:
+                raise RecordError(where, f"more than {_MAX_FIELDS} fields")
+            out[key] = value[key]
+    except RecordError:
+        raise
+    except Exception as e:  # a Mapping whose iteration or __getitem__ raises
+        raise RecordError(where, f"unreadable mapping: {type_name(e)}: "
+                                 f"{quote(safe_repr(e), 100)}") from None
+    return out
+
+
 def _check_response_present(rec: dict[str, Any]) -> None:
     ids = rec["response_token_ids"]
     if ids is not None:
@@ -126,8 +187,8 @@ def _check_response_present(rec: dict[str, Any]) -> None:
     messages = rec["messages"] or []
     if not messages or messages[-1]["role"] != "assistant":
         raise RecordError("messages", "no response: the last message is not from the assistant")
-    if not messages[-1]["content"].strip():
-        raise RecordError("messages", "empty response: the last assistant message is empty")
+    if not has_visible_content(messages[-1]["content"]):
+        raise RecordError("messages", "empty response: the last assistant message shows nothing")
 
 
 def _decode(name: str, value: Any) -> str:
@@ -137,7 +198,8 @@ def _decode(name: str, value: Any) -> str:
         except UnicodeDecodeError as e:
             raise RecordError(name, f"invalid UTF-8 at byte {e.start}") from None
     if not isinstance(value, str):
-        raise RecordError(name, f"expected text, got {type(value).__name__}")
+        raise RecordError(name, f"expected text, got {type_name(value)}")
+    value = str.__str__(value)  # a plain str, whatever subclass came in (numpy's str_)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -145,27 +207,34 @@ def _decode(name: str, value: Any) -> str:
     return value
 
 
-def _text(raw: Mapping[str, Any], name: str, max_chars: int, *, allow_empty: bool) -> str:
-    value = _decode(name, raw.get(name))
-    if not allow_empty and not value.strip():
-        raise RecordError(name, "empty")
+def _text(record: dict[str, Any], name: str, max_chars: int, *, allow_empty: bool) -> str:
+    value = _decode(name, record.get(name))
+    if not allow_empty and not has_visible_content(value):
+        raise RecordError(name, "empty (nothing visible)")
     if len(value) > max_chars:
         raise RecordError(name, f"absurd length: {len(value)} chars (limit {max_chars})")
     return value
 
 
-def _optional_text(raw: Mapping[str, Any], name: str, max_chars: int) -> str | None:
-    if raw.get(name) is None:
+def _optional_text(record: dict[str, Any], name: str, max_chars: int) -> str | None:
+    if record.get(name) is None:
         return None
-    return _text(raw, name, max_chars, allow_empty=True)
+    return _text(record, name, max_chars, allow_empty=True)
 
 
-def _int(raw: Mapping[str, Any], name: str, *, minimum: int) -> int:
-    value = raw.get(name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RecordError(name, f"expected an integer, got {type(value).__name__}")
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _int(record: dict[str, Any], name: str, *, minimum: int) -> int:
+    value = record.get(name)
+    if not _is_integer(value):
+        raise RecordError(name, f"expected an integer, got {type_name(value)}")
+    value = operator.index(value)
     if value < minimum:
-        raise RecordError(name, f"{value} is below {minimum}")
+        raise RecordError(name, f"{int_text(value)} is below {minimum}")
+    if value > INT64_MAX:
+        raise RecordError(name, f"{int_text(value)} is beyond the int64 range")
     return value
 
 
@@ -173,23 +242,27 @@ def _messages(value: Any, limits: Limits) -> list[dict[str, str]] | None:
     if value is None:
         return None
     if not isinstance(value, list | tuple):
-        raise RecordError("messages", f"expected a list, got {type(value).__name__}")
+        raise RecordError("messages", f"expected a list, got {type_name(value)}")
     if not value:
         raise RecordError("messages", "empty list")
     if len(value) > limits.max_messages:
         raise RecordError("messages", f"absurd length: {len(value)} messages")
     out, total = [], 0
-    for i, message in enumerate(value):
+    for i, item in enumerate(value):
         where = f"messages[{i}]"
-        if not isinstance(message, Mapping):
-            raise RecordError(where, f"expected a mapping, got {type(message).__name__}")
-        if set(message) - {"role", "content"}:
-            raise RecordError(where, f"unknown keys {sorted(set(message) - {'role', 'content'})}")
+        message = _read_mapping(where, item)
+        for key in message:
+            if not isinstance(key, str):
+                raise RecordError(where, f"key {safe_repr(key, 60)} is {type_name(key)}, "
+                                         "not text")
+            if key not in ("role", "content"):
+                raise RecordError(where, f"unknown key {quote(key, 60)}")
         if message.get("role") is None:
             raise RecordError(f"{where}.role", "missing")
         role = _decode(f"{where}.role", message["role"])
         if role not in ROLES:
-            raise RecordError(f"{where}.role", f"{role!r} is not one of {sorted(ROLES)}")
+            raise RecordError(f"{where}.role", f"{quote(role, 60)!r} is not one of "
+                                               f"{sorted(ROLES)}")
         if message.get("content") is None:
             raise RecordError(f"{where}.content", "missing")
         content = _decode(f"{where}.content", message["content"])
@@ -201,64 +274,65 @@ def _messages(value: Any, limits: Limits) -> list[dict[str, str]] | None:
     return out
 
 
-def _token_ids(raw: Mapping[str, Any], name: str, vocab_size: int,
+def _as_list(name: str, value: Any, what: str) -> list[Any]:
+    """A list or tuple as a list; a 1-D array-like (numpy) through its ``.tolist()``."""
+    if isinstance(value, list | tuple):
+        return list(value)
+    if not isinstance(value, str | bytes | bytearray | Mapping):
+        tolist = getattr(value, "tolist", None)
+        if callable(tolist):
+            listed = tolist()
+            if isinstance(listed, list):
+                return listed
+    raise RecordError(name, f"expected a list of {what}, got {type_name(value)}")
+
+
+def _token_ids(record: dict[str, Any], name: str, vocab_size: int,
                max_tokens: int) -> list[int] | None:
-    value = raw.get(name)
+    value = record.get(name)
     if value is None:
         return None
-    if not isinstance(value, list | tuple):
-        raise RecordError(name, f"expected a list of token ids, got {type(value).__name__}")
+    value = _as_list(name, value, "token ids")
     if len(value) > max_tokens:
         raise RecordError(name, f"absurd length: {len(value)} tokens (limit {max_tokens})")
+    bound = min(vocab_size, _TOKEN_ID_BOUND)
+    out = []
     for i, tok in enumerate(value):
-        if isinstance(tok, bool) or not isinstance(tok, int):
-            raise RecordError(name, f"[{i}] expected an integer, got {type(tok).__name__}")
-        if not 0 <= tok < vocab_size:
-            raise RecordError(name, f"[{i}] = {tok} is outside the tokenizer's range "
-                                    f"[0, {vocab_size})")
-    return list(value)
+        if type(tok) is not int:  # the common case stays cheap
+            if not _is_integer(tok):
+                raise RecordError(name, f"[{i}] expected an integer, got {type_name(tok)}")
+            tok = operator.index(tok)
+        if not 0 <= tok < bound:
+            raise RecordError(name, f"[{i}] = {int_text(tok)} is outside the tokenizer's range "
+                                    f"[0, {bound})")
+        out.append(tok)
+    return out
 
 
-def _loss_mask(raw: Mapping[str, Any], response_ids: list[int] | None) -> list[int] | None:
-    value = raw.get("response_loss_mask")
+def _loss_mask(record: dict[str, Any], response_ids: list[int] | None) -> list[int] | None:
+    value = record.get("response_loss_mask")
     if value is None:
         return None
     if response_ids is None:
         raise RecordError("response_loss_mask", "given without response_token_ids")
-    if not isinstance(value, list | tuple):
-        raise RecordError("response_loss_mask", f"expected a list, got {type(value).__name__}")
+    value = _as_list("response_loss_mask", value, "0/1 entries")
     if len(value) != len(response_ids):
         raise RecordError("response_loss_mask", f"{len(value)} entries for "
                                                 f"{len(response_ids)} response tokens")
-    if any(isinstance(v, bool) or v not in (0, 1) for v in value):
-        raise RecordError("response_loss_mask", "entries must be 0 or 1")
-    return [int(v) for v in value]
+    if not all(_is_integer(v) and operator.index(v) in (0, 1) for v in value):
+        raise RecordError("response_loss_mask", "entries must be the integers 0 or 1")
+    return [operator.index(v) for v in value]
 
 
 def _reward(value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RecordError("reward", f"expected a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise RecordError("reward", f"not finite: {value}")
-    return float(value)
-
-
-def record_to_json(raw: Any) -> str:
-    """A lossless JSON rendering of any record, for the quarantine (bytes kept as base64)."""
-    return json.dumps(_jsonable(raw), sort_keys=True, ensure_ascii=True)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, bytes | bytearray):
-        return {"$base64": base64.b64encode(bytes(value)).decode()}
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return {"$float": repr(value)}
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    return {"$repr": repr(value), "$type": type(value).__name__}
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RecordError("reward", f"expected a number, got {type_name(value)}")
+    try:
+        reward = float(value)
+    except OverflowError:
+        raise RecordError("reward", "beyond the float64 range") from None
+    if not math.isfinite(reward):
+        raise RecordError("reward", f"not finite: {reward}")
+    return reward

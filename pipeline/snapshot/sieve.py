@@ -4,6 +4,12 @@ A :class:`Sieve` checks each record against the contract (:mod:`.schema`), remem
 (duplicates) and keeps every rejection with its field and reason; rejected records are
 written to ``quarantine.parquet``, accepted ones to Parquet parts. Nothing is dropped:
 ``records_in == accepted + quarantined`` on both sides.
+
+A record can only ever be quarantined, never fail the step: whatever reading it raises
+(short of ``BaseException``-only interrupts) becomes a rejection naming the exception type.
+What a rejection quotes (field, reason, rollout id) is bounded (:func:`~.render.quote`), and
+so is the number of distinct reasons counted in a manifest (:data:`MAX_REASONS`); the whole
+record is kept only in the quarantine's ``record_json``.
 """
 
 from __future__ import annotations
@@ -19,11 +25,11 @@ import pyarrow as pa
 from pipeline.contracts import FileEntry
 from pipeline.manifest import entry_for
 from pipeline.parquet import write_table
+from pipeline.snapshot.render import quote, record_to_json, safe_repr, type_name
 from pipeline.snapshot.schema import (
     ROLLOUT_SCHEMA,
     Limits,
     RecordError,
-    record_to_json,
     validate_record,
 )
 from pipeline.storage import Storage
@@ -37,10 +43,24 @@ QUARANTINE_SCHEMA = pa.schema([
     ("rollout_id", pa.string()), ("field", pa.string()), ("reason", pa.string()),
     ("record_json", pa.string()),
 ])
+MAX_REASONS = 32  # distinct reasons counted in a manifest; the rest are summed as OTHER
+OTHER = "other reasons"
 
 
 class SnapshotError(RuntimeError):
-    """A snapshot cannot be read as a whole (incomplete, corrupt file, miscounted)."""
+    """A snapshot cannot be read as a whole (incomplete, corrupt file, miscounted, written
+    by an incompatible release) or a step cannot be written; the message names the file.
+
+    ``url`` and ``field`` are set where the error is about one file (and one field of it).
+    """
+
+    def __init__(self, message: str, *, url: str | None = None, field: str | None = None):
+        super().__init__(message)
+        self.url, self.field = url, field
+
+
+class StepArgumentError(SnapshotError, ValueError):
+    """``write_step`` was called with arguments no step can have (nothing is written)."""
 
 
 @dataclass(frozen=True)
@@ -67,30 +87,44 @@ class Sieve:
         self.accepted = 0
         self.tokens = 0
 
-    def check(self, raw: Any, source: str, row: int) -> dict[str, Any] | None:
+    def check(self, raw: Any, source: str, row: int,
+              defaults: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """The validated record, or None after quarantining it with its field and reason."""
         try:
             rec = validate_record(raw, vocab_size=self.vocab_size, step=self.step,
-                                  limits=self.limits)
+                                  limits=self.limits, defaults=defaults)
             where = self.first_seen.get(rec["rollout_id"])
             if where is not None:
                 raise RecordError("rollout_id", f"duplicate of {where}")
         except RecordError as e:
-            self.rejections.append({
-                "stage": self.stage, "source": source, "row": row,
-                "rollout_id": _best_effort_id(raw), "field": e.field, "reason": e.reason,
-                "record_json": record_to_json(raw)})
+            self.reject(raw, source, row, e.field, e.reason)
+            return None
+        except Exception as e:  # a record that raises while being read is still a record
+            self.reject(raw, source, row, "<record>",
+                        f"unreadable: {type_name(e)}: {quote(safe_repr(e), 100)}")
             return None
         self.first_seen[rec["rollout_id"]] = f"{source} row {row}"
         self.accepted += 1
         self.tokens += len(rec["prompt_token_ids"] or ()) + len(rec["response_token_ids"] or ())
         return rec
 
+    def reject(self, raw: Any, source: str, row: int, field: str, reason: str) -> None:
+        """Quarantine ``raw``: the whole record in ``record_json``, the rest quoted."""
+        self.rejections.append({
+            "stage": self.stage, "source": source, "row": row,
+            "rollout_id": _best_effort_id(raw), "field": quote(field), "reason": quote(reason),
+            "record_json": record_to_json(raw)})
+
 
 def _best_effort_id(raw: Any) -> str | None:
-    value = raw.get("rollout_id") if isinstance(raw, Mapping) else None
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="backslashreplace")
-    return value.encode("utf-8", "backslashreplace").decode() if isinstance(value, str) else None
+    """The record's rollout id as far as it can be read, quoted; None when it cannot."""
+    try:
+        value = raw.get("rollout_id") if isinstance(raw, Mapping) else None
+        if isinstance(value, bytes | bytearray):
+            value = bytes(value).decode("utf-8", errors="backslashreplace")
+        return quote(value) if isinstance(value, str) else None
+    except Exception:  # the record is quarantined for what it raises; the id is optional
+        return None
 
 
 def write_chunks(storage: Storage, prefix: str, stem: str, records: Iterator[dict[str, Any]],
@@ -120,13 +154,22 @@ def write_quarantine(storage: Storage, prefix: str, rejections: list[dict]) -> F
 
 
 def reason_counts(rejections: list[dict[str, Any]]) -> dict[str, int]:
-    return dict(Counter(f"{r['field']}: {_reason_class(r['reason'])}" for r in rejections))
+    """Rejections counted by field and reason class: the :data:`MAX_REASONS` - 1 most common
+    and, when there are more, the rest summed under :data:`OTHER`."""
+    counts = Counter(f"{quote(r['field'] or '')}: {_reason_class(quote(r['reason'] or ''))}"
+                     for r in rejections)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    if len(ranked) <= MAX_REASONS:
+        return dict(ranked)
+    kept = dict(ranked[: MAX_REASONS - 1])
+    return kept | {OTHER: sum(n for _, n in ranked[MAX_REASONS - 1 :])}
 
 
 def _reason_class(reason: str) -> str:
     """Collapse per-record details (indices, values) so reasons aggregate into counts."""
     for marker in ("duplicate of", "outside the tokenizer's range", "absurd length",
-                   "invalid UTF-8", "expected", "empty", "missing", "unknown"):
+                   "invalid UTF-8", "unreadable", "expected", "empty", "missing", "unknown",
+                   "beyond the int64 range"):
         if marker in reason:
             return marker
     return reason

@@ -10,6 +10,8 @@ Layout (``step=NNNNNN`` is the RL step; see :mod:`pipeline.layout`):
 
 Nothing is ever dropped silently: every record handed in is accepted or quarantined with
 its field and reason, and ``records_in == accepted + quarantined`` is checked on both sides.
+A record that cannot even be read out of its Parquet row is quarantined too; what fails a
+step is a problem of its files (:mod:`.reader`: a :class:`SnapshotError` naming the file).
 """
 
 from __future__ import annotations
@@ -22,17 +24,27 @@ import pyarrow as pa
 
 from pipeline.contracts import FileEntry, Manifest
 from pipeline.layout import ROLLOUTS, committed_steps, raw_prefix, snapshot_prefix
-from pipeline.manifest import read_manifest, verify_manifest, write_manifest
-from pipeline.parquet import ParquetFileError, read_table
+from pipeline.manifest import manifest_key, verify_manifest, write_manifest
 from pipeline.snapshot.policy import load_policy_ref
+from pipeline.snapshot.reader import (
+    checked_manifest,
+    meta_int,
+    meta_str,
+    read_part,
+    require_file,
+    verified,
+)
+from pipeline.snapshot.render import quote, safe_repr, type_name
 from pipeline.snapshot.schema import (
     DEFAULT_LIMITS,
+    READABLE_SCHEMA_VERSIONS,
     ROLLOUT_SCHEMA,
     ROLLOUT_SCHEMA_VERSION,
     Limits,
 )
 from pipeline.snapshot.sieve import (
     QUARANTINE_SCHEMA,
+    RAW_KIND,
     VALIDATED_KIND,
     Sieve,
     SnapshotError,
@@ -46,6 +58,8 @@ from pipeline.storage import Storage
 
 log = logging.getLogger(__name__)
 
+QUARANTINE = "quarantine.parquet"
+
 
 def completed_steps(storage: Storage) -> list[int]:
     """Steps whose raw snapshot carries a completion marker, ascending (one listing)."""
@@ -56,67 +70,128 @@ def run(storage: Storage, step: int, *, limits: Limits = DEFAULT_LIMITS,
         rows_per_file: int = 4096) -> SnapshotSummary:
     """Re-validate a written snapshot and publish the validated copy.
 
-    Raises :class:`SnapshotError` when the snapshot is incomplete, a file is corrupt or
-    truncated (the message names the file), or the counts do not add up.
+    Raises :class:`SnapshotError` when the snapshot is incomplete, its manifest malformed or
+    of another kind or version, a file is corrupt, truncated or of another schema version
+    (the message names the file and the field), or the counts do not add up.
     """
     prefix = raw_prefix(step)
-    manifest = read_manifest(storage, prefix)
+    manifest = checked_manifest(storage, prefix, RAW_KIND, READABLE_SCHEMA_VERSIONS)
     if manifest is None:
         raise SnapshotError(f"{storage.url(prefix)}: no completion marker; step not finished")
-    problems = verify_manifest(storage, prefix, manifest)
-    if problems:
-        raise SnapshotError("corrupt snapshot: " + "; ".join(problems))
+    records_in = meta_int(storage, prefix, manifest, "records_in")
+    lineage = _lineage(storage, prefix, manifest, step)
+    require_file(storage, prefix, manifest, QUARANTINE)
+    verified(storage, verify_manifest(storage, prefix, manifest))
     policy = load_policy_ref(storage, step)
     sieve = Sieve("reader", policy.vocab_size, step, limits)
-    parts = [f for f in manifest.files if f.path != "quarantine.parquet"]
-    try:
-        writer_rejections = read_table(storage, f"{prefix}/quarantine.parquet",
-                                       QUARANTINE_SCHEMA).to_pylist()
-        out_prefix = snapshot_prefix(step)
-        accepted = write_chunks(storage, out_prefix, "accepted",
-                                 _reread(storage, prefix, parts, sieve), rows_per_file)
-    except ParquetFileError as e:
-        raise SnapshotError(str(e)) from e
+    parts = [f for f in manifest.files if f.path != QUARANTINE]
+    writer_rejections = _read_quarantine(storage, f"{prefix}/{QUARANTINE}")
+    out_prefix = snapshot_prefix(step)
+    accepted = write_chunks(storage, out_prefix, "accepted",
+                            _reread(storage, prefix, parts, sieve), rows_per_file)
     rejections = writer_rejections + sieve.rejections
     quarantine = write_quarantine(storage, out_prefix, rejections)
     summary = SnapshotSummary(
-        step=step, url=storage.url(out_prefix), records_in=manifest.meta["records_in"],
+        step=step, url=storage.url(out_prefix), records_in=records_in,
         accepted=sieve.accepted, quarantined=len(rejections),
         reasons=reason_counts(rejections), tokens=sieve.tokens, policy_uri=policy.uri)
     if summary.accepted + summary.quarantined != summary.records_in:
-        raise SnapshotError(f"{storage.url(prefix)}: {summary.records_in} records written but "
-                            f"{summary.accepted} accepted + {summary.quarantined} quarantined")
+        url = storage.url(manifest_key(prefix))
+        raise SnapshotError(f"{url}: meta.records_in: {summary.records_in} records written but "
+                            f"{summary.accepted} accepted + {summary.quarantined} quarantined",
+                            url=url, field="meta.records_in")
     write_manifest(storage, out_prefix, Manifest(
         kind=VALIDATED_KIND, kind_version=ROLLOUT_SCHEMA_VERSION, files=(*accepted, quarantine),
-        meta=summary_meta(summary) | {k: manifest.meta[k] for k in (
-            "policy_version", "policy_sha256", "tokenizer_fingerprint")}))
+        meta=summary_meta(summary) | lineage))
     return summary
+
+
+def _lineage(storage: Storage, prefix: str, manifest: Manifest, step: int) -> dict[str, Any]:
+    """The meta a snapshot carries from the policy that generated it, type-checked."""
+    return {"policy_version": meta_int(storage, prefix, manifest, "policy_version",
+                                       maximum=step),
+            "policy_sha256": meta_str(storage, prefix, manifest, "policy_sha256"),
+            "tokenizer_fingerprint": meta_str(storage, prefix, manifest,
+                                              "tokenizer_fingerprint")}
+
+
+def _read_quarantine(storage: Storage, key: str) -> list[dict[str, Any]]:
+    """The writer's rejections, their quoted columns quoted again (the file may be
+    foreign)."""
+    table = read_part(storage, key, claimed=False, schema=QUARANTINE_SCHEMA)
+    try:
+        rows = table.to_pylist()
+    except (pa.ArrowException, ValueError) as e:
+        raise SnapshotError(f"{storage.url(key)}: unreadable rows ({type_name(e)})",
+                            url=storage.url(key)) from e
+    for row in rows:
+        for name in ("rollout_id", "field", "reason"):
+            if row[name] is not None:
+                row[name] = quote(row[name])
+    return rows
 
 
 def _reread(storage: Storage, prefix: str, parts: list[FileEntry],
             sieve: Sieve) -> Iterator[dict[str, Any]]:
     for part in parts:
         key = f"{prefix}/{part.path}"
-        table = read_table(storage, key)
-        table = table.cast(_strings_as_binary(table.schema))  # invalid UTF-8 caught per record
+        url = storage.url(key)
+        table = read_part(storage, key, claimed=False)
+        try:  # read text as bytes: invalid UTF-8 is then caught per record
+            table = table.cast(_strings_as_binary(table.schema))
+        except (pa.ArrowException, ValueError, TypeError) as e:
+            raise SnapshotError(f"{url}: columns unreadable ({quote(str(e))})", url=url) from e
         row = 0
         for batch in table.to_batches(max_chunksize=1024):
-            for raw in batch.to_pylist():
-                rec = sieve.check(raw, storage.url(key), row)
+            for raw, error in _rows(batch):
+                if error is None:
+                    rec = sieve.check(raw, url, row)
+                else:
+                    sieve.reject(None, url, row, "<record>", f"unreadable row: {error}")
+                    rec = None
                 row += 1
                 if rec is not None:
                     yield rec
 
 
+def _rows(batch: pa.RecordBatch) -> Iterator[tuple[Any, str | None]]:
+    """The batch's rows as Python values; a row Arrow cannot convert (a date beyond
+    Python's range, say) comes with the error instead."""
+    try:
+        rows = batch.to_pylist()
+    except Exception:  # the failing rows are found one by one below
+        for i in range(batch.num_rows):
+            try:
+                yield batch.slice(i, 1).to_pylist()[0], None
+            except Exception as e:
+                yield None, f"{type_name(e)}: {quote(safe_repr(e), 100)}"
+        return
+    for raw in rows:
+        yield raw, None
+
+
 def read_accepted(storage: Storage, step: int) -> pa.Table:
-    """The accepted records of a validated snapshot (small steps; stream for large ones)."""
+    """The accepted records of a validated snapshot (small steps; stream for large ones).
+
+    The files are checked against the manifest (size, sha256), must carry this release's
+    kind and schema version, and must hold ``meta.accepted`` rows.
+    """
     prefix = snapshot_prefix(step)
-    manifest = read_manifest(storage, prefix)
+    manifest = checked_manifest(storage, prefix, VALIDATED_KIND, READABLE_SCHEMA_VERSIONS)
     if manifest is None:
         raise SnapshotError(f"{storage.url(prefix)}: snapshot not validated yet")
-    tables = [read_table(storage, f"{prefix}/{f.path}", ROLLOUT_SCHEMA)
+    expected = meta_int(storage, prefix, manifest, "accepted")
+    meta_int(storage, prefix, manifest, "records_in")  # a validated manifest has both,
+    _lineage(storage, prefix, manifest, step)  # and its lineage, well-typed
+    verified(storage, verify_manifest(storage, prefix, manifest))
+    tables = [read_part(storage, f"{prefix}/{f.path}", claimed=True, schema=ROLLOUT_SCHEMA)
               for f in manifest.files if f.path.startswith("accepted-")]
-    return pa.concat_tables(tables)
+    table = pa.concat_tables(tables) if tables else ROLLOUT_SCHEMA.empty_table()
+    if table.num_rows != expected:
+        url = storage.url(manifest_key(prefix))
+        raise SnapshotError(f"{url}: meta.accepted: {expected} records, the files hold "
+                            f"{table.num_rows}", url=url, field="meta.accepted")
+    return table
 
 
 def _strings_as_binary(schema: pa.Schema) -> pa.Schema:
@@ -125,10 +200,14 @@ def _strings_as_binary(schema: pa.Schema) -> pa.Schema:
 
 
 def _binary_type(t: pa.DataType) -> pa.DataType:
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
+    if pa.types.is_string(t):
         return pa.binary()
+    if pa.types.is_large_string(t):
+        return pa.large_binary()
     if pa.types.is_list(t):
         return pa.list_(_binary_type(t.value_type))
+    if pa.types.is_large_list(t):
+        return pa.large_list(_binary_type(t.value_type))
     if pa.types.is_struct(t):
         return pa.struct([t.field(i).with_type(_binary_type(t.field(i).type))
                           for i in range(t.num_fields)])

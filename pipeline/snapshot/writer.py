@@ -4,11 +4,18 @@ It publishes the step's policy checkpoint (``policies/step=NNNNNN/``), then the 
 that pass the contract as ``rollouts/step=NNNNNN/part-*.parquet`` with the rejected ones
 in ``quarantine.parquet``, then ``_manifest.json``: the completion marker the snapshot
 sensor waits for.
+
+A bad record never fails a step: it is quarantined with its field and reason. What fails a
+step is the step's own arguments (a :class:`~.sieve.StepArgumentError`, raised before
+anything is written) or a ``records`` iterable that raises (a
+:class:`~.sieve.SnapshotError`; the step stays uncommitted).
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
+import operator
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,15 +24,19 @@ from pipeline.contracts import Manifest
 from pipeline.layout import raw_prefix
 from pipeline.manifest import write_manifest
 from pipeline.snapshot.policy import publish_policy
+from pipeline.snapshot.render import quote, safe_repr, type_name
 from pipeline.snapshot.schema import (
     DEFAULT_LIMITS,
+    INT64_MAX,
     ROLLOUT_SCHEMA_VERSION,
     Limits,
 )
 from pipeline.snapshot.sieve import (
     RAW_KIND,
     Sieve,
+    SnapshotError,
     SnapshotSummary,
+    StepArgumentError,
     reason_counts,
     summary_meta,
     write_chunks,
@@ -49,16 +60,22 @@ class SnapshotWriter:
 
         Records lacking ``policy_uri`` get the published checkpoint's URI. Rejected records
         go to ``quarantine.parquet`` with their reason; a re-run rewrites the same names.
+        ``step`` and ``policy_version`` must be integers with 0 <= policy_version <= step
+        (within int64), else :class:`StepArgumentError` before anything is written.
         """
+        step = _step_integer("step", step)
+        policy_version = _step_integer("policy_version", policy_version)
+        if policy_version > step:
+            raise StepArgumentError(f"step {step}: policy_version {policy_version} is newer "
+                                    "than the step")
         policy = publish_policy(self.storage, step, policy_dir)
         sieve = Sieve("writer", policy.vocab_size, step, self.limits)
         prefix = raw_prefix(step)
+        defaults = {"policy_uri": policy.uri}
 
         def accepted() -> Iterator[dict[str, Any]]:
-            for row, raw in enumerate(records):
-                if isinstance(raw, Mapping) and "policy_uri" not in raw:
-                    raw = {**raw, "policy_uri": policy.uri}
-                rec = sieve.check(raw, "writer input", row)
+            for row, raw in _rows(records, step):
+                rec = sieve.check(raw, "writer input", row, defaults)
                 if rec is not None:
                     yield rec
 
@@ -77,3 +94,25 @@ class SnapshotWriter:
             log.warning("step %d: quarantined %d of %d records: %s", step, summary.quarantined,
                         summary.records_in, summary.reasons)
         return summary
+
+
+def _step_integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise StepArgumentError(f"{name} must be an integer, got {type_name(value)} "
+                                f"{quote(safe_repr(value), 60)}")
+    value = operator.index(value)
+    if not 0 <= value <= INT64_MAX:
+        raise StepArgumentError(f"{name} {quote(safe_repr(value), 60)} is outside "
+                                f"[0, {INT64_MAX}]")
+    return value
+
+
+def _rows(records: Iterable[Any], step: int) -> Iterator[tuple[int, Any]]:
+    """``enumerate(records)``; an iterable that raises fails the step, naming the row."""
+    row = 0
+    try:
+        for row, raw in enumerate(records):
+            yield row, raw
+    except Exception as e:
+        raise SnapshotError(f"step {step}: the records iterable raised {type_name(e)} after "
+                            f"row {row}: {quote(safe_repr(e), 200)}; nothing committed") from e

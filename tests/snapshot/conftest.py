@@ -36,3 +36,30 @@ def good_record(i: int, step: int = 3) -> dict:
         "finish_reason": "stop",
         "token_fidelity": "exact",
     }
+
+
+def replace_json(storage, key: str, value) -> None:
+    """Overwrite a manifest (or any JSON file) with ``value``, however malformed."""
+    storage.write_bytes(key, json.dumps(value).encode())
+
+
+def edit_manifest(storage, prefix: str, edit) -> None:
+    """Rewrite ``prefix``'s manifest as ``edit(dict)`` returns it."""
+    key = f"{prefix}/_manifest.json"
+    replace_json(storage, key, edit(json.loads(storage.read_bytes(key))))
+
+
+def rewrite_part(storage, prefix: str, path: str, table) -> None:
+    """Replace a data file and re-hash it in the manifest, as a (mis)behaving writer would."""
+    from pipeline.manifest import entry_for
+    from pipeline.parquet import write_table
+
+    written = entry_for(prefix, write_table(storage, f"{prefix}/{path}", table))
+
+    def rehash(m):
+        for f in m["files"]:
+            if f["path"] == path:
+                f["bytes"], f["sha256"] = written.bytes, written.sha256
+        return m
+
+    edit_manifest(storage, prefix, rehash)

@@ -8,11 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.snapshot.schema import ROLLOUT_SCHEMA, Limits, RecordError, validate_record
+from pipeline.snapshot.schema import (
+    ROLLOUT_SCHEMA,
+    Limits,
+    RecordError,
+    has_visible_content,
+    validate_record,
+)
 
 from .conftest import VOCAB
 
-text = st.text(min_size=1, max_size=40).filter(lambda s: s.strip())
+text = st.text(min_size=1, max_size=40).filter(has_visible_content)
 ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30)
 
 
