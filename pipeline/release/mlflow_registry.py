@@ -11,7 +11,11 @@ sqlite database or a server URL) and knows Aerie's conventions:
   artifact directory (MLflow 3's ``register_model`` wants a LoggedModel; a plain directory
   is what SGLang loads), with the lineage tags of :mod:`pipeline.release.lineage`;
 - aliases, not stages: ``challenger`` marks the newest registered version, ``champion`` the
-  one being served (moved only by :mod:`pipeline.release.promotion`).
+  one being served (moved only by :mod:`pipeline.release.promotion`);
+- decisions about a version (the gate's, a manual override's) are tags: decision ``n`` of a
+  version under ``gate.<n>.*`` (:meth:`DrafterRegistry.record_decision`), and its standing,
+  the decision that counts, under ``gate.decision``, ``gate.reasons``, … with
+  ``gate.decision_id`` = n (:meth:`DrafterRegistry.set_standing`).
 
 Invariants:
 
@@ -21,6 +25,9 @@ Invariants:
   version never exists without them.
 - Every tag value is a string; alias reads go to the server (no caching), because alias
   moves are last-writer-wins and promotion must read them back.
+- A decision's ``gate.<n>.*`` tags are written once and never rewritten (n is the next free
+  number, taken under the promotion lock); a standing ``promoted`` or ``forced`` is never
+  replaced by a ``refused`` one, so the champion's ``gate.decision`` cannot turn ``refused``.
 - ``mlflow`` is imported only inside :meth:`DrafterRegistry.connect`; this module never
   reads the environment (MLflow itself reads credentials such as ``MLFLOW_TRACKING_TOKEN``
   or ``AWS_*``).
@@ -28,6 +35,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -37,7 +45,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.release.lineage import DRAFTER_URI, FINGERPRINT, lineage_tags, tag_value
+from pipeline.release.lineage import (
+    DRAFTER_URI,
+    FINGERPRINT,
+    MAX_TAG_VALUE,
+    lineage_tags,
+    parse_tag,
+    tag_value,
+)
 from pipeline.release.lock import FileLock
 from pipeline.release.mlflow_runs import TrainingRuns, check_fingerprint, error_code
 
@@ -49,6 +64,10 @@ log = logging.getLogger(__name__)
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 _FAMILY = re.compile(r"^[a-z0-9][a-z0-9._-]{0,99}$")
+PROMOTED, FORCED, REFUSED = "promoted", "forced", "refused"
+DECISIONS = (PROMOTED, FORCED, REFUSED)
+STANDING = "gate.decision"
+_ENTRY = re.compile(r"^gate\.(\d+)\.decision$")
 _PROCESS_LOCKS: dict[str, threading.Lock] = {}
 _PROCESS_LOCKS_GUARD = threading.Lock()
 
@@ -89,6 +108,51 @@ class Registration:
     version: DrafterVersion
     run_id: str | None
     reused: bool  # the fingerprint was already registered; nothing new was written
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """One decision about a registered version: what, why, by whom, against which champion.
+
+    ``baseline``: ``champion`` | ``no-drafter`` for the gate's decisions, ``override`` for a
+    forced promotion; ``champion``: the version serving when it was decided (None: none).
+    """
+
+    decision: str  # promoted | forced | refused
+    reasons: tuple[str, ...]
+    actor: str
+    decided_at: str
+    baseline: str
+    relative_gain: float  # NaN when not measured (a forced promotion) or not comparable
+    champion: str | None = None
+    run_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.decision not in DECISIONS:
+            raise ValueError(f"decision {self.decision!r} is not one of {DECISIONS}")
+        object.__setattr__(self, "reasons", tuple(self.reasons))
+
+    def tags(self) -> dict[str, str]:
+        """The record as tag values (``champion`` None is ``none``; no ``run_id``: absent)."""
+        out = {"decision": self.decision, "reasons": _reasons_tag(self.reasons),
+               "actor": self.actor, "decided_at": self.decided_at,
+               "baseline": self.baseline, "relative_gain": tag_value(self.relative_gain),
+               "champion": self.champion or "none"}
+        if self.run_id:
+            out["run_id"] = self.run_id
+        return out
+
+    @classmethod
+    def from_tags(cls, tags: Mapping[str, str]) -> DecisionRecord:
+        reasons = parse_tag(tags.get("reasons", "[]"))
+        champion = tags.get("champion", "none")
+        return cls(decision=tags["decision"],
+                   reasons=tuple(reasons) if isinstance(reasons, list) else (str(reasons),),
+                   actor=tags.get("actor", ""), decided_at=tags.get("decided_at", ""),
+                   baseline=tags.get("baseline", ""),
+                   relative_gain=float(parse_tag(tags.get("relative_gain", "nan"))),
+                   champion=None if champion == "none" else champion,
+                   run_id=tags.get("run_id"))
 
 
 class DrafterRegistry:
@@ -235,6 +299,36 @@ class DrafterRegistry:
             self.client.set_model_version_tag(self.model_name, str(version), key,
                                               tag_value(value))
 
+    # -- decisions --------------------------------------------------------------------
+    def record_decision(self, version: str, record: DecisionRecord) -> int:
+        """Keep ``record`` as the next decision ``n`` of ``version`` (tags ``gate.<n>.*``,
+        written once) and return ``n``. Call under :meth:`promotion_lock`: n is read, then
+        taken."""
+        taken = self.decisions(version)
+        n = max(taken, default=0) + 1
+        self.set_tags(version, {f"gate.{n}.{k}": v for k, v in record.tags().items()})
+        return n
+
+    def set_standing(self, version: str, n: int) -> bool:
+        """Make decision ``n`` of ``version`` its standing (``gate.decision``, …); a
+        ``refused`` never replaces a ``promoted`` or ``forced`` standing. Returns whether the
+        standing changed."""
+        tags = self.get_version(version).tags
+        record = DecisionRecord.from_tags(_entry_tags(tags, n))
+        if record.decision == REFUSED and tags.get(STANDING) in (PROMOTED, FORCED):
+            return False
+        standing = record.tags()
+        self.set_tags(version, {**{f"gate.{k}": standing[k] for k in (
+            "decision", "reasons", "decided_at", "baseline", "relative_gain")},
+            "gate.decision_id": n})
+        return True
+
+    def decisions(self, version: str) -> dict[int, DecisionRecord]:
+        """Every recorded decision of ``version`` by its number."""
+        tags = self.get_version(version).tags
+        numbers = sorted(int(m.group(1)) for k in tags if (m := _ENTRY.match(k)))
+        return {n: DecisionRecord.from_tags(_entry_tags(tags, n)) for n in numbers}
+
     # -- aliases ----------------------------------------------------------------------
     def alias(self, alias: str) -> str | None:
         """The version ``alias`` points at, read from the server now (None if unset)."""
@@ -269,6 +363,16 @@ class DrafterRegistry:
         if int(version.version) == newest and self.alias(CHAMPION) != version.version \
                 and self.alias(CHALLENGER) != version.version:
             self.set_alias(CHALLENGER, version.version)
+
+
+def _entry_tags(tags: Mapping[str, str], n: int) -> dict[str, str]:
+    prefix = f"gate.{n}."
+    return {k[len(prefix):]: v for k, v in tags.items() if k.startswith(prefix)}
+
+
+def _reasons_tag(reasons: Sequence[str]) -> str:
+    text = json.dumps(list(reasons), ensure_ascii=False)
+    return text if len(text) <= MAX_TAG_VALUE else text[:MAX_TAG_VALUE - 3] + "..."
 
 
 def _step_of(lineage: Mapping[str, Any]) -> int:

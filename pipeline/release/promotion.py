@@ -3,7 +3,9 @@
 Three entry points, each a separately named function (no flag bypasses the gate):
 
 - :func:`promote` acts on a gate :class:`~pipeline.release.gate.Decision`. A refusal only
-  records its reasons as tags on the candidate; nothing else moves.
+  records its reasons as tags on the candidate; nothing else moves. A candidate that is the
+  drafter serving now (same fingerprint as the serving record's) is ``already_champion``:
+  nothing is recorded, promoted or restarted, whatever the decision says.
 - :func:`force_promote` is the manual override: no gate, but ``actor`` and ``reason`` are
   required and recorded.
 - :func:`rollback` makes the current champion's recorded ``previous_champion`` the champion
@@ -22,12 +24,16 @@ Invariants:
   restored) and :class:`PromotionError` is raised.
 - A decision made against another champion than the current one is stale and refused.
 - The champion's ``previous_champion`` tag (a version, or ``none``) is the rollback chain.
+- Every decision is kept as its own ``gate.<n>.*`` tags (written before the switch, never
+  rewritten; a failed switch adds ``gate.<n>.error``); the standing ``gate.decision`` moves
+  to a promotion only after the switch succeeded, and a refusal never replaces a promotion
+  (:meth:`~pipeline.release.mlflow_registry.DrafterRegistry.set_standing`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -35,9 +41,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pipeline.release.backend import ServingBackend
-from pipeline.release.gate import Decision
+from pipeline.release.gate import ALREADY_CHAMPION, Decision
 from pipeline.release.lineage import MAX_TAG_VALUE
-from pipeline.release.mlflow_registry import CHAMPION, DrafterRegistry, DrafterVersion
+from pipeline.release.mlflow_registry import (
+    CHAMPION,
+    FORCED,
+    PROMOTED,
+    REFUSED,
+    DecisionRecord,
+    DrafterRegistry,
+    DrafterVersion,
+)
 from pipeline.serving_now import ServingManifest, ServingTarget
 
 log = logging.getLogger(__name__)
@@ -57,7 +71,8 @@ class PromotionNotApplied(PromotionError):
 
 @dataclass(frozen=True)
 class PromotionResult:
-    """What happened. ``action``: promoted | forced | rolled_back | refused | unchanged."""
+    """What happened. ``action``: promoted | forced | rolled_back | refused |
+    already_champion (the candidate is served already: nothing moved or was recorded)."""
 
     action: str
     model: str
@@ -86,29 +101,34 @@ def promote(registry: DrafterRegistry, serving: ServingBackend, candidate_versio
             lock: AbstractContextManager[Any] | None = None) -> PromotionResult:
     """Make ``candidate_version`` the champion if ``decision`` says so (see module doc)."""
     candidate_version = str(candidate_version)
-    if not decision.promote:
-        _record_refusal(registry, candidate_version, decision.reasons, decision)
-        return PromotionResult("refused", registry.model_name, candidate_version,
-                               registry.alias(CHAMPION), serving.current(), decision.reasons)
     with lock if lock is not None else registry.promotion_lock():
+        served = _served_target(registry, serving)
+        candidate = registry.get_version(candidate_version)
+        if served is not None and _is_served(candidate, served):  # e.g. a re-run
+            return _already_champion(registry, serving, candidate, served)
+        if decision.verdict == ALREADY_CHAMPION:
+            return _refuse(registry, serving, candidate_version, decision, actor,
+                           dagster_run_id, served, (
+                               f"stale decision: made when the candidate was champion "
+                               f"v{decision.champion_version}, but the serving record serves "
+                               f"{_v(served.registry_version if served else None)} now; "
+                               f"evaluate again",))
+        if not decision.promote:
+            return _refuse(registry, serving, candidate_version, decision, actor,
+                           dagster_run_id, served, decision.reasons)
         current = serving_champion(registry, serving)
-        if current == candidate_version:  # a re-run after success
-            return PromotionResult("unchanged", registry.model_name, current, current,
-                                   serving.current(), ("candidate is already the champion",))
         stale = _staleness(decision, current)
         if stale:
-            _record_refusal(registry, candidate_version, (stale,), decision)
-            return PromotionResult("refused", registry.model_name, candidate_version,
-                                   current, serving.current(), (stale,))
+            return _refuse(registry, serving, candidate_version, decision, actor,
+                           dagster_run_id, served, (stale,))
+        record = DecisionRecord(PROMOTED, decision.reasons, actor, _now(), decision.baseline,
+                                decision.relative_gain, current, dagster_run_id)
         tags = {PREVIOUS_CHAMPION: current or NONE, "promoted_at": _now(),
-                "promoted_by": actor, "gate.decision": "promoted",
-                "gate.reasons": _reasons_tag(decision.reasons),
-                "gate.relative_gain": decision.relative_gain,
-                "gate.baseline": decision.baseline}
+                "promoted_by": actor}
         if dagster_run_id:
             tags["promoted_in_run"] = dagster_run_id
         manifest = _make_champion(registry, serving, candidate_version, tags,
-                                  reason=f"promote v{candidate_version}")
+                                  reason=f"promote v{candidate_version}", decision=record)
         return PromotionResult("promoted", registry.model_name, candidate_version, current,
                                manifest, decision.reasons)
 
@@ -126,8 +146,9 @@ def force_promote(registry: DrafterRegistry, serving: ServingBackend, candidate_
         if current == candidate_version:  # served already: at most the alias lags behind
             alias = registry.alias(CHAMPION)
             if alias == current:
-                return PromotionResult("unchanged", registry.model_name, current, current,
-                                       serving.current(), ("candidate is already the champion",))
+                return PromotionResult(ALREADY_CHAMPION, registry.model_name, current,
+                                       current, serving.current(),
+                                       (f"v{current} is the champion already",))
             why = (f"alias {CHAMPION} moved from {_v(alias)} to the served v{current} by "
                    f"{actor}: {reason}")
             registry.set_tags(current, {"reconciled_at": _now(), "reconciled_by": actor,
@@ -135,13 +156,15 @@ def force_promote(registry: DrafterRegistry, serving: ServingBackend, candidate_
             registry.set_alias(CHAMPION, current)  # previous_champion stays as it was
             return PromotionResult("forced", registry.model_name, current, alias,
                                    serving.current(), (why,))
+        record = DecisionRecord(FORCED, (f"forced by {actor}: {reason}",), actor, _now(),
+                                "override", math.nan, current, dagster_run_id)
         tags = {PREVIOUS_CHAMPION: current or NONE, "promoted_at": _now(),
-                "promoted_by": actor, "gate.decision": "forced", "forced_by": actor,
-                "force_reason": reason}
+                "promoted_by": actor, "forced_by": actor, "force_reason": reason}
         if dagster_run_id:
             tags["promoted_in_run"] = dagster_run_id
         manifest = _make_champion(registry, serving, candidate_version, tags,
-                                  reason=f"force v{candidate_version} by {actor}: {reason}")
+                                  reason=f"force v{candidate_version} by {actor}: {reason}",
+                                  decision=record)
         return PromotionResult("forced", registry.model_name, candidate_version, current,
                                manifest, (f"forced by {actor}: {reason}",))
 
@@ -178,12 +201,7 @@ def serving_champion(registry: DrafterRegistry, serving: ServingBackend, *,
     now" that warm start and evaluation read too). Alias ``champion`` must agree; when it
     does not, promotion and rollback refuse, and only a forced promotion (``reconcile``)
     goes on, rewriting both."""
-    manifest = serving.current()
-    target = manifest.target if manifest else None
-    if target is not None and target.registry_model != registry.model_name:
-        raise PromotionError(f"the serving record serves {target.registry_model} "
-                             f"v{target.registry_version}, not a version of "
-                             f"{registry.model_name}")
+    target = _served_target(registry, serving)
     version = target.registry_version if target else None
     alias = registry.alias(CHAMPION)
     if alias != version and not reconcile:
@@ -193,26 +211,82 @@ def serving_champion(registry: DrafterRegistry, serving: ServingBackend, *,
     return version
 
 
+def _served_target(registry: DrafterRegistry, serving: ServingBackend) -> ServingTarget | None:
+    """The drafter the serving record serves now (None: no drafter); it must be a version
+    of ``registry``'s model."""
+    manifest = serving.current()
+    target = manifest.target if manifest else None
+    if target is not None and target.registry_model != registry.model_name:
+        raise PromotionError(f"the serving record serves {target.registry_model} "
+                             f"v{target.registry_version}, not a version of "
+                             f"{registry.model_name}")
+    return target
+
+
+def _is_served(candidate: DrafterVersion, served: ServingTarget) -> bool:
+    """The candidate is the drafter ``served``: its fingerprint (or its version)."""
+    return served.registry_version == candidate.version or (
+        candidate.fingerprint is not None and candidate.fingerprint == served.fingerprint)
+
+
+def _already_champion(registry: DrafterRegistry, serving: ServingBackend,
+                      candidate: DrafterVersion, served: ServingTarget) -> PromotionResult:
+    manifest = serving.current()
+    same = "is" if served.registry_version == candidate.version else \
+        f"has the fingerprint of v{served.registry_version}, which is"
+    why = (f"v{candidate.version} ({served.fingerprint[:12]}) {same} the drafter serving now "
+           f"(serving manifest {manifest.sequence}); nothing promoted, restarted or recorded")
+    log.info("%s: %s", registry.model_name, why)
+    return PromotionResult(ALREADY_CHAMPION, registry.model_name, served.registry_version,
+                           served.registry_version, manifest, (why,))
+
+
+def _refuse(registry: DrafterRegistry, serving: ServingBackend, version: str,
+            decision: Decision, actor: str, dagster_run_id: str | None,
+            served: ServingTarget | None, reasons: tuple[str, ...]) -> PromotionResult:
+    """Record a refusal of ``version`` (its own decision tags; the standing only if the
+    version was never promoted); nothing else moves."""
+    champion = served.registry_version if served else None
+    n = registry.record_decision(version, DecisionRecord(
+        REFUSED, reasons, actor, _now(), decision.baseline, decision.relative_gain, champion,
+        dagster_run_id))
+    registry.set_standing(version, n)
+    log.info("%s v%s refused: %s", registry.model_name, version, "; ".join(reasons))
+    return PromotionResult("refused", registry.model_name, version, champion,
+                           serving.current(), reasons)
+
+
 def _v(version: str | None) -> str:
     return f"v{version}" if version else "no drafter"
 
 
 def _make_champion(registry: DrafterRegistry, serving: ServingBackend, version: str,
-                   tags: Mapping[str, Any], *, reason: str) -> ServingManifest:
-    """Tags, then serving, then the alias (read back); undo serving if the alias fails."""
+                   tags: Mapping[str, Any], *, reason: str,
+                   decision: DecisionRecord | None = None) -> ServingManifest:
+    """Tags (``decision`` as the version's next decision), then serving, then the alias
+    (read back); undo serving if the alias fails. The decision becomes the version's
+    standing once the switch succeeded."""
     new = registry.get_version(version)
     target = serving_target(new)
+    decision_id = registry.record_decision(version, decision) if decision else None
     if tags:
         registry.set_tags(version, tags)
     before = serving.current()
     try:
         manifest = serving.apply(target, reason=reason)
     except Exception as e:
-        _best_effort_tag(registry, version, f"serving update failed: {e}")
+        _best_effort_tag(registry, version, f"serving update failed: {e}", decision_id)
         raise PromotionNotApplied(f"{registry.model_name} v{version}: serving update "
                                   f"failed, nothing moved: {e}") from e
-    _move_alias(registry, serving, version, before)
+    _move_alias(registry, serving, version, before, decision_id)
     log.info("%s: champion is now v%s (%s)", registry.model_name, version, reason)
+    if decision_id is not None:
+        try:
+            registry.set_standing(version, decision_id)
+        except Exception as e:
+            raise PromotionError(f"{registry.model_name} v{version} is champion and served, "
+                                 f"but its gate.decision could not be set to decision "
+                                 f"{decision_id}: {e}") from e
     return manifest
 
 
@@ -229,7 +303,7 @@ def _clear_champion(registry: DrafterRegistry, serving: ServingBackend, *, reaso
 
 
 def _move_alias(registry: DrafterRegistry, serving: ServingBackend, version: str | None,
-                before: ServingManifest | None) -> None:
+                before: ServingManifest | None, decision_id: int | None = None) -> None:
     error: Exception | None = None
     readback: str | None = "unread"
     try:
@@ -257,18 +331,9 @@ def _move_alias(registry: DrafterRegistry, serving: ServingBackend, version: str
             f"restoring the previous serving manifest failed ({undo}); servers may run a "
             f"drafter that is not the champion") from undo
     if version is not None:
-        _best_effort_tag(registry, version, f"alias move failed: {problem}")
+        _best_effort_tag(registry, version, f"alias move failed: {problem}", decision_id)
     raise PromotionNotApplied(f"{registry.model_name}: moving {CHAMPION} to {version} "
                               f"failed ({problem}); the serving update was undone") from error
-
-
-def _record_refusal(registry: DrafterRegistry, version: str, reasons: tuple[str, ...],
-                    decision: Decision) -> None:
-    registry.set_tags(version, {"gate.decision": "refused", "gate.decided_at": _now(),
-                                "gate.reasons": _reasons_tag(reasons),
-                                "gate.relative_gain": decision.relative_gain,
-                                "gate.baseline": decision.baseline})
-    log.info("%s v%s refused: %s", registry.model_name, version, "; ".join(reasons))
 
 
 def _staleness(decision: Decision, champion: str | None) -> str | None:
@@ -283,16 +348,16 @@ def _staleness(decision: Decision, champion: str | None) -> str | None:
     return None
 
 
-def _best_effort_tag(registry: DrafterRegistry, version: str, error: str) -> None:
+def _best_effort_tag(registry: DrafterRegistry, version: str, error: str,
+                     decision_id: int | None = None) -> None:
+    """``promotion.error`` (the newest failure) and the decision's own ``gate.<n>.error``."""
+    tags = {"promotion.error": error[:MAX_TAG_VALUE]}
+    if decision_id is not None:
+        tags[f"gate.{decision_id}.error"] = error[:MAX_TAG_VALUE]
     try:
-        registry.set_tags(version, {"promotion.error": error[:MAX_TAG_VALUE]})
+        registry.set_tags(version, tags)
     except Exception as e:  # noqa: BLE001 - the original failure is what gets raised
         log.warning("could not tag v%s with its promotion error: %s", version, e)
-
-
-def _reasons_tag(reasons: tuple[str, ...]) -> str:
-    text = json.dumps(list(reasons), ensure_ascii=False)
-    return text if len(text) <= MAX_TAG_VALUE else text[:MAX_TAG_VALUE - 3] + "..."
 
 
 def _now() -> str:

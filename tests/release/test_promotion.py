@@ -100,7 +100,8 @@ def test_promotions_move_alias_and_serving_and_record_lineage(sqlite_registry, s
     assert launch.drafter_dir.parent == tmp_path / "cache"  # a verified copy
     assert (launch.drafter_dir / "model.safetensors").read_bytes() == storage.read_bytes(
         "drafters/step=000020/model.safetensors")
-    assert promote(registry, serving, v2, gate(2.5, summary(2.0, v1))).action == "unchanged"
+    assert promote(registry, serving, v2, gate(2.5, summary(2.0, v1))).action == \
+        "already_champion"
 
 
 def test_a_worse_candidate_is_refused_and_nothing_moves(sqlite_registry, serving, champion_v1):
