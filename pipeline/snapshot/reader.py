@@ -19,13 +19,14 @@ import re
 
 import pyarrow as pa
 
-from pipeline.contracts import Manifest
+from pipeline.contracts import FileEntry, Manifest
 from pipeline.manifest import ManifestError, manifest_key, meta_value, read_manifest
 from pipeline.parquet import ParquetFileError, read_table
 from pipeline.snapshot.render import int_text, quote
 from pipeline.snapshot.schema import INT64_MAX, READABLE_SCHEMA_VERSIONS, ROLLOUT_SCHEMA
 from pipeline.snapshot.sieve import SnapshotError
 from pipeline.storage import Storage
+from pipeline.verified import IntegrityError
 
 PART_KIND = ROLLOUT_SCHEMA.metadata[b"aerie.kind"]
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
@@ -88,7 +89,7 @@ def _meta(storage: Storage, prefix: str, manifest: Manifest, name: str, expected
         raise SnapshotError(str(e), url=e.url, field=e.field) from e
 
 
-def verified(storage: Storage, problems: list[str]) -> None:
+def refuse_problems(problems: list[str]) -> None:
     """Raise for the problems :func:`~pipeline.manifest.verify_manifest` found, if any."""
     if problems:
         more = len(problems) - _MAX_PROBLEMS
@@ -96,16 +97,18 @@ def verified(storage: Storage, problems: list[str]) -> None:
         raise SnapshotError(f"corrupt snapshot: {listed}")
 
 
-def read_part(storage: Storage, key: str, *, claimed: bool,
+def read_part(storage: Storage, prefix: str, entry: FileEntry, *, claimed: bool,
               schema: pa.Schema | None = None) -> pa.Table:
-    """A Parquet part, refused when it claims another kind or schema version (``claimed``:
-    it must claim ours), cast to ``schema`` when given."""
+    """The Parquet file of manifest ``entry``, its bytes checked against the entry; refused
+    when it claims another kind or schema version (``claimed``: it must claim ours); cast
+    to ``schema`` when given."""
+    key = f"{prefix}/{entry.path}"
     url = storage.url(key)
     try:
-        table = read_table(storage, key)
+        table = read_table(storage, key, entry=entry)
     except FileNotFoundError as e:
         raise SnapshotError(f"{url}: listed in the manifest but missing", url=url) from e
-    except ParquetFileError as e:
+    except (ParquetFileError, IntegrityError) as e:
         raise SnapshotError(str(e), url=url) from e
     _check_claim(url, table.schema.metadata or {}, claimed)
     if schema is None:

@@ -24,15 +24,15 @@ import pyarrow as pa
 
 from pipeline.contracts import FileEntry, Manifest
 from pipeline.layout import ROLLOUTS, committed_steps, raw_prefix, snapshot_prefix
-from pipeline.manifest import manifest_key, verify_manifest, write_manifest
+from pipeline.manifest import manifest_key, verify_manifest, withdraw_manifest, write_manifest
 from pipeline.snapshot.policy import load_policy_ref
 from pipeline.snapshot.reader import (
     checked_manifest,
     meta_int,
     meta_str,
     read_part,
+    refuse_problems,
     require_file,
-    verified,
 )
 from pipeline.snapshot.render import quote, safe_repr, type_name
 from pipeline.snapshot.schema import (
@@ -81,12 +81,13 @@ def run(storage: Storage, step: int, *, limits: Limits = DEFAULT_LIMITS,
     records_in = meta_int(storage, prefix, manifest, "records_in")
     lineage = _lineage(storage, prefix, manifest, step)
     require_file(storage, prefix, manifest, QUARANTINE)
-    verified(storage, verify_manifest(storage, prefix, manifest))
+    refuse_problems(verify_manifest(storage, prefix, manifest))
     policy = load_policy_ref(storage, step)
     sieve = Sieve("reader", policy.vocab_size, step, limits)
     parts = [f for f in manifest.files if f.path != QUARANTINE]
-    writer_rejections = _read_quarantine(storage, f"{prefix}/{QUARANTINE}")
+    writer_rejections = _read_quarantine(storage, prefix, manifest.file(QUARANTINE))
     out_prefix = snapshot_prefix(step)
+    withdraw_manifest(storage, out_prefix)
     accepted = write_chunks(storage, out_prefix, "accepted",
                             _reread(storage, prefix, parts, sieve), rows_per_file)
     rejections = writer_rejections + sieve.rejections
@@ -115,15 +116,15 @@ def _lineage(storage: Storage, prefix: str, manifest: Manifest, step: int) -> di
                                               "tokenizer_fingerprint")}
 
 
-def _read_quarantine(storage: Storage, key: str) -> list[dict[str, Any]]:
+def _read_quarantine(storage: Storage, prefix: str, entry: FileEntry) -> list[dict[str, Any]]:
     """The writer's rejections, their quoted columns quoted again (the file may be
     foreign)."""
-    table = read_part(storage, key, claimed=False, schema=QUARANTINE_SCHEMA)
+    table = read_part(storage, prefix, entry, claimed=False, schema=QUARANTINE_SCHEMA)
     try:
         rows = table.to_pylist()
     except (pa.ArrowException, ValueError) as e:
-        raise SnapshotError(f"{storage.url(key)}: unreadable rows ({type_name(e)})",
-                            url=storage.url(key)) from e
+        url = storage.url(f"{prefix}/{entry.path}")
+        raise SnapshotError(f"{url}: unreadable rows ({type_name(e)})", url=url) from e
     for row in rows:
         for name in ("rollout_id", "field", "reason"):
             if row[name] is not None:
@@ -134,9 +135,8 @@ def _read_quarantine(storage: Storage, key: str) -> list[dict[str, Any]]:
 def _reread(storage: Storage, prefix: str, parts: list[FileEntry],
             sieve: Sieve) -> Iterator[dict[str, Any]]:
     for part in parts:
-        key = f"{prefix}/{part.path}"
-        url = storage.url(key)
-        table = read_part(storage, key, claimed=False)
+        url = storage.url(f"{prefix}/{part.path}")
+        table = read_part(storage, prefix, part, claimed=False)
         try:  # read text as bytes: invalid UTF-8 is then caught per record
             table = table.cast(_strings_as_binary(table.schema))
         except (pa.ArrowException, ValueError, TypeError) as e:
@@ -173,8 +173,8 @@ def _rows(batch: pa.RecordBatch) -> Iterator[tuple[Any, str | None]]:
 def read_accepted(storage: Storage, step: int) -> pa.Table:
     """The accepted records of a validated snapshot (small steps; stream for large ones).
 
-    The files are checked against the manifest (size, sha256), must carry this release's
-    kind and schema version, and must hold ``meta.accepted`` rows.
+    The files are checked against the manifest (size, sha256) as they are read, must carry
+    this release's kind and schema version, and must hold ``meta.accepted`` rows.
     """
     prefix = snapshot_prefix(step)
     manifest = checked_manifest(storage, prefix, VALIDATED_KIND, READABLE_SCHEMA_VERSIONS)
@@ -183,8 +183,7 @@ def read_accepted(storage: Storage, step: int) -> pa.Table:
     expected = meta_int(storage, prefix, manifest, "accepted")
     meta_int(storage, prefix, manifest, "records_in")  # a validated manifest has both,
     _lineage(storage, prefix, manifest, step)  # and its lineage, well-typed
-    verified(storage, verify_manifest(storage, prefix, manifest))
-    tables = [read_part(storage, f"{prefix}/{f.path}", claimed=True, schema=ROLLOUT_SCHEMA)
+    tables = [read_part(storage, prefix, f, claimed=True, schema=ROLLOUT_SCHEMA)
               for f in manifest.files if f.path.startswith("accepted-")]
     table = pa.concat_tables(tables) if tables else ROLLOUT_SCHEMA.empty_table()
     if table.num_rows != expected:

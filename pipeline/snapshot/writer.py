@@ -22,7 +22,7 @@ from typing import Any
 
 from pipeline.contracts import Manifest
 from pipeline.layout import raw_prefix
-from pipeline.manifest import write_manifest
+from pipeline.manifest import withdraw_manifest, write_manifest
 from pipeline.snapshot.policy import publish_policy
 from pipeline.snapshot.render import quote, safe_repr, type_name
 from pipeline.snapshot.schema import (
@@ -79,6 +79,7 @@ class SnapshotWriter:
                 if rec is not None:
                     yield rec
 
+        withdraw_manifest(self.storage, prefix)  # a re-run: readers see 'being rewritten'
         parts = write_chunks(self.storage, prefix, "part", accepted(), self.rows_per_file)
         quarantine = write_quarantine(self.storage, prefix, sieve.rejections)
         summary = SnapshotSummary(
