@@ -3,7 +3,9 @@
 Partition = the refresh step s (``refresh_steps``). ``registered_drafter`` logs the training
 run (params, per-step metrics, evaluation, charts, the SGLang directory) and registers a
 version with lineage tags and alias ``challenger``; ``serving_drafter`` asks the gate
-(:func:`pipeline.release.gate.decide`) and promotes only when it says so. The manual
+(:func:`pipeline.release.gate.decide`) and promotes only when it says so; a re-run whose
+candidate is the drafter serving now succeeds as ``already_champion`` and changes nothing
+(serving record, alias and the champion's tags as they were). The manual
 override and the rollback are separate jobs (``jobs/release.py``); they record their change
 of champion as a ``serving_drafter`` materialization too (:func:`record_champion_change`), so
 the newest ``serving_drafter`` event always names the champion. Every promotion path runs in
