@@ -5,9 +5,13 @@ MLflow 5xx, an SGLang server still restarting) is retried by Dagster's retry pol
 exponential backoff; every stage is safe to re-run (finished work is kept, writes are atomic
 and idempotent). A failure that another attempt cannot fix (bad input, a broken contract, a
 misconfigured server, a request the server rejects, a drafter serving refuses, a failed
-training child) fails at once:
+training child, a storage error such as a key outside the root) fails at once:
 :func:`fail_fast_on_permanent_errors` turns it into ``Failure(allow_retries=False)``, which
 bypasses the policy, so nobody waits three backoffs for a bad record.
+
+Storage: :class:`~pipeline.storage.StorageError` is permanent, its subclass
+:class:`~pipeline.storage.StorageUnavailable` (the store could not be reached) is not; nor
+are the ``OSError``/``ConnectionError`` that fsspec raises for transient trouble.
 """
 
 from collections.abc import Iterator
@@ -37,21 +41,31 @@ def permanent_errors() -> tuple[type[BaseException], ...]:
     from pipeline.release.promotion import PromotionError
     from pipeline.release.register import ReleaseError
     from pipeline.snapshot.sieve import SnapshotError
+    from pipeline.storage import StorageError
     from pipeline.training.launch import TrainingFailed
 
     return (ValueError, TypeError, LookupError, FileNotFoundError, NotADirectoryError,
             SnapshotError, ExtractionError, SGLangServerConfigError, SGLangRejectedError,
-            TrainingFailed, ReleaseError, PromotionError, ServingRefused)
+            TrainingFailed, ReleaseError, PromotionError, ServingRefused, StorageError)
+
+
+@cache
+def transient_errors() -> tuple[type[BaseException], ...]:
+    """Subclasses of permanent errors that another attempt can fix."""
+    from pipeline.storage import StorageUnavailable
+
+    return (StorageUnavailable,)
 
 
 def is_permanent(error: BaseException) -> bool:
     """A promotion that moved nothing is as permanent as its cause (an SGLang server still
-    restarting: retried; a drafter it refuses: not); anything else by its type."""
+    restarting: retried; a drafter it refuses: not); anything else by its type, the
+    transient subclasses of permanent types (an unreachable store) excepted."""
     from pipeline.release.promotion import PromotionNotApplied
 
     if isinstance(error, PromotionNotApplied):
         return error.__cause__ is not None and is_permanent(error.__cause__)
-    return isinstance(error, permanent_errors())
+    return isinstance(error, permanent_errors()) and not isinstance(error, transient_errors())
 
 
 @contextmanager

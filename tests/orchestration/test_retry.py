@@ -5,12 +5,19 @@ from __future__ import annotations
 import pytest
 from dagster import AssetKey, DagsterEventType, asset, instance_for_test, materialize
 
-from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors, service_retry_policy
+from assets.retry import (
+    SERVICE_RETRY,
+    fail_fast_on_permanent_errors,
+    is_permanent,
+    service_retry_policy,
+)
 from definitions import defs
 from pipeline.capture.sglang_http import SGLangRejectedError, SGLangRequestError
+from pipeline.manifest import ManifestError
 from pipeline.release.backend import ServingError, ServingRefused
 from pipeline.release.promotion import PromotionError, PromotionNotApplied
 from pipeline.snapshot.sieve import SnapshotError
+from pipeline.storage import Storage, StorageError, StorageUnavailable
 
 
 def _caused(error: BaseException, cause: BaseException) -> BaseException:
@@ -44,7 +51,10 @@ def _restarts(instance, run_id) -> int:
     ServingError("restart hook timed out"),
     _caused(PromotionNotApplied("serving update failed, nothing moved"),
             ServingError("http://127.0.0.1:30000: ConnectionError")),
-    PromotionNotApplied("moving champion failed (read back '3'); undone")])
+    PromotionNotApplied("moving champion failed (read back '3'); undone"),
+    StorageUnavailable("cannot open s3://aerie/shards/x for writing: 503 SlowDown"),
+    _caused(PromotionNotApplied("serving update failed, nothing moved"),
+            StorageUnavailable("cannot list the uploads under s3://aerie/serving: reset"))])
 def test_transient_errors_are_retried_until_success(error):
     flaky, attempts = _flaky([error, error])
     with instance_for_test() as instance:
@@ -61,7 +71,10 @@ def test_transient_errors_are_retried_until_success(error):
     ServingRefused("hot swap refused: draft vocab size differs"),
     _caused(PromotionNotApplied("serving update failed, nothing moved"),
             ServingRefused("drafter has no committed manifest")),
-    PromotionError("alias move failed AND restoring serving failed")])
+    PromotionError("alias move failed AND restoring serving failed"),
+    StorageError("s3://other/drafters/step=000010 is not under storage root s3://aerie"),
+    StorageError("invalid storage key 'drafters/../secrets'"),
+    ManifestError("file:///r/evals/step=000010/_manifest.json", "files", "not a list")])
 def test_permanent_errors_fail_at_once(error):
     flaky, attempts = _flaky([error])
     with instance_for_test() as instance:
@@ -70,6 +83,26 @@ def test_permanent_errors_fail_at_once(error):
         assert _restarts(instance, result.run_id) == 0
         failure = result.get_step_failure_events()[0].step_failure_data.error
         assert str(error) in failure.message  # the reason reaches the UI
+
+
+def test_the_storage_layer_raises_what_the_policy_expects(tmp_path, monkeypatch):
+    """The errors the storage layer really raises: a bad key or a foreign URL is permanent,
+    a store that cannot be reached is not (nor is fsspec's own OSError)."""
+    storage = Storage(tmp_path.as_uri())
+    with pytest.raises(StorageError) as foreign:
+        storage.key_of("s3://elsewhere/drafters/step=000001")
+    with pytest.raises(StorageError) as bad_key:
+        storage.path("drafters/../../etc")
+    assert is_permanent(foreign.value) and is_permanent(bad_key.value)
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionResetError("connection reset by peer")
+
+    monkeypatch.setattr(storage, "is_local", False)  # the remote write path
+    monkeypatch.setattr(storage.fs, "open", unreachable)
+    with pytest.raises(StorageUnavailable) as down, storage.open_write("shards/x"):
+        pass
+    assert not is_permanent(down.value) and not is_permanent(down.value.__cause__)
 
 
 def test_retries_give_up_after_the_policy_max():
