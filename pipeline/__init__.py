@@ -18,7 +18,9 @@ whose ``run`` is what the stage's Dagster asset calls:
 
 Below the stages sits the foundation every stage may use: :mod:`storage` (the fsspec
 storage layer), :mod:`layout` (every path of the storage tree), :mod:`records` (versioned
-JSON records), :mod:`contracts` + :mod:`manifest` (dataset manifests), :mod:`parquet`,
+JSON records), :mod:`contracts` + :mod:`manifest` (dataset manifests), :mod:`verified`
+(reading committed datasets, every byte checked against its manifest, and the local
+dataset cache), :mod:`parquet`,
 :mod:`serving_now` (the record of the drafter serving now: release writes it, training's
 warm start and evaluation's champion read it) and :mod:`eagle3` (the drafter model, TTT
 and the SGLang format, shared by training and evaluation).
@@ -31,7 +33,7 @@ the foundation imports no stage. :mod:`checks` (quality checks over several stag
 """
 
 STAGES = ("snapshot", "tokenize", "capture", "vocab", "training", "evaluation", "release")
-FOUNDATION = ("storage", "layout", "records", "contracts", "manifest", "parquet",
+FOUNDATION = ("storage", "layout", "records", "contracts", "manifest", "verified", "parquet",
               "serving_now", "eagle3")
 ON_TOP = ("checks", "demo")
 DEPRECATED = ("data", "serving")  # import paths of earlier releases, re-exported
