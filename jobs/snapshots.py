@@ -14,6 +14,11 @@ daemon never launches a run key twice, so that starts no second run (the tick li
 skipped, the failure stays visible until someone re-runs the partition); ``aerie demo``,
 which executes the requests itself, retries it.
 
+Only step directories as the layout writes them count (``step=NNNNNN``,
+:func:`pipeline.layout.parse_step_dir`): anything else under ``rollouts/`` (``step=0003``,
+``step=²``, a stray file) is skipped with a warning naming a few of them, never requested and
+never a reason to fail the tick.
+
 Per tick: one listing of the snapshot root, one query of the job's runs by partition and one
 query of materialized partitions per data asset, however long the history (no per-step
 lookups). The cursor only holds the steps requested by the previous tick whose run did not
@@ -38,6 +43,7 @@ from dagster import (
 
 from assets.groups import DATA_ASSETS
 from assets.partitions import ingested_steps, rl_steps, step_key, step_of
+from pipeline.layout import ROLLOUTS, committed_steps, odd_entries
 from resources.storage import StorageResource
 
 ingest_step = define_asset_job(
@@ -46,6 +52,7 @@ ingest_step = define_asset_job(
                 "capture hidden states into shards (partition = step).")
 
 NOT_DONE = (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED, DagsterRunStatus.CANCELING)
+ODD_NAMES_SHOWN = 5
 
 
 def plan_ingest(completed: Iterable[int], runs: Mapping[int, DagsterRunStatus],
@@ -66,6 +73,15 @@ def ingest_runs(instance) -> dict[int, DagsterRunStatus]:
         RunsFilter(job_name=ingest_step.name))}
 
 
+def skipped_note(odd: list[str]) -> str:
+    """A one-line account of the entries under ``rollouts/`` that are not step directories
+    (at most :data:`ODD_NAMES_SHOWN` named, each shortened and escaped)."""
+    shown = ", ".join(repr(n[:40]) for n in odd[:ODD_NAMES_SHOWN])
+    more = f" and {len(odd) - ODD_NAMES_SHOWN} more" if len(odd) > ODD_NAMES_SHOWN else ""
+    return (f"skipped {len(odd)} entries under {ROLLOUTS}/ that are not step directories "
+            f"(step=NNNNNN): {shown}{more}")
+
+
 def _pending(cursor: str | None) -> list[int]:
     """The cursor's pending steps; an older cursor (the newest step seen) holds none."""
     value = json.loads(cursor) if cursor else None
@@ -77,16 +93,19 @@ def _pending(cursor: str | None) -> list[int]:
 def snapshot_sensor(context: SensorEvaluationContext, storage: StorageResource):
     """Adds a partition and requests one ingest run per completed, not yet ingested snapshot
     step (see the module docstring); the run key is the partition key."""
-    from pipeline.snapshot.stage import completed_steps
-
-    completed = completed_steps(storage.build())
+    keys = storage.build().list(ROLLOUTS)
+    completed = committed_steps(keys, ROLLOUTS)  # the completion markers of step dirs
+    odd = odd_entries(keys, ROLLOUTS)
+    if odd:
+        context.log.warning(skipped_note(odd))
     steps, pending = plan_ingest(completed, ingest_runs(context.instance),
                                  ingested_steps(context.instance), _pending(context.cursor))
     cursor = json.dumps({"pending": pending})
     if not steps:
+        note = f"; {skipped_note(odd)}" if odd else ""
         return SensorResult(skip_reason=SkipReason(
-            f"all {len(completed)} completed snapshot steps are ingested or being ingested"),
-            cursor=cursor)
+            f"all {len(completed)} completed snapshot steps are ingested or being "
+            f"ingested{note}"), cursor=cursor)
     keys = [step_key(s) for s in steps]
     return SensorResult(
         run_requests=[RunRequest(run_key=k, partition_key=k) for k in keys],

@@ -116,6 +116,18 @@ def committed_steps(keys: Iterable[str], root: str) -> list[int]:
     return sorted(steps)
 
 
+def odd_entries(keys: Iterable[str], root: str) -> list[str]:
+    """Names directly under ``root`` among ``keys`` (one listing of ``root``) that are not
+    step directories as :func:`step_dir` writes them (``step=0003``, ``step=²``, a stray
+    file), sorted: what a reader of the steps skips."""
+    odd = set()
+    for key in keys:
+        parts = key.split("/")
+        if len(parts) >= 2 and parts[0] == root and parse_step_dir(parts[1]) is None:
+            odd.add(parts[1])
+    return sorted(odd)
+
+
 def step_of_prefix(prefix: str, root: str) -> int | None:
     """The step of a ``root/step=NNNNNN`` prefix, or None."""
     head, _, name = prefix.strip("/").rpartition("/")

@@ -4,6 +4,8 @@ which steps complete and whatever became of the cursor."""
 
 from __future__ import annotations
 
+import logging
+
 from dagster import (
     AssetKey,
     AssetMaterialization,
@@ -15,7 +17,7 @@ from dagster import (
 from assets.groups import DATA_ASSETS
 from jobs.snapshots import plan_ingest, snapshot_sensor
 from pipeline.contracts import MANIFEST_NAME
-from pipeline.layout import raw_prefix
+from pipeline.layout import odd_entries, raw_prefix
 from pipeline.storage import Storage
 
 from .conftest import write_step
@@ -125,6 +127,65 @@ def test_each_tick_lists_the_snapshot_root_once(instance, local_storage, monkeyp
     result = tick(instance, resource, None)
     assert requested(result) == [f"step-{s:06d}" for s in range(30, 40)]
     assert calls == {"list": 1}
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def logged_tick(instance, resource, cursor) -> tuple[SensorResult, list[logging.LogRecord]]:
+    """A tick, with what the sensor logged through ``context.log``."""
+    context = build_sensor_context(instance=instance, cursor=cursor,
+                                   resources={"storage": resource})
+    handler = _Records()
+    context.log.addHandler(handler)
+    result = snapshot_sensor(context)
+    assert isinstance(result, SensorResult)
+    return result, [r for r in handler.records if r.levelno >= logging.WARNING]
+
+
+def test_odd_step_directories_are_skipped_named_and_never_fail_a_tick(instance,
+                                                                      local_storage):
+    """Only ``step=NNNNNN`` is a step: ``step=0003`` is not step 3 a second time, ``step=²``
+    (a digit to str.isdigit, not to int) and ``step=abc`` are no steps at all."""
+    storage, resource = local_storage
+    odd = ["step=²", "step=0003", "step=abc", "step=٣"]  # ٣: Arabic-Indic 3, int() reads it
+    for name in [*odd, "step=000003"]:
+        storage.write_bytes(f"rollouts/{name}/{MANIFEST_NAME}", b"{}")
+    storage.write_bytes("rollouts/step=0003/part-00000.parquet", b"rows")
+
+    first, warnings = logged_tick(instance, resource, None)
+    assert requested(first) == ["step-000003"]  # once, from step=000003 only
+    assert list(first.dynamic_partitions_requests[0].partition_keys) == ["step-000003"]
+    (warning,) = warnings
+    text = warning.getMessage()
+    assert "skipped 4 entries under rollouts/ that are not step directories" in text
+    assert all(repr(name) in text for name in odd)
+    assert "'step=000003'" not in text
+
+    launch(instance, first)
+    again, warnings = logged_tick(instance, resource, first.cursor)
+    assert again.run_requests == [] and len(warnings) == 1  # reported on every tick
+    assert "skipped 4 entries" in again.skip_reason.skip_message
+
+
+def test_the_report_of_odd_entries_names_only_a_few(instance, local_storage):
+    storage, resource = local_storage
+    for i in range(8):
+        storage.write_bytes(f"rollouts/step={i:04d}/{MANIFEST_NAME}", b"{}")
+    storage.write_bytes("rollouts/notes.txt", b"a stray file")
+    result, (warning,) = logged_tick(instance, resource, None)
+    assert result.run_requests == []
+    text = warning.getMessage()
+    assert "skipped 9 entries" in text and text.endswith("and 4 more")
+    assert text.count("'") == 2 * 5  # five names shown
+    assert odd_entries(storage.list("rollouts"), "rollouts") == [
+        "notes.txt", *[f"step={i:04d}" for i in range(8)]]
 
 
 def test_plan_ingest():
