@@ -10,7 +10,8 @@ here are total (they never raise on such input) and bounded:
 - :func:`record_to_json` keeps the whole record for ``quarantine.parquet`` as ASCII JSON,
   lossless for JSON-like values (bytes as base64, non-text keys as ``$items`` pairs) and
   cut short only where it has to be: past :data:`MAX_DEPTH` levels, on a cycle, past
-  :data:`MAX_ITEMS` entries of one container, and for reprs and huge integers.
+  :data:`MAX_ITEMS` entries of a list or :data:`MAX_KEYS` of a mapping, and for reprs and
+  huge integers.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any
 
 QUOTE_CHARS = 200
 MAX_DEPTH = 64
-MAX_ITEMS = 1_000_000
+MAX_ITEMS = 1_000_000  # of a list (token ids run to 131,072)
+MAX_KEYS = 1_000  # of a mapping (a record has 12 fields)
 _REPR_CHARS = 1_000
 _INT64 = range(-(2**63), 2**63)
 
@@ -98,25 +100,25 @@ def _jsonable(value: Any, depth: int, path: set[int]) -> Any:
         return {"$unreadable": type_name(value), "$error": type_name(e)}
 
 
-def _bounded(items: Any) -> tuple[list[Any], bool]:
-    """The first :data:`MAX_ITEMS` of ``items``, and whether there were more."""
+def _bounded(items: Any, limit: int) -> tuple[list[Any], bool]:
+    """The first ``limit`` of ``items``, and whether there were more."""
     out = []
     for item in items:
-        if len(out) == MAX_ITEMS:
+        if len(out) == limit:
             return out, True
         out.append(item)
     return out, False
 
 
 def _sequence(value: list | tuple, depth: int, path: set[int]) -> list[Any]:
-    items, cut = _bounded(value)
+    items, cut = _bounded(value, MAX_ITEMS)
     out = [_jsonable(v, depth + 1, path) for v in items]
     return [*out, {"$more_than": MAX_ITEMS}] if cut else out
 
 
 def _mapping(value: Mapping, depth: int, path: set[int]) -> dict[str, Any]:
-    pairs, cut = _bounded(value.items())
-    more = {"$more_than": MAX_ITEMS} if cut else {}
+    pairs, cut = _bounded(value.items(), MAX_KEYS)
+    more = {"$more_than": MAX_KEYS} if cut else {}
     if all(type(k) is str for k, _ in pairs):
         return {k: _jsonable(v, depth + 1, path) for k, v in pairs} | more
     # keys that are not text would collide once written as text: keep them as pairs

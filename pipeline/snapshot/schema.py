@@ -115,8 +115,8 @@ def validate_record(raw: Mapping[str, Any], *, vocab_size: int, step: int | None
     for key in record:
         if not isinstance(key, str):
             raise RecordError(safe_repr(key), f"field name is {type_name(key)}, not text")
-        if key not in _FIELDS:
-            raise RecordError(key, "unknown field")
+        if key not in _FIELDS:  # an invisible name is shown as its repr
+            raise RecordError(key if has_visible_content(key) else ascii(key), "unknown field")
     for name, value in (defaults or {}).items():
         record.setdefault(name, value)
     for name in REQUIRED:

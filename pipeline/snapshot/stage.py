@@ -16,7 +16,9 @@ step is a problem of its files (:mod:`.reader`: a :class:`SnapshotError` naming 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +61,7 @@ from pipeline.storage import Storage
 log = logging.getLogger(__name__)
 
 QUARANTINE = "quarantine.parquet"
+_ACCEPTED = re.compile(r"accepted-[0-9]{5,}\.parquet")  # what write_chunks names them
 
 
 def completed_steps(storage: Storage) -> list[int]:
@@ -173,8 +176,9 @@ def _rows(batch: pa.RecordBatch) -> Iterator[tuple[Any, str | None]]:
 def read_accepted(storage: Storage, step: int) -> pa.Table:
     """The accepted records of a validated snapshot (small steps; stream for large ones).
 
-    The files are checked against the manifest (size, sha256) as they are read, must carry
-    this release's kind and schema version, and must hold ``meta.accepted`` rows.
+    The manifest must list the quarantine and accepted parts only; every file is checked
+    against it (size, sha256), the parts as they are read; the parts must carry this
+    release's kind and schema version and hold ``meta.accepted`` rows.
     """
     prefix = snapshot_prefix(step)
     manifest = checked_manifest(storage, prefix, VALIDATED_KIND, READABLE_SCHEMA_VERSIONS)
@@ -183,8 +187,16 @@ def read_accepted(storage: Storage, step: int) -> pa.Table:
     expected = meta_int(storage, prefix, manifest, "accepted")
     meta_int(storage, prefix, manifest, "records_in")  # a validated manifest has both,
     _lineage(storage, prefix, manifest, step)  # and its lineage, well-typed
-    tables = [read_part(storage, prefix, f, claimed=True, schema=ROLLOUT_SCHEMA)
-              for f in manifest.files if f.path.startswith("accepted-")]
+    require_file(storage, prefix, manifest, QUARANTINE)
+    parts = [f for f in manifest.files if f.path != QUARANTINE]
+    for f in parts:
+        if not _ACCEPTED.fullmatch(f.path):
+            url = storage.url(manifest_key(prefix))
+            raise SnapshotError(f"{url}: files: {f.path} is not a file of a validated snapshot",
+                                url=url, field="files")
+    quarantine = dataclasses.replace(manifest, files=(manifest.file(QUARANTINE),))
+    refuse_problems(verify_manifest(storage, prefix, quarantine))  # the rest while read
+    tables = [read_part(storage, prefix, f, claimed=True, schema=ROLLOUT_SCHEMA) for f in parts]
     table = pa.concat_tables(tables) if tables else ROLLOUT_SCHEMA.empty_table()
     if table.num_rows != expected:
         url = storage.url(manifest_key(prefix))

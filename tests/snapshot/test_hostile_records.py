@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import unicodedata
 from collections.abc import Mapping
 
 import numpy as np
@@ -292,8 +293,6 @@ def test_responses_showing_nothing_are_quarantined_as_empty(blank):
 @given(st.text(min_size=1, max_size=20))
 def test_has_visible_content_matches_its_definition(text):
     invisible = {"Cc", "Cf", "Zs", "Zl", "Zp"}
-    import unicodedata
-
     expected = any(unicodedata.category(c) not in invisible and c not in BLANK_FILLERS
                    for c in text)
     assert has_visible_content(text) == expected

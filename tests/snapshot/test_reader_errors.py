@@ -4,13 +4,14 @@ files. Every refusal is a SnapshotError whose message names the file and the fie
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pyarrow as pa
 import pytest
 
 from pipeline.layout import policy_prefix, raw_prefix, snapshot_prefix
-from pipeline.manifest import ManifestError
-from pipeline.parquet import read_table
+from pipeline.manifest import ManifestError, entry_for
+from pipeline.parquet import read_table, write_table
 from pipeline.snapshot import stage as snapshot_stage
 from pipeline.snapshot.policy import load_policy_ref
 from pipeline.snapshot.schema import ROLLOUT_SCHEMA
@@ -214,3 +215,40 @@ def test_refusals_keep_the_manifest_error_message(local):
     err = refused(local, "stage", "expected an object")
     assert str(err) == str(err.__cause__) and err.url.endswith("_manifest.json")
     json.dumps(str(err))
+
+
+def test_a_validated_manifest_lists_its_quarantine_and_parts_only(local):
+    prefix = snapshot_prefix(STEP)
+    edit_manifest(local, prefix, lambda m: m | {
+        "files": [f for f in m["files"] if f["path"] != "quarantine.parquet"]})
+    refused(local, "read_accepted", "quarantine.parquet is not listed")
+    edit_manifest(local, prefix, lambda m: m | {
+        "files": [*m["files"], {**m["files"][0], "path": "quarantine.parquet"},
+                  {**m["files"][0], "path": "part-00000.parquet"}]})
+    refused(local, "read_accepted", "part-00000.parquet is not a file of a validated snapshot")
+
+
+def test_rows_python_cannot_hold_are_quarantined_one_by_one(local):
+    """A timestamp beyond Python's datetime fails Arrow's conversion of its whole batch: the
+    other rows are still read, the row itself is quarantined."""
+    prefix = raw_prefix(STEP)
+    uri = local.url(policy_prefix(STEP))
+    foreign = pa.table({
+        "rollout_id": ["t-0", "t-1"], "trainer_step": [STEP, STEP],
+        "generated_by_policy_version": [STEP, STEP], "policy_uri": [uri, uri],
+        "prompt": ["q", "q"], "response_token_ids": [[1], [2]],
+        "token_fidelity": ["retokenized", "retokenized"],
+        "when": pa.array([None, 2**62], pa.timestamp("ms"))})
+    written = write_table(local, f"{prefix}/part-00009.parquet", foreign)
+
+    def add(m):
+        m["files"].append(asdict(entry_for(prefix, written, rows=2)))
+        m["meta"]["records_in"] += 2
+        return m
+
+    edit_manifest(local, prefix, add)
+    summary = snapshot_stage.run(local, STEP)
+    assert (summary.accepted, summary.quarantined) == (4, 2)
+    assert summary.reasons == {"when: unknown": 1, "<record>: unreadable": 1}
+    rows = read_table(local, f"{snapshot_prefix(STEP)}/quarantine.parquet").to_pylist()
+    assert rows[1]["row"] == 1 and "unreadable row" in rows[1]["reason"]
