@@ -1,0 +1,154 @@
+"""The yardstick of the snapshot reliability corpus: an independent contract check and the
+tally every case reports to.
+
+:func:`contract_violations` restates the rollout record contract (DESIGN §3) from scratch,
+without importing the validator, so that an accepted record is judged by a second reading
+of the contract rather than by the code under test. It is deliberately simple and a little
+looser than the validator (the validator may refuse more, never less).
+
+:data:`TALLY` counts, over every generated case of ``tests/reliability/test_snapshot_*``:
+cases, crashes (any exception other than a SnapshotError/ManifestError naming a file),
+quarantined and accepted records, named-file errors, step errors, silent accepts (a
+record that breaks the contract, or one built to be refused, found among the accepted)
+and wrongful quarantines. ``test_snapshot_tally`` writes it to a JSON report and asserts
+on it.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+import unicodedata
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pipeline.manifest import ManifestError
+from pipeline.snapshot.sieve import SnapshotError
+
+STEP = 3
+VOCAB = 64
+FIELDS = {"rollout_id", "trainer_step", "generated_by_policy_version", "policy_uri",
+          "messages", "prompt", "prompt_token_ids", "response_token_ids",
+          "response_loss_mask", "reward", "finish_reason", "token_fidelity"}
+ROLES = {"system", "user", "assistant", "tool"}
+# blank although neither control, format nor separator (Hangul fillers, braille blank)
+BLANKS = {"\u3164", "\u115f", "\u1160", "\uffa0", "\u2800"}
+MAX_QUOTE = 260  # what a field, a reason or a quoted id may take in the quarantine
+
+
+def visible(text: str) -> bool:
+    return any(unicodedata.category(c) not in {"Cc", "Cf", "Zs", "Zl", "Zp"}
+               and c not in BLANKS for c in text)
+
+
+def _utf8(text: Any) -> bool:
+    if type(text) is not str:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _ids(value: Any, vocab: int) -> bool:
+    return isinstance(value, list) and all(type(t) is int and 0 <= t < vocab for t in value)
+
+
+def contract_violations(rec: dict[str, Any], *, step: int = STEP,
+                        vocab: int = VOCAB) -> list[str]:
+    """What an accepted record breaks of the contract; empty when it keeps it."""
+    bad = []
+    if set(rec) != FIELDS:
+        return [f"fields {sorted(set(rec) ^ FIELDS)}"]
+    if not (_utf8(rec["rollout_id"]) and visible(rec["rollout_id"])
+            and len(rec["rollout_id"]) <= 512):
+        bad.append("rollout_id")
+    if type(rec["trainer_step"]) is not int or rec["trainer_step"] != step:
+        bad.append("trainer_step")
+    version = rec["generated_by_policy_version"]
+    if type(version) is not int or not 0 <= version <= step:
+        bad.append("generated_by_policy_version")
+    if not (_utf8(rec["policy_uri"]) and visible(rec["policy_uri"])):
+        bad.append("policy_uri")
+    messages = rec["messages"]
+    if messages is not None and not (
+            isinstance(messages, list) and messages
+            and all(isinstance(m, dict) and set(m) == {"role", "content"}
+                    and m["role"] in ROLES and _utf8(m["content"]) for m in messages)):
+        bad.append("messages")
+    if rec["prompt"] is not None and not _utf8(rec["prompt"]):
+        bad.append("prompt")
+    if messages is None and rec["prompt"] is None:
+        bad.append("messages/prompt")
+    for name in ("prompt_token_ids", "response_token_ids"):
+        if rec[name] is not None and not _ids(rec[name], vocab):
+            bad.append(name)
+    mask, response = rec["response_loss_mask"], rec["response_token_ids"]
+    if mask is not None and not (isinstance(response, list) and isinstance(mask, list)
+                                 and len(mask) == len(response)
+                                 and all(type(v) is int and v in (0, 1) for v in mask)):
+        bad.append("response_loss_mask")
+    reward = rec["reward"]
+    if reward is not None and not (type(reward) is float and math.isfinite(reward)):
+        bad.append("reward")
+    if rec["finish_reason"] is not None and not (_utf8(rec["finish_reason"])
+                                                 and len(rec["finish_reason"]) <= 64):
+        bad.append("finish_reason")
+    fidelity = rec["token_fidelity"]
+    if fidelity not in ("exact", "retokenized"):
+        bad.append("token_fidelity")
+    if fidelity == "exact" and (rec["prompt_token_ids"] is None or response is None):
+        bad.append("token_fidelity exact without ids")
+    if response is not None:
+        if not response:
+            bad.append("empty response ids")
+    elif not (isinstance(messages, list) and messages and isinstance(messages[-1], dict)
+              and messages[-1].get("role") == "assistant"
+              and visible(messages[-1].get("content") or "")):
+        bad.append("no visible response")
+    return bad
+
+
+def names_file(error: BaseException, prefixes: list[str]) -> bool:
+    """Whether ``error`` names a file under one of the dataset ``prefixes``."""
+    text = str(error)
+    return any(p in text for p in prefixes) and (".json" in text or ".parquet" in text)
+
+
+@dataclass
+class Tally:
+    cases: int = 0
+    crashes: int = 0
+    quarantined: int = 0
+    accepted: int = 0
+    named_file_errors: int = 0
+    step_errors: int = 0
+    silently_accepted: int = 0
+    wrongly_quarantined: int = 0
+    classes: Counter = field(default_factory=Counter)
+    first_failures: list[str] = field(default_factory=list)
+
+    def fail(self, what: str, kind: str) -> str:
+        setattr(self, kind, getattr(self, kind) + 1)
+        if len(self.first_failures) < 20:
+            self.first_failures.append(what[:2000])
+        return what
+
+    def report(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["classes"] = dict(sorted(self.classes.items()))
+        return out
+
+
+TALLY = Tally()
+
+
+def expect_named_error(error: BaseException, prefixes: list[str]) -> str | None:
+    """Tally an error a reader raised: a named-file error, or a crash (returned)."""
+    if isinstance(error, SnapshotError | ManifestError) and names_file(error, prefixes):
+        TALLY.named_file_errors += 1
+        return None
+    return TALLY.fail(f"crash: {type(error).__name__}: {error}\n"
+                      + "".join(traceback.format_exception(error)[-6:]), "crashes")
