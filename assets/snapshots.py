@@ -35,7 +35,7 @@ def rollout_snapshot(context: AssetExecutionContext, storage: StorageResource):
     with fail_fast_on_permanent_errors():
         summary = snapshot_stage.run(storage.build(), step_of(context.partition_key))
     ratio = summary.quarantined / max(summary.records_in, 1)
-    reasons = "\n".join(f"| {r} | {n} |" for r, n in sorted(summary.reasons.items()))
+    reasons = "\n".join(f"| {_cell(r)} | {n} |" for r, n in sorted(summary.reasons.items()))
     yield MaterializeResult(
         metadata={
             "uri": MetadataValue.path(summary.url),
@@ -55,3 +55,8 @@ def rollout_snapshot(context: AssetExecutionContext, storage: StorageResource):
             severity=AssetCheckSeverity.WARN,
             metadata={"quarantine_ratio": ratio, "accepted": summary.accepted})],
     )
+
+
+def _cell(text: str) -> str:
+    """A markdown table cell: record-supplied text (field names) cannot break the table."""
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ").replace("\r", " ")

@@ -94,7 +94,9 @@ def load_policy_ref(storage: Storage, step: int) -> PolicyRef:
 def _ref(uri: str, entries: tuple[FileEntry, ...], small: dict[str, bytes]) -> PolicyRef:
     config = json.loads(small["config.json"])
     vocab_size = config.get("vocab_size")
-    if not isinstance(vocab_size, int) or vocab_size <= 0:
-        raise ValueError(f"{uri}/config.json: vocab_size {vocab_size!r} is not a positive int")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) \
+            or not 0 < vocab_size < 2**31:
+        raise ValueError(f"{uri}/config.json: vocab_size {vocab_size!r} is not an int in "
+                         "[1, 2**31)")
     return PolicyRef(uri=uri, sha256=content_hash(entries), vocab_size=vocab_size,
                      tokenizer_fingerprint=tokenizer_fingerprint(small))

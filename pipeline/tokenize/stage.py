@@ -48,10 +48,11 @@ from transformers import PreTrainedTokenizerFast
 from pipeline.contracts import FileEntry, Manifest
 from pipeline.layout import policy_prefix, snapshot_prefix, tokenized_prefix
 from pipeline.manifest import entry_for, read_manifest, withdraw_manifest, write_manifest
-from pipeline.parquet import read_table, write_table
+from pipeline.parquet import write_table
 from pipeline.snapshot.policy import PolicyRef, load_policy_ref
-from pipeline.snapshot.schema import ROLLOUT_SCHEMA
-from pipeline.snapshot.sieve import SnapshotError
+from pipeline.snapshot.reader import checked_manifest, read_part
+from pipeline.snapshot.schema import READABLE_SCHEMA_VERSIONS, ROLLOUT_SCHEMA
+from pipeline.snapshot.sieve import VALIDATED_KIND, SnapshotError
 from pipeline.storage import Storage
 from pipeline.tokenize.chat_masks import ChatMaskError, encode_chat, encode_prompt
 from pipeline.tokenize.config import TokenizeConfig
@@ -291,12 +292,12 @@ def load_step_tokenizer(storage: Storage, step: int) -> tuple[PreTrainedTokenize
 def _accepted_records(storage: Storage, step: int) -> Iterator[dict[str, Any]]:
     """The validated records of ``step``, one input file and 1024 rows at a time."""
     prefix = snapshot_prefix(step)
-    manifest = read_manifest(storage, prefix)
+    manifest = checked_manifest(storage, prefix, VALIDATED_KIND, READABLE_SCHEMA_VERSIONS)
     if manifest is None:
         raise SnapshotError(f"{storage.url(prefix)}: snapshot not validated yet")
     for entry in manifest.files:
         if entry.path.startswith("accepted-"):
-            table = read_table(storage, f"{prefix}/{entry.path}", ROLLOUT_SCHEMA, entry=entry)
+            table = read_part(storage, prefix, entry, claimed=True, schema=ROLLOUT_SCHEMA)
             for batch in table.to_batches(max_chunksize=1024):
                 yield from batch.to_pylist()
 
