@@ -345,23 +345,34 @@ def owner_tag() -> str:
     return f"{socket.gethostname().replace('.', '_')}-{os.getpid()}"
 
 
+def owner_gone(owner: str) -> bool | None:
+    """Whether the process of an :func:`owner_tag` is gone: True/False for this host's
+    processes, None for another host's (or a tag that is not one)."""
+    host, _, pid = owner.rpartition("-")
+    if host != owner_tag().rpartition("-")[0] or not pid.isdigit():
+        return None
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def older_than(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - path.stat().st_mtime > seconds
+    except FileNotFoundError:
+        return False
+
+
 def _abandoned(tmp: Path) -> bool:
     """A ``.<name>.<host>-<pid>.<hex>.tmp`` file of a dead process of this host, or any
     temporary file older than a day (another host's, or an older naming)."""
     parts = tmp.name.split(".")
-    host, _, pid = (parts[-3] if len(parts) >= 4 else "").rpartition("-")
-    if host == owner_tag().rpartition("-")[0] and pid.isdigit():
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
-    try:
-        return time.time() - tmp.stat().st_mtime > _STALE_TMP_S
-    except FileNotFoundError:
-        return False
+    gone = owner_gone(parts[-3]) if len(parts) >= 4 else None
+    return older_than(tmp, _STALE_TMP_S) if gone is None else gone
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

@@ -21,7 +21,6 @@ import hashlib
 import logging
 import os
 import shutil
-import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from pathlib import Path
 from pipeline.contracts import FileEntry, Manifest
 from pipeline.manifest import read_manifest, rewrite_started
 from pipeline.records import to_json
-from pipeline.storage import Storage, StorageError, owner_tag
+from pipeline.storage import Storage, StorageError, older_than, owner_gone, owner_tag
 
 log = logging.getLogger(__name__)
 
@@ -231,24 +230,6 @@ def _inside(tmp: Path, path: str, storage: Storage, prefix: str) -> Path:
 def _abandoned(tmp: Path) -> bool:
     """A ``.tmp-<host>-<pid>-<hex>`` directory whose process is gone (this host), or an old
     one (another host sharing the cache, or a name this module did not write)."""
-    parts = tmp.name.removeprefix(".tmp-").rsplit("-", 2)
-    if len(parts) == 3 and parts[0] == owner_tag().rpartition("-")[0] and parts[1].isdigit():
-        return not _alive(int(parts[1]))
-    return _older_than(tmp, _STALE_TMP_S)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _older_than(path: Path, seconds: float) -> bool:
-    try:
-        return time.time() - path.stat().st_mtime > seconds
-    except FileNotFoundError:
-        return False
+    owner = tmp.name.removeprefix(".tmp-").rpartition("-")[0]
+    gone = owner_gone(owner)
+    return older_than(tmp, _STALE_TMP_S) if gone is None else gone
