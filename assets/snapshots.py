@@ -33,7 +33,8 @@ def rollout_snapshot(context: AssetExecutionContext, storage: StorageResource):
     from pipeline.snapshot.schema import ROLLOUT_SCHEMA_VERSION
 
     with fail_fast_on_permanent_errors():
-        summary = snapshot_stage.run(storage.build(), step_of(context.partition_key))
+        store = storage.build()
+        summary = snapshot_stage.run(store, step_of(context.partition_key))
     ratio = summary.quarantined / max(summary.records_in, 1)
     reasons = "\n".join(f"| {_cell(r)} | {n} |" for r, n in sorted(summary.reasons.items()))
     yield MaterializeResult(
@@ -45,7 +46,7 @@ def rollout_snapshot(context: AssetExecutionContext, storage: StorageResource):
             "quarantine_reasons": MetadataValue.md(
                 "| reason | records |\n|---|---|\n" + reasons if reasons else "none"),
             "tokens": summary.tokens,
-            "policy_uri": MetadataValue.path(summary.policy_uri),
+            "policy_uri": MetadataValue.path(store.url(summary.policy_uri)),
             "schema_version": ROLLOUT_SCHEMA_VERSION,
             "dagster/row_count": summary.accepted,
         },

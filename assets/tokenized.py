@@ -53,7 +53,8 @@ def tokenized_rollouts(context: AssetExecutionContext, config: TokenizeRunConfig
     from pipeline.tokenize.schema import TOKENIZED_SCHEMA_VERSION
 
     with fail_fast_on_permanent_errors():
-        s = tokenize_stage.run(storage.build(), step_of(context.partition_key), config.to_core())
+        store = storage.build()
+        s = tokenize_stage.run(store, step_of(context.partition_key), config.to_core())
     return MaterializeResult(metadata={
         "uri": MetadataValue.path(s.url),
         "records": s.records_in,
@@ -71,7 +72,7 @@ def tokenized_rollouts(context: AssetExecutionContext, config: TokenizeRunConfig
         "retokenize_mismatches": s.retokenize_mismatches,
         "mismatch_examples": MetadataValue.json(s.mismatch_examples),
         "tokenizer_fingerprint": s.tokenizer_fingerprint,
-        "policy_uri": MetadataValue.path(s.policy_uri),
+        "policy_uri": MetadataValue.path(store.url(s.policy_uri)),
         "schema_version": TOKENIZED_SCHEMA_VERSION,
         "dagster/row_count": s.samples,
     })

@@ -45,11 +45,13 @@ def serving_args(settings: SpecParams, drafter_dir: str = DRAFTER_DIR) -> tuple[
 class ServingTarget:
     """A drafter to serve: where its files are and which registry version it is."""
 
-    drafter_uri: str  # storage URL of the drafter directory (config.json + model.safetensors)
+    drafter_uri: str  # storage key of the drafter directory (Storage.key_of also reads the
+    # full URLs older releases recorded)
     fingerprint: str
     registry_model: str
     registry_version: str
-    registry_source: str | None = None  # the MLflow artifact URI of the same files
+    registry_source: str | None = None  # the same files in MLflow: models:/<model>/<version>
+    # (older records: the artifact URI of that time)
 
 
 @dataclass(frozen=True)

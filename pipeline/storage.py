@@ -142,16 +142,28 @@ class Storage:
         return f"{self._root}/{key}"
 
     def url(self, key: str = "") -> str:
-        """The full URL of ``key``: what lineage metadata records."""
+        """The full URL of ``key`` under this root: what logs and the UI show. Records keep
+        the key itself (see :meth:`key_of`), so that the state can move."""
         key = key.strip("/")
         return f"{self.root_url}/{key}" if key else self.root_url
 
-    def key_of(self, url: str) -> str:
-        """Inverse of :meth:`url` for URLs under this root."""
+    def key_of(self, ref: str) -> str:
+        """The key that a recorded reference names.
+
+        Records (manifests, the serving ledger, registry tags) refer to data by its key,
+        a reference relative to the storage root, so a copied or moved root (another
+        directory, local disk to S3) resolves every reference in its new place. A full URL
+        under this root (what Aerie recorded before) is read too; a full URL elsewhere is a
+        :class:`StorageError`.
+        """
+        if "://" not in ref:
+            self.path(ref)  # refuses empty, "." and ".." parts
+            return ref.strip("/")
         prefix = self.root_url + "/"
-        if not url.startswith(prefix):
-            raise StorageError(f"{url} is not under storage root {self.root_url}")
-        return url[len(prefix) :]
+        if not ref.startswith(prefix):
+            raise StorageError(f"{ref} is not under storage root {self.root_url}: a full URL "
+                               f"recorded under another root does not move with the state")
+        return ref[len(prefix) :]
 
     # -- writing ----------------------------------------------------------------------
     @contextlib.contextmanager

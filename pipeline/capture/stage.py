@@ -204,9 +204,9 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
                             "hidden_size": spec.hidden_size, "aux_width": spec.aux_width,
                             "aux_layer_ids": list(spec.aux_layer_ids), "dtype": SHARD_DTYPE,
                             "backend": identity.get("backend", "?"), "backend_config": identity,
-                            "policy_uri": policy.uri if policy else None,
+                            "policy_uri": policy.key if policy else None,
                             "policy_sha256": policy.sha256 if policy else None,
-                            "tokenized_uri": storage.url(in_prefix),
+                            "tokenized_uri": in_prefix,
                             "config": asdict(config), "shards": counts.shard_meta})
     write_manifest(storage, out_prefix, manifest)
     return _summary(storage, out_prefix, manifest, shards_reused=reused,

@@ -57,7 +57,7 @@ class WorldReport:
     config: dict[str, Any]
     vocab_size: int
     num_parameters: int
-    tokenizer_dir: str
+    tokenizer_dir: str  # relative to the world's work dir
     pretrained: dict[str, float]
     steps: list[dict[str, float]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
@@ -178,7 +178,7 @@ def _run(config: DemoConfig, work_dir: Path, on_step: Callable[[StepOutput], Non
     report = WorldReport(
         config=asdict(config), vocab_size=len(tok),
         num_parameters=sum(p.numel() for p in model.parameters()),
-        tokenizer_dir=str(work_dir / "tokenizer"), pretrained={})
+        tokenizer_dir="tokenizer", pretrained={})
     report.steps = run_rl(config, tok, model, work_dir, on_step, progress)
     report.pretrained = {k.removeprefix("greedy_"): report.steps[0][k] for k in
                          ("greedy_accuracy", "greedy_well_formed", "greedy_response_tokens")}

@@ -56,7 +56,7 @@ class Contestant:
     """One drafter's result: where it came from and its summed acceptance counts."""
 
     name: str  # "candidate" | "champion" | "no_drafter"
-    uri: str | None
+    uri: str | None  # storage key of the drafter (None: no drafter)
     fingerprint: str | None  # the drafter manifest's fingerprint (None: no drafter)
     stats: dict[str, Any]  # AcceptanceStats.to_dict()
     outputs_match_baseline: int  # prompts whose tokens equal the no-drafter tokens
@@ -75,7 +75,7 @@ class AcceptanceReport:
     """The stage's output record (JSON; no tensors)."""
 
     step: int
-    policy_uri: str
+    policy_uri: str  # storage key of the policy checkpoint
     policy_sha256: str
     heldout: dict[str, Any]  # split, window steps, prompt count, prompt keys digest
     settings: dict[str, Any]  # SpecParams fields + max_new_tokens
@@ -144,11 +144,11 @@ def run(storage: Storage, step: int, candidate: str,
         if match < len(ids):
             log.warning("step %d: %s emitted other tokens than greedy decoding on %d of %d "
                         "prompts", step, name, len(ids) - match, len(ids))
-        results[name] = Contestant(name, storage.url(prefix),
+        results[name] = Contestant(name, prefix,
                                    drafters[name].meta.get("fingerprint"),
                                    to_dict(run.stats), match)
     report = AcceptanceReport(
-        step=step, policy_uri=policy.uri, policy_sha256=policy.sha256, heldout=heldout,
+        step=step, policy_uri=policy.key, policy_sha256=policy.sha256, heldout=heldout,
         settings=settings, heldout_key=heldout["keys_sha256"], settings_key=_sha256(settings),
         contestants=results, fingerprint=fingerprint, seconds=time.perf_counter() - started,
         prompt_keys=[p.key for p in prompts])

@@ -2,7 +2,9 @@
 
 A registered version must say where it came from: the RL-step window and the shard
 manifests it learned from, the teacher policy, the aux layer ids, the vocab mapping, its
-evaluation (τ, α), where the drafter files live and which Dagster run made it.
+evaluation (τ, α), where the drafter files live and which Dagster run made it. Data in
+Aerie's storage is named by its key under the storage root (``drafter_uri``
+``drafters/step=000005``), so the tags stay true when the storage moves.
 
 Invariants:
 
@@ -27,10 +29,10 @@ FINGERPRINT = "fingerprint"
 DRAFTER_URI = "drafter_uri"
 REQUIRED_LINEAGE_KEYS = (
     FINGERPRINT,  # the training spec's fingerprint: the idempotency key of a registration
-    DRAFTER_URI,  # storage URL of the published drafter directory
+    DRAFTER_URI,  # storage key of the published drafter directory
     "rl_step",  # the refresh step the drafter was trained for
     "rl_step_window",  # RL steps whose rollouts it learned from
-    "policy_uri",  # the teacher policy checkpoint
+    "policy_uri",  # storage key of the teacher policy checkpoint
     "policy_sha256",
     "shard_manifest_sha256",  # {step: sha256 of that step's hidden-state shard manifest}
     "aux_layer_ids",

@@ -97,7 +97,8 @@ class DrafterVersion:
 
     @property
     def drafter_uri(self) -> str | None:
-        """Storage URL of the published drafter (lineage tag), if recorded."""
+        """Storage key of the published drafter (lineage tag; a full URL if an older
+        release registered it), if recorded."""
         return self.tags.get(DRAFTER_URI)
 
 
@@ -176,7 +177,8 @@ class DrafterRegistry:
         """A registry over ``MlflowClient(tracking_uri, registry_uri or tracking_uri)``.
 
         With a ``sqlite:`` tracking store ``artifact_location`` is required: MLflow would
-        otherwise put artifacts in ``./mlruns`` relative to the working directory.
+        otherwise put artifacts in ``./mlruns`` relative to the working directory. A sqlite
+        store copied or moved together with its artifacts is pointed at them here.
         """
         from mlflow import MlflowClient
 
@@ -184,8 +186,10 @@ class DrafterRegistry:
             raise ValueError("a sqlite tracking store needs an explicit artifact_location")
         client = MlflowClient(tracking_uri=tracking_uri,
                               registry_uri=registry_uri or tracking_uri)
-        return cls(client, family, artifact_location=artifact_location, lock_path=lock_path,
-                   lock_timeout_s=lock_timeout_s)
+        registry = cls(client, family, artifact_location=artifact_location,
+                       lock_path=lock_path, lock_timeout_s=lock_timeout_s)
+        registry.runs.follow_moved_store(registry_uri)
+        return registry
 
     def __repr__(self) -> str:
         return f"DrafterRegistry({self.model_name!r}, {self.client.tracking_uri!r})"

@@ -8,7 +8,8 @@ version points at).
 Invariants:
 
 - The experiment is created with an explicit artifact location when one is configured
-  (a sqlite store would otherwise default to ``./mlruns`` in the working directory).
+  (a sqlite store would otherwise default to ``./mlruns`` in the working directory); a
+  sqlite store moved with its artifacts follows them (:meth:`follow_moved_store`).
 - A run is tagged with its drafter's ``fingerprint``; a run counts as reusable only when it
   FINISHED and its drafter upload completed (tag ``aerie.drafter_logged``).
 - Metrics and params go in batches within MLflow's per-request limits; values are strings
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.release.lineage import FINGERPRINT, tag_value
+from pipeline.release.mlflow_relocate import follow_moved_artifacts
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -52,11 +54,9 @@ class TrainingRuns:
         if self._experiment_id is None:
             exp = self.client.get_experiment_by_name(self.experiment_name)
             if exp is None:
-                location = (f"{self.artifact_location.rstrip('/')}/{self.experiment_name}"
-                            if self.artifact_location else None)
                 try:
                     self._experiment_id = self.client.create_experiment(
-                        self.experiment_name, artifact_location=location,
+                        self.experiment_name, artifact_location=self.location(),
                         tags={"aerie.family": self.family})
                 except Exception as e:  # a concurrent creator won
                     if error_code(e) != "RESOURCE_ALREADY_EXISTS":
@@ -65,6 +65,24 @@ class TrainingRuns:
             if self._experiment_id is None:
                 self._experiment_id = exp.experiment_id
         return self._experiment_id
+
+    def location(self) -> str | None:
+        """The experiment's artifact location under the configured root (None: the
+        server's default)."""
+        if not self.artifact_location:
+            return None
+        return f"{self.artifact_location.rstrip('/')}/{self.experiment_name}"
+
+    def follow_moved_store(self, registry_uri: str | None = None) -> int:
+        """After the store was copied or moved with its artifacts, point its recorded
+        artifact locations at the configured place (:mod:`.mlflow_relocate`); returns the
+        rows rewritten."""
+        location = self.location()
+        exp = self.client.get_experiment_by_name(self.experiment_name) if location else None
+        if exp is None:
+            return 0
+        return follow_moved_artifacts(self.client.tracking_uri, registry_uri,
+                                      exp.artifact_location, location)
 
     # -- runs -------------------------------------------------------------------------
     def find_run(self, fingerprint: str) -> str | None:

@@ -93,7 +93,7 @@ def serving_target(version: DrafterVersion) -> ServingTarget:
                              f"fingerprint tag; it cannot be served")
     return ServingTarget(drafter_uri=version.drafter_uri, fingerprint=version.fingerprint,
                          registry_model=version.model, registry_version=version.version,
-                         registry_source=version.source)
+                         registry_source=f"models:/{version.model}/{version.version}")
 
 
 def promote(registry: DrafterRegistry, serving: ServingBackend, candidate_version: str,

@@ -51,7 +51,7 @@ def run(storage: Storage, registry: DrafterRegistry, step: int, dagster_run_id: 
                            f"{manifest.meta['fingerprint']}: re-run acceptance_eval")
     stats = candidate.acceptance
     lineage = lineage_from_manifest(
-        manifest.meta, drafter_uri=storage.url(prefix), policy_uri=report.policy_uri,
+        manifest.meta, drafter_uri=prefix, policy_uri=report.policy_uri,
         tau=stats.tau, alpha=stats.alpha, dagster_run_id=dagster_run_id,
         heldout_key=report.heldout_key, settings_key=report.settings_key,
         settings=report.settings, eval_fingerprint=report.fingerprint)

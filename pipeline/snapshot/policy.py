@@ -27,8 +27,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "chat_template.jinja")
 
 @dataclass(frozen=True)
 class PolicyRef:
-    """Where a policy checkpoint lives and what identifies it."""
+    """Where a policy checkpoint lives and what identifies it: ``key`` under the storage
+    root (what records keep), ``uri`` its full URL now (what messages show)."""
 
+    key: str
     uri: str
     sha256: str
     vocab_size: int
@@ -64,7 +66,7 @@ def publish_policy(storage: Storage, step: int, policy_dir: Path) -> PolicyRef:
     small = {name: (policy_dir / name).read_bytes()
              for name in ("config.json", "tokenizer_config.json", *_TOKENIZER_FILES)
              if (policy_dir / name).is_file()}
-    ref = _ref(storage.url(prefix), entries, small)
+    ref = _ref(storage, prefix, entries, small)
     write_manifest(storage, prefix, Manifest(
         kind=POLICY_KIND, kind_version=1, files=entries,
         meta={"step": step, "sha256": ref.sha256, "vocab_size": ref.vocab_size,
@@ -85,18 +87,20 @@ def load_policy_ref(storage: Storage, step: int) -> PolicyRef:
     if manifest is None:
         raise FileNotFoundError(f"{storage.url(prefix)}: no committed policy checkpoint")
     return PolicyRef(
-        uri=storage.url(prefix), sha256=meta_str(storage, prefix, manifest, "sha256"),
+        key=prefix, uri=storage.url(prefix), sha256=meta_str(storage, prefix, manifest, "sha256"),
         vocab_size=meta_int(storage, prefix, manifest, "vocab_size", minimum=1,
                             maximum=_MAX_VOCAB),
         tokenizer_fingerprint=meta_str(storage, prefix, manifest, "tokenizer_fingerprint"))
 
 
-def _ref(uri: str, entries: tuple[FileEntry, ...], small: dict[str, bytes]) -> PolicyRef:
+def _ref(storage: Storage, prefix: str, entries: tuple[FileEntry, ...],
+         small: dict[str, bytes]) -> PolicyRef:
+    uri = storage.url(prefix)
     config = json.loads(small["config.json"])
     vocab_size = config.get("vocab_size")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) \
             or not 0 < vocab_size < 2**31:
         raise ValueError(f"{uri}/config.json: vocab_size {vocab_size!r} is not an int in "
                          "[1, 2**31)")
-    return PolicyRef(uri=uri, sha256=content_hash(entries), vocab_size=vocab_size,
+    return PolicyRef(key=prefix, uri=uri, sha256=content_hash(entries), vocab_size=vocab_size,
                      tokenizer_fingerprint=tokenizer_fingerprint(small))

@@ -74,7 +74,7 @@ class SnapshotSummary:
     quarantined: int
     reasons: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
-    policy_uri: str = ""
+    policy_uri: str = ""  # storage key of the policy checkpoint
 
 
 class Sieve:

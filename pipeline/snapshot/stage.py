@@ -98,7 +98,7 @@ def run(storage: Storage, step: int, *, limits: Limits = DEFAULT_LIMITS,
     summary = SnapshotSummary(
         step=step, url=storage.url(out_prefix), records_in=records_in,
         accepted=sieve.accepted, quarantined=len(rejections),
-        reasons=reason_counts(rejections), tokens=sieve.tokens, policy_uri=policy.uri)
+        reasons=reason_counts(rejections), tokens=sieve.tokens, policy_uri=policy.key)
     if summary.accepted + summary.quarantined != summary.records_in:
         url = storage.url(manifest_key(prefix))
         raise SnapshotError(f"{url}: meta.records_in: {summary.records_in} records written but "

@@ -58,7 +58,7 @@ class SnapshotWriter:
                    policy_version: int) -> SnapshotSummary:
         """Publish the policy, then the records, then the completion marker.
 
-        Records lacking ``policy_uri`` get the published checkpoint's URI. Rejected records
+        Records lacking ``policy_uri`` get the published checkpoint's storage key. Rejected records
         go to ``quarantine.parquet`` with their reason; a re-run rewrites the same names.
         ``step`` and ``policy_version`` must be integers with 0 <= policy_version <= step
         (within int64), else :class:`StepArgumentError` before anything is written.
@@ -71,7 +71,7 @@ class SnapshotWriter:
         policy = publish_policy(self.storage, step, policy_dir)
         sieve = Sieve("writer", policy.vocab_size, step, self.limits)
         prefix = raw_prefix(step)
-        defaults = {"policy_uri": policy.uri}
+        defaults = {"policy_uri": policy.key}
 
         def accepted() -> Iterator[dict[str, Any]]:
             for row, raw in _rows(records, step):
@@ -85,7 +85,7 @@ class SnapshotWriter:
         summary = SnapshotSummary(
             step=step, url=self.storage.url(prefix), records_in=sieve.accepted + len(
                 sieve.rejections), accepted=sieve.accepted, quarantined=len(sieve.rejections),
-            reasons=reason_counts(sieve.rejections), tokens=sieve.tokens, policy_uri=policy.uri)
+            reasons=reason_counts(sieve.rejections), tokens=sieve.tokens, policy_uri=policy.key)
         write_manifest(self.storage, prefix, Manifest(
             kind=RAW_KIND, kind_version=ROLLOUT_SCHEMA_VERSION, files=(*parts, quarantine),
             meta=summary_meta(summary) | {

@@ -224,12 +224,14 @@ class TokenizeSummary:
     retokenize_checked: int
     retokenize_mismatches: int
     mismatch_examples: list[dict[str, Any]]
-    policy_uri: str
+    policy_uri: str  # storage key of the policy checkpoint
     tokenizer_fingerprint: str
 
     def to_meta(self) -> dict[str, Any]:
+        """The manifest's meta: every count, no URL (the manifest sits where the data is)."""
         exact = self.sources.get("exact", 0)
-        return asdict(self) | {"exact": exact, "retokenized": self.records_in - exact}
+        meta = {k: v for k, v in asdict(self).items() if k != "url"}
+        return meta | {"exact": exact, "retokenized": self.records_in - exact}
 
 
 class _Tally:
@@ -334,12 +336,12 @@ def run(storage: Storage, step: int,
         dropped=sum(tally.reasons.values()), dropped_reasons=dict(sorted(tally.reasons.items())),
         dropped_examples=tally.dropped_examples, sources=dict(sorted(tally.sources.items())),
         retokenize_checked=tally.checked, retokenize_mismatches=tally.mismatches,
-        mismatch_examples=tally.mismatch_examples, policy_uri=policy.uri,
+        mismatch_examples=tally.mismatch_examples, policy_uri=policy.key,
         tokenizer_fingerprint=policy.tokenizer_fingerprint)
     write_manifest(storage, prefix, Manifest(
         kind=TOKENIZED_KIND, kind_version=TOKENIZED_SCHEMA_VERSION, files=tuple(entries),
         meta=summary.to_meta() | {"config": asdict(config),
-                                  "source": storage.url(snapshot_prefix(step))}))
+                                  "source": snapshot_prefix(step)}))
     if summary.dropped or summary.retokenize_mismatches:
         log.warning("step %d: dropped %d of %d records (%s); %d of %d exact records differ "
                     "from their re-tokenized text", step, summary.dropped, summary.records_in,

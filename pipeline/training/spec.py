@@ -35,7 +35,8 @@ class TrainSpec:
     work_dir: str  # checkpoints, result.json, train.log
     out_dir: str  # the exported SGLang drafter
     warm_start_dir: str | None = None  # a local drafter directory, or None (scratch)
-    warm_start_source: str | None = None  # what it is (URI) and its content hash, for lineage
+    warm_start_source: str | None = None  # what it is (storage key or local URI) and its
+    # content hash, for lineage
     schema_version: int = SPEC_SCHEMA_VERSION
 
     def fingerprint(self) -> str:
@@ -68,5 +69,5 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)  # per logged step
     warm_start: dict[str, Any] = field(default_factory=dict)
     drafter_config: dict[str, Any] = field(default_factory=dict)  # SGLang config.json
-    out_dir: str = ""
+    out_dir: str = ""  # where this process exported it ("" in the drafter's manifest)
     schema_version: int = SPEC_SCHEMA_VERSION

@@ -49,7 +49,7 @@ from pipeline.manifest import (
 from pipeline.records import to_dict, to_json
 from pipeline.serving_now import serving_history
 from pipeline.snapshot.policy import load_policy_ref
-from pipeline.storage import Storage
+from pipeline.storage import Storage, StorageError
 from pipeline.training.config import TrainConfig
 from pipeline.training.launch import launch
 from pipeline.training.spec import TrainResult, TrainSpec
@@ -85,10 +85,15 @@ def served_drafter(storage: Storage, serving_name: str, step: int) -> int | None
     after later promotions (then the one that served before it, so a re-run plans the same
     warm start). Entries that serve no drafter, or one from outside ``drafters/``, are
     skipped. A candidate the gate refused never served, so it is never a warm start."""
-    root = storage.url() + "/"
     for manifest in reversed(serving_history(storage, serving_name)):
-        uri = manifest.target.drafter_uri if manifest.target else ""
-        served = step_of_prefix(uri[len(root):], DRAFTERS) if uri.startswith(root) else None
+        if manifest.target is None:
+            continue
+        try:
+            key = storage.key_of(manifest.target.drafter_uri)
+        except StorageError as e:  # served from outside this root: not one of drafters/
+            log.warning("serving record %d of %s: %s", manifest.sequence, serving_name, e)
+            continue
+        served = step_of_prefix(key, DRAFTERS)
         if served is not None and served < step:
             return served
     return None
@@ -118,7 +123,7 @@ def resolve_warm_start(storage: Storage, step: int, warm_start: str,
     if manifest is not None:
         digest = hashlib.sha256(to_json(manifest).encode()).hexdigest()
         local = fetch(storage, warm_start, label="drafter")  # verified against its manifest
-        return str(local), f"{storage.url(warm_start)}#{digest[:16]}"
+        return str(local), f"{warm_start}#{digest[:16]}"  # a key: the same wherever stored
     local = Path(warm_start.removeprefix("file://"))
     if not (local / "config.json").is_file():
         raise FileNotFoundError(f"warm start {warm_start!r} is neither a committed drafter in "
@@ -168,7 +173,8 @@ def run(storage: Storage, step: int, config: TrainConfig, *, work_root: Path,
     manifests = read_window(storage, spec.window_steps)
     _, aux_ids = shard_geometry(manifests)
     _, mapping = load_window_vocab(storage, step)
-    compact = replace(result, history=result.history[-50:])
+    # the record keeps no path of this host: the manifest lists the files themselves
+    compact = replace(result, history=result.history[-50:], out_dir="")
     manifest = Manifest(kind=DRAFTER_KIND, kind_version=1,
                         files=tuple(entry_for(prefix, w) for w in written), meta={
                             "step": step, "fingerprint": spec.fingerprint(),

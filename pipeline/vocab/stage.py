@@ -101,7 +101,7 @@ def run(storage: Storage, step: int, window: int, draft_vocab_size: int, *,
     write_manifest(storage, vocab_pointer_prefix(step), Manifest(  # one small PUT: no withdraw
         kind=VOCAB_POINTER_KIND, kind_version=1, files=(),
         meta={"step": step, "window": window, "window_steps": steps, "cache_key": key,
-              "uri": result.uri, "draft_vocab_size": mapping.draft_vocab_size,
+              "uri": prefix, "draft_vocab_size": mapping.draft_vocab_size,
               "target_vocab_size": mapping.target_vocab_size, "coverage": mapping.coverage}))
     return result
 

@@ -1,14 +1,6 @@
-"""The refresh loop, unattended: the demo RL trainer writes one step at a time; the snapshot
-sensor ingests it; the refresh sensor (N=2, K=2) asks for a refresh at steps 1, 3 and 5; each
-refresh trains, evaluates, registers and goes through the gate, on one persistent Dagster
-instance. Every gate outcome is fixed by the setup: cycle 1 has no champion, and a trained
-drafter beats no drafter; cycle 2 is held to a margin no drafter can reach (τ <= num_steps + 1
-= 4 while the champion's τ >= 1, so +1000% is impossible) and is refused; cycle 3 is built to
-be worse (a from-scratch drafter trained for one step) and is refused, the serving drafter
-left as it was.
-
-The loop runs once per module (the ``loop`` fixture); the tests read what it left behind and
-never change it (the damaged-shard test works on a copy of its storage).
+"""The refresh loop, unattended (tests/e2e/loop.py): three refreshes driven by the sensors,
+each gate outcome fixed by the setup. The tests read what the loop left behind and never
+change it (the damaged-shard test works on a copy of its storage).
 """
 
 from __future__ import annotations
@@ -20,7 +12,6 @@ import signal
 import struct
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -28,17 +19,13 @@ from dagster import (
     AssetCheckKey,
     AssetCheckSeverity,
     AssetKey,
-    DagsterInstance,
-    build_sensor_context,
     instance_for_test,
     materialize,
 )
 
 from assets.groups import DATA_ASSETS, REFRESH_ASSETS
 from jobs import cli
-from jobs.refresh import refresh_sensor
 from pipeline.capture.window import WindowError
-from pipeline.demo.config import DemoConfig
 from pipeline.evaluation.stage import read_report
 from pipeline.layout import chart_key
 from pipeline.serving_now import read_serving
@@ -46,71 +33,10 @@ from pipeline.storage import Storage
 from pipeline.training import stage as training_stage
 from pipeline.training.config import TrainConfig
 from resources.mlflow import mlflow_from_environment
-from resources.refresh import RefreshPolicyResource
 from tests.conftest import free_port, wait_for_port
+from tests.e2e.loop import REFRESHES, Loop
 
 pytestmark = pytest.mark.slow
-
-POLICY = RefreshPolicyResource(every=2, window=2)
-TRAIN = {"ops": {
-    "drafter_checkpoint": {"config": {"lr": 3e-3, "epochs": 6, "micro_batch_size": 8}},
-    # a small world has a few hundred draft-verify cycles per evaluation, not thousands
-    "serving_drafter": {"config": {"min_cycles": 20}},
-}}
-UNREACHABLE = {"ops": {"serving_drafter": {"config": {"min_relative_gain": 10.0}}}}
-WORSE = {"ops": {"drafter_checkpoint": {"config": {
-    "warm_start": "none", "max_steps": 1, "lr": 1e-6}}}}  # an untrained drafter
-CYCLE_CONFIG = {1: TRAIN, 2: cli.deep_merge(TRAIN, UNREACHABLE), 3: cli.deep_merge(TRAIN, WORSE)}
-REFRESHES = ["step-000001", "step-000003", "step-000005"]
-
-
-@dataclass
-class Loop:
-    home: Path
-    instance: DagsterInstance
-    storage: Storage
-    refreshed: list[str] = field(default_factory=list)
-    sensor_ticks: list[str] = field(default_factory=list)  # "run" / "skip" per tick
-
-
-@pytest.fixture(scope="module")
-def loop(tmp_path_factory):
-    home = tmp_path_factory.mktemp("loop") / "home"
-    with pytest.MonkeyPatch.context() as mp:
-        for var in ("AERIE_STORAGE_URL", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
-                    "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
-            mp.delenv(var, raising=False)
-        mp.setenv("AERIE_HOME", str(home))
-        mp.setenv("DAGSTER_HOME", str(home / "dagster"))
-        cli._prepare_dagster_home()
-        yield _run_loop(home)
-
-
-def _run_loop(home: Path) -> Loop:
-    from pipeline.demo.world import generate_world
-    from pipeline.snapshot.writer import SnapshotWriter
-
-    outputs = []  # the trainer's steps, published one at a time below
-    generate_world(DemoConfig.small(num_steps=6), home / "demo-world", outputs.append,
-                   progress=False)
-    storage = Storage((home / "storage").as_uri())
-    writer = SnapshotWriter(storage)
-    loop = Loop(home, DagsterInstance.get(), storage)
-    cursor = None
-    for out in outputs:
-        writer.write_step(out.step, out.records, out.policy_dir, out.policy_version)
-        cli.run_pipeline()  # snapshot sensor tick + ingest_step runs
-        tick = refresh_sensor(build_sensor_context(instance=loop.instance, cursor=cursor,
-                                                   resources={"refresh": POLICY}))
-        requests = getattr(tick, "run_requests", None) or []
-        loop.sensor_ticks.append("run" if requests else "skip")
-        if not requests:
-            continue
-        cursor = tick.cursor
-        cycle = len(loop.refreshed) + 1
-        loop.refreshed += cli.execute_tick(loop.instance, "drafter_refresh", tick,
-                                           CYCLE_CONFIG[cycle])
-    return loop
 
 
 def _meta(loop: Loop, asset: str, partition: str) -> dict:

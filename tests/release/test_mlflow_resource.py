@@ -1,10 +1,15 @@
-"""The MLflow resource: embedded default under AERIE_HOME, env-only secrets, telemetry off."""
+"""The MLflow resource: embedded default under AERIE_HOME (and movable with it), env-only
+secrets, telemetry off."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import sqlite3
 import uuid
+from pathlib import Path
 
+from pipeline.release.mlflow_relocate import follow_moved_artifacts
 from resources.mlflow import MlflowResource, mlflow_from_env
 from tests.release.helpers import lineage, make_drafter_dir
 
@@ -38,3 +43,68 @@ def test_configuration_from_the_environment(monkeypatch, tmp_path):
     assert "s3cr3t" not in repr(resource) and "s3cr3t" not in repr(resolved)
     assert not any("token" in f.lower() or "password" in f.lower()
                    for f in MlflowResource.model_fields)
+
+
+def _publish_in(home, tmp_path, monkeypatch, seed: int):
+    monkeypatch.setenv("AERIE_HOME", str(home))
+    registry = MlflowResource(target_family="demo").build()
+    return registry, registry.publish(
+        drafter_dir=make_drafter_dir(tmp_path / f"d{seed}", seed=seed),
+        lineage=lineage(uuid.uuid4().hex, f"drafters/step={seed:06d}"))
+
+
+def test_a_moved_embedded_store_follows_its_artifacts(tmp_path, monkeypatch):
+    """Copy, then rename, an embedded store: every artifact location it recorded (the
+    experiment's, the runs', the versions' sources) names the new place, the old place is
+    never written again, and the files download from there."""
+    old = tmp_path / "old"
+    _, first = _publish_in(old, tmp_path, monkeypatch, seed=1)
+    shutil.copytree(old, tmp_path / "copied")
+    (tmp_path / "copied").rename(tmp_path / "new")
+    shutil.rmtree(old)
+    registry, second = _publish_in(tmp_path / "new", tmp_path, monkeypatch, seed=2)
+    artifacts = (tmp_path / "new" / "mlflow" / "artifacts").as_uri()
+    for version in (registry.get_version(first.version.version), second.version):
+        assert version.source.startswith(artifacts + "/aerie-drafter-demo/"), version.source
+    experiment = registry.client.get_experiment_by_name("aerie-drafter-demo")
+    assert experiment.artifact_location == artifacts + "/aerie-drafter-demo"
+    assert registry.client.get_run(first.run_id).info.artifact_uri.startswith(artifacts)
+    local = registry.client.download_artifacts(first.run_id, "drafter", str(tmp_path / "dl"))
+    assert (Path(local) / "config.json").is_file()
+    assert not old.exists()  # nothing wrote to the place the store left
+    assert registry.runs.follow_moved_store() == 0  # nothing left to rewrite
+
+
+def test_a_changed_artifact_root_leaves_existing_artifacts_where_they_are(tmp_path,
+                                                                          monkeypatch):
+    """Configuring another root (the artifacts did not come along) rewrites nothing: the
+    experiment keeps its location, as MLflow itself would."""
+    home = tmp_path / "home"
+    _, first = _publish_in(home, tmp_path, monkeypatch, seed=1)
+    elsewhere = (tmp_path / "elsewhere").as_uri()
+    moved = MlflowResource(target_family="demo", artifact_location=elsewhere).build()
+    assert moved.get_version(first.version.version).source == first.version.source
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_relocation_touches_only_the_moved_prefix(tmp_path):
+    """A location that merely starts with the same characters (``.../aerie-drafter-demo2``)
+    and other experiments' rows stay as they were."""
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as c:
+        c.execute("CREATE TABLE experiments (artifact_location TEXT)")
+        c.execute("CREATE TABLE model_versions (source TEXT, storage_location TEXT)")
+        c.executemany("INSERT INTO experiments VALUES (?)",
+                      [("file:///a/exp",), ("file:///a/exp2",), ("file:///a/exp/run/x",)])
+        c.execute("INSERT INTO model_versions VALUES (?, ?)",
+                  ("file:///a/exp/r/drafter", "s3://other/exp/r"))
+    (tmp_path / "b" / "exp").mkdir(parents=True)
+    new = (tmp_path / "b" / "exp").as_uri()
+    assert follow_moved_artifacts(f"sqlite:///{db}", None, "file:///a/exp", new) == 3
+    with sqlite3.connect(db) as c:
+        assert [r[0] for r in c.execute("SELECT * FROM experiments")] == [
+            new, "file:///a/exp2", f"{new}/run/x"]
+        assert c.execute("SELECT * FROM model_versions").fetchone() == (
+            f"{new}/r/drafter", "s3://other/exp/r")
+    assert follow_moved_artifacts(f"sqlite:///{db}", None, "file:///a/exp", new) == 0
+    assert follow_moved_artifacts("http://mlflow:5000", None, "file:///a/exp", new) == 0

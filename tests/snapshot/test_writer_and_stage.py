@@ -47,7 +47,8 @@ def test_writer_and_reader_keep_every_record(storage, policy_dir):
     assert (validated.records_in, validated.accepted, validated.quarantined) == (17, 12, 5)
     table = read_accepted(storage, 3)
     assert table.column("rollout_id").to_pylist() == [r["rollout_id"] for r in good]
-    assert table.column("policy_uri")[0].as_py() == storage.url("policies/step=000003")
+    # the published checkpoint, by its key under the storage root (the state can move)
+    assert table.column("policy_uri")[0].as_py() == "policies/step=000003"
     assert validated.tokens == sum(len(r["prompt_token_ids"]) + len(r["response_token_ids"])
                                    for r in good)
     quarantine = read_table(storage, f"{snapshot_prefix(3)}/quarantine.parquet").to_pylist()

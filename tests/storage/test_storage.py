@@ -29,6 +29,18 @@ def test_round_trip_and_listing(storage):
     assert storage.list("ds") == ["ds/sub/b.bin"]
 
 
+def test_recorded_references_resolve_to_keys(storage):
+    """Records keep keys (they move with the root); full URLs under this root, which older
+    releases recorded, still resolve; anything else is named."""
+    assert storage.key_of("drafters/step=000001") == "drafters/step=000001"
+    assert storage.key_of(storage.url("drafters/step=000001")) == "drafters/step=000001"
+    for bad in ("drafters/../policies", "a//b", "./a"):
+        with pytest.raises(StorageError, match="invalid storage key"):
+            storage.key_of(bad)
+    with pytest.raises(StorageError, match="is not under storage root .*does not move"):
+        storage.key_of("file:///elsewhere/storage/drafters/step=000001")
+
+
 @pytest.mark.parametrize("size", [10, 7 * 2**20])  # one PUT-sized and a multipart-sized body
 def test_failed_write_publishes_nothing(storage, size):
     payload = b"x" * size
