@@ -27,7 +27,7 @@ import pyarrow as pa
 from pipeline.contracts import FileEntry, Manifest
 from pipeline.layout import ROLLOUTS, committed_steps, raw_prefix, snapshot_prefix
 from pipeline.manifest import manifest_key, verify_manifest, withdraw_manifest, write_manifest
-from pipeline.snapshot.policy import load_policy_ref
+from pipeline.snapshot.policy import PolicyRef, load_policy_ref
 from pipeline.snapshot.reader import (
     checked_manifest,
     meta_int,
@@ -86,6 +86,7 @@ def run(storage: Storage, step: int, *, limits: Limits = DEFAULT_LIMITS,
     require_file(storage, prefix, manifest, QUARANTINE)
     refuse_problems(verify_manifest(storage, prefix, manifest))
     policy = load_policy_ref(storage, step)
+    _same_policy(storage, prefix, lineage, policy)
     sieve = Sieve("reader", policy.vocab_size, step, limits)
     parts = [f for f in manifest.files if f.path != QUARANTINE]
     writer_rejections = _read_quarantine(storage, prefix, manifest.file(QUARANTINE))
@@ -117,6 +118,21 @@ def _lineage(storage: Storage, prefix: str, manifest: Manifest, step: int) -> di
             "policy_sha256": meta_str(storage, prefix, manifest, "policy_sha256"),
             "tokenizer_fingerprint": meta_str(storage, prefix, manifest,
                                               "tokenizer_fingerprint")}
+
+
+def _same_policy(storage: Storage, prefix: str, lineage: dict[str, Any],
+                 policy: PolicyRef) -> None:
+    """The snapshot was written against the policy checkpoint committed for its step (a
+    checkpoint re-published since would make the lineage name weights the rollouts never
+    came from)."""
+    committed = {"policy_sha256": policy.sha256,
+                 "tokenizer_fingerprint": policy.tokenizer_fingerprint}
+    for name, value in committed.items():
+        if lineage[name] != value:
+            url = storage.url(manifest_key(prefix))
+            raise SnapshotError(
+                f"{url}: meta.{name} {lineage[name]!r} is not the committed checkpoint's "
+                f"{value!r} ({policy.uri}); write the step again", url=url, field=name)
 
 
 def _read_quarantine(storage: Storage, prefix: str, entry: FileEntry) -> list[dict[str, Any]]:
