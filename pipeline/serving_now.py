@@ -27,9 +27,10 @@ from pathlib import Path
 
 from pipeline.eagle3.spec import SpecParams
 from pipeline.layout import serving_prefix
+from pipeline.manifest import manifest_key
 from pipeline.records import from_json
 from pipeline.storage import Storage
-from pipeline.verified import DEFAULT_CACHE_BYTES, DatasetCache, IntegrityError
+from pipeline.verified import DEFAULT_CACHE_BYTES, DatasetCache, IntegrityError, committed
 
 SERVING_SCHEMA_VERSION = 1
 DRAFTER_DIR = "{drafter_dir}"
@@ -155,15 +156,25 @@ def resolve_serving(storage: Storage, name: str, cache_dir: str | Path,
         return None
     if manifest.target is None:
         return ServingLaunch(manifest, None, ())
-    local = materialize_drafter(storage, manifest.target.drafter_uri, cache_dir)
+    local = materialize_drafter(storage, manifest.target.drafter_uri, cache_dir,
+                                fingerprint=manifest.target.fingerprint)
     return ServingLaunch(manifest, local, tuple(manifest.launch_args(str(local))))
 
 
 def materialize_drafter(storage: Storage, drafter_uri: str, cache_dir: str | Path,
-                        max_bytes: int | None = None) -> Path:
+                        max_bytes: int | None = None, *, fingerprint: str | None = None,
+                        ) -> Path:
     """A local directory holding the drafter at ``drafter_uri`` (under ``storage``'s root),
     from the dataset cache in ``cache_dir``: every file verified against the drafter's
-    manifest (:class:`~pipeline.verified.IntegrityError` naming the file otherwise)."""
+    manifest (:class:`~pipeline.verified.IntegrityError` naming the file otherwise).
+
+    ``fingerprint``: the one the serving record names; a drafter committed at the same key
+    since (a re-trained step) is refused rather than served under the old record."""
     key = storage.key_of(drafter_uri)
+    manifest = committed(storage, key)
+    if fingerprint is not None and manifest.meta.get("fingerprint") != fingerprint:
+        raise IntegrityError(f"{storage.url(manifest_key(key))}: drafter fingerprint "
+                             f"{manifest.meta.get('fingerprint')!r}, the serving record "
+                             f"names {fingerprint!r}")
     cache = DatasetCache(Path(cache_dir), max_bytes or DEFAULT_CACHE_BYTES)
-    return cache.fetch(storage, key, label="drafter")
+    return cache.fetch(storage, key, manifest, label="drafter")

@@ -158,4 +158,5 @@ class LedgerBackend:
     def _local(self, target: ServingTarget | None) -> Path | None:
         if target is None:
             return None
-        return materialize_drafter(self.ledger.storage, target.drafter_uri, self.cache_dir)
+        return materialize_drafter(self.ledger.storage, target.drafter_uri, self.cache_dir,
+                                   fingerprint=target.fingerprint)

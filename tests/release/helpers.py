@@ -40,11 +40,14 @@ def make_drafter_dir(path: Path, seed: int = 0, *, draft_vocab_size: int = 24,
     return save_drafter(model, config, path, dtype=torch.float32, overwrite=True)
 
 
-def publish_drafter(storage: Storage, step: int, local_dir: Path) -> str:
-    """Publish ``local_dir`` as ``drafters/step=NNNNNN`` with a manifest; returns its URL."""
+def publish_drafter(storage: Storage, step: int, local_dir: Path,
+                    fingerprint: str | None = None) -> str:
+    """Publish ``local_dir`` as ``drafters/step=NNNNNN`` with a manifest whose fingerprint
+    is ``fingerprint`` (default: a digest of the files); returns its URL."""
     prefix = f"drafters/step={step:06d}"
     written = storage.upload_dir(local_dir, prefix)
-    fingerprint = hashlib.sha256(b"".join(w.sha256.encode() for w in written)).hexdigest()
+    fingerprint = fingerprint or hashlib.sha256(
+        b"".join(w.sha256.encode() for w in written)).hexdigest()
     write_manifest(storage, prefix, Manifest(
         kind="drafter_checkpoint", kind_version=1,
         files=tuple(entry_for(prefix, w) for w in written),

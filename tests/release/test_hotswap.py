@@ -85,7 +85,7 @@ def fake_encoder(directory):
 
 def backend_serving(storage, tmp_path, sglang, first_dir, encoder=fake_encoder):
     """A hot-swap backend whose ledger already records ``first_dir`` as served."""
-    uri = publish_drafter(storage, 1, first_dir)
+    uri = publish_drafter(storage, 1, first_dir, fingerprint="fp1")
     ledger = ServingLedger(storage, "demo")
     ledger.publish(ServingTarget(uri, "fp1", "aerie-drafter-demo", "1"), SETTINGS,
                    mode="sglang-restart", reason="first deploy")
@@ -95,7 +95,7 @@ def backend_serving(storage, tmp_path, sglang, first_dir, encoder=fake_encoder):
 
 
 def target_for(storage, step, directory):
-    return ServingTarget(publish_drafter(storage, step, directory), f"fp{step}",
+    return ServingTarget(publish_drafter(storage, step, directory, f"fp{step}"), f"fp{step}",
                          "aerie-drafter-demo", str(step))
 
 

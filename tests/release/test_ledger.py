@@ -90,7 +90,7 @@ def test_readers_never_see_a_partial_manifest(tmp_path):
 
 
 def test_resolve_downloads_and_verifies_the_drafter(storage: Storage, tmp_path):
-    uri = publish_drafter(storage, 7, make_drafter_dir(tmp_path / "d"))
+    uri = publish_drafter(storage, 7, make_drafter_dir(tmp_path / "d"), fingerprint="fp1")
     ledger = ServingLedger(storage, "m")
     m = ledger.publish(target("1", uri), SETTINGS, mode="manifest", reason="v1")
     launch = resolve_serving(storage, "m", tmp_path / "cache")
@@ -108,7 +108,7 @@ def test_a_corrupt_download_is_refused(tmp_path, moto_endpoint):
     opts = s3_options(moto_endpoint)
     Storage("s3://serving-corrupt", opts).fs.mkdir("serving-corrupt")
     storage = Storage("s3://serving-corrupt/root", opts)
-    uri = publish_drafter(storage, 7, make_drafter_dir(tmp_path / "d"))
+    uri = publish_drafter(storage, 7, make_drafter_dir(tmp_path / "d"), fingerprint="fp1")
     storage.write_bytes("drafters/step=000007/config.json", b"{}")  # bytes changed after commit
     ledger = ServingLedger(storage, "m")
     ledger.publish(target("1", uri), SETTINGS, mode="manifest", reason="v1")

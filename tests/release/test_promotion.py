@@ -47,9 +47,10 @@ def serving(storage, sqlite_registry) -> LedgerBackend:
 
 
 def register(registry: DrafterRegistry, storage: Storage, drafter_dir, step: int) -> str:
-    uri = publish_drafter(storage, step, drafter_dir)
+    fingerprint = uuid.uuid4().hex
+    uri = publish_drafter(storage, step, drafter_dir, fingerprint)
     reg = registry.publish(drafter_dir=drafter_dir,
-                           lineage=lineage(uuid.uuid4().hex, uri, step=step))
+                           lineage=lineage(fingerprint, uri, step=step))
     return reg.version.version
 
 

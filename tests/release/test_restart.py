@@ -23,7 +23,7 @@ PY = sys.executable
 @pytest.fixture
 def published(tmp_path):
     storage = Storage((tmp_path / "storage").as_uri())
-    uri = publish_drafter(storage, 3, make_drafter_dir(tmp_path / "d"))
+    uri = publish_drafter(storage, 3, make_drafter_dir(tmp_path / "d"), fingerprint="fp3")
     return storage, ServingTarget(drafter_uri=uri, fingerprint="fp3",
                                   registry_model="aerie-drafter-demo", registry_version="3")
 

@@ -82,7 +82,7 @@ def test_vocab_mapping_changed_after_commit(storage):
 
 
 def test_drafter_changed_after_commit(storage, tmp_path):
-    uri = publish_drafter(storage, 1, make_drafter_dir(tmp_path / "d"))
+    uri = publish_drafter(storage, 1, make_drafter_dir(tmp_path / "d"), fingerprint="fp")
     _flip_last_byte(storage, "drafters/step=000001/model.safetensors")
     with pytest.raises(IntegrityError, match=r"drafters/step=000001/model\.safetensors"):
         resolve_warm_start(storage, 2, "previous")  # training's warm start
@@ -91,6 +91,20 @@ def test_drafter_changed_after_commit(storage, tmp_path):
                    reason="v1")
     with pytest.raises(IntegrityError, match=r"drafters/step=000001/model\.safetensors"):
         resolve_serving(storage, "m", tmp_path / "serving-cache")  # the rollout launcher
+
+
+def test_drafter_recommitted_under_the_serving_record(storage, tmp_path):
+    """A step re-trained after its drafter was promoted commits other weights at the same
+    key, each file matching its new manifest: the launcher refuses to serve them under the
+    record that names the promoted fingerprint."""
+    uri = publish_drafter(storage, 1, make_drafter_dir(tmp_path / "d"), fingerprint="fp-old")
+    ServingLedger(storage, "m").publish(ServingTarget(uri, "fp-old", "m", "1"),
+                                        SpecParams(3, 1, 4), mode="manifest", reason="v1")
+    publish_drafter(storage, 1, make_drafter_dir(tmp_path / "e", seed=1), fingerprint="fp-new")
+    with pytest.raises(IntegrityError, match=r"drafters/step=000001/_manifest\.json: drafter "
+                                             r"fingerprint 'fp-new', the serving record names "
+                                             r"'fp-old'"):
+        resolve_serving(storage, "m", tmp_path / "serving-cache")
 
 
 def test_serving_record_changed_after_commit(storage, tmp_path):
