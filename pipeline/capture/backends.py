@@ -10,7 +10,7 @@ import torch
 
 from pipeline.capture.base import CaptureBackend
 from pipeline.capture.config import DEFAULT_TOKEN_BUDGET
-from pipeline.eagle3.config import default_aux_layer_ids
+from pipeline.eagle3.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 from pipeline.layout import policy_prefix
 from pipeline.snapshot.policy import POLICY_KIND
 from pipeline.storage import Storage
@@ -49,8 +49,9 @@ def open_backend(storage: Storage, step: int, kind: str = "hf", *,
         config = json.loads(read_verified(storage, prefix, committed(storage, prefix, POLICY_KIND),
                                           "config.json"))
         layers = int(config["num_hidden_layers"])
-        ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(
-            layers)
+        ids = check_aux_layer_ids(
+            aux_layer_ids if aux_layer_ids is not None else default_aux_layer_ids(layers),
+            layers, model_type=config.get("model_type"))
         with SGLangCaptureConfig(
                 aux_urls=tuple(sglang_aux_urls), final_urls=tuple(sglang_final_urls),
                 hidden_size=int(config["hidden_size"]), aux_layer_ids=ids,

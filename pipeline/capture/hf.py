@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from pipeline.capture.base import CapturedStates
-from pipeline.eagle3.config import default_aux_layer_ids
+from pipeline.eagle3.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 from pipeline.layout import policy_prefix
 from pipeline.snapshot.policy import POLICY_KIND
 from pipeline.storage import Storage
@@ -69,11 +69,9 @@ class HFCaptureBackend:
         self.base = _base_model(self.model)
         self.layers: nn.ModuleList = self.base.layers
         num_layers = len(self.layers)
-        ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(
-            num_layers)
-        if not ids or any(not 0 <= i < num_layers for i in ids):
-            raise ValueError(f"aux_layer_ids {ids} must be non-empty and within "
-                             f"[0, {num_layers}) for a {num_layers}-layer model")
+        ids = check_aux_layer_ids(
+            aux_layer_ids if aux_layer_ids is not None else default_aux_layer_ids(num_layers),
+            num_layers, model_type=getattr(self.model.config, "model_type", None))
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.aux_layer_ids: tuple[int, ...] = ids

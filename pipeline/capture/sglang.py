@@ -49,7 +49,7 @@ from pipeline.capture.sglang_http import (
     TransientFailure,
     call_with_retries,
 )
-from pipeline.eagle3.config import default_aux_layer_ids
+from pipeline.eagle3.aux_layers import check_aux_layer_ids, engine_default_ids
 
 __all__ = ["SGLANG_VERSION", "CallStats", "SGLangCaptureBackend", "SGLangCaptureConfig",
            "SGLangError", "SGLangRequestError", "SGLangServerConfigError", "plan_requests"]
@@ -98,9 +98,10 @@ class SGLangCaptureConfig:
             if not urls or not all(u.startswith(("http://", "https://")) for u in urls):
                 raise ValueError(f"{name} must be a non-empty list of http(s) URLs, got {urls}")
             object.__setattr__(self, name, urls)
-        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
-        if self.hidden_size <= 0 or not self.aux_layer_ids:
-            raise ValueError("hidden_size must be positive and aux_layer_ids non-empty")
+        object.__setattr__(self, "aux_layer_ids", check_aux_layer_ids(
+            self.aux_layer_ids, self.num_target_layers))
+        if self.hidden_size <= 0:
+            raise ValueError("hidden_size must be positive")
         if min(self.max_concurrency, self.request_batch_size, self.request_token_budget) < 1:
             raise ValueError("max_concurrency, request_batch_size, request_token_budget >= 1")
         if self.max_retries < 0 or self.timeout_s <= 0 or self.backoff_s < 0:
@@ -222,7 +223,7 @@ def check_server_info(info: dict[str, Any], role: Role, config: SGLangCaptureCon
             problems.append(f"aux capture is off: launch it with {_AUX_FLAGS}")
         ids = info.get("return_aux_hidden_state_layer_ids")
         if ids is None and config.num_target_layers is not None:
-            ids = default_aux_layer_ids(config.num_target_layers)
+            ids = engine_default_ids(config.num_target_layers)  # what it captures unasked
         if ids is not None and tuple(ids) != tuple(config.aux_layer_ids):
             problems.append(f"it captures aux layers {list(ids)}, capture wants "
                             f"{list(config.aux_layer_ids)}: pass "

@@ -51,6 +51,7 @@ from pipeline.capture.shards import (
     write_shard,
 )
 from pipeline.contracts import FileEntry, Manifest
+from pipeline.eagle3.aux_layers import AUX_CAPTURE
 from pipeline.layout import shards_prefix, tokenized_prefix
 from pipeline.manifest import (
     entry_for,
@@ -202,7 +203,8 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
                             "padded_tokens": counts.padded_tokens,
                             "heldout": {**to_dict(split), "samples": counts.heldout},
                             "hidden_size": spec.hidden_size, "aux_width": spec.aux_width,
-                            "aux_layer_ids": list(spec.aux_layer_ids), "dtype": SHARD_DTYPE,
+                            "aux_layer_ids": list(spec.aux_layer_ids),
+                            "aux_capture": AUX_CAPTURE, "dtype": SHARD_DTYPE,
                             "backend": identity.get("backend", "?"), "backend_config": identity,
                             "policy_uri": policy.key if policy else None,
                             "policy_sha256": policy.sha256 if policy else None,

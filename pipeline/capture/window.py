@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from pipeline.capture.shards import read_shards_manifest
 from pipeline.contracts import Manifest
+from pipeline.eagle3.aux_layers import AUX_CAPTURE, check_aux_layer_ids
 from pipeline.layout import policy_prefix, shards_prefix
 from pipeline.manifest import verify_manifest
 from pipeline.snapshot.policy import POLICY_KIND
@@ -71,7 +72,18 @@ def verify_window(storage: Storage, manifests: Mapping[int, Manifest]) -> None:
 
 
 def shard_geometry(manifests: Mapping[int, Manifest]) -> tuple[int, tuple[int, ...]]:
-    """``(hidden_size, aux_layer_ids)`` shared by every step of the window."""
+    """``(hidden_size, aux_layer_ids)`` shared by every step of the window, whose aux states
+    were captured in Aerie's convention (:data:`~pipeline.eagle3.aux_layers.AUX_CAPTURE`;
+    shards written before it was recorded used it too) with ids every engine can capture."""
+    for step, m in sorted(manifests.items()):
+        convention = m.meta.get("aux_capture", AUX_CAPTURE)
+        if convention != AUX_CAPTURE:
+            raise WindowError(f"step {step}: shards hold aux states captured as "
+                              f"{convention!r}; training reads {AUX_CAPTURE!r}")
+        try:
+            check_aux_layer_ids(m.meta["aux_layer_ids"])
+        except ValueError as e:
+            raise WindowError(f"step {step}: shards' {e}; capture the step again") from None
     seen = {(int(m.meta["hidden_size"]), tuple(m.meta["aux_layer_ids"]))
             for m in manifests.values()}
     if len(seen) != 1:

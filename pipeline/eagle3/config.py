@@ -11,8 +11,10 @@ Invariants:
   Both are read (``rope_parameters`` first). The written config.json carries them in BOTH
   places, with the same values, because converters and older loaders read only the
   top-level keys and silently fall back to ``rope_theta = 10000``.
-- ``aux_layer_ids`` default to ``[1, N//2 - 1, N - 4]`` for an N-layer target and are
-  recorded as ``eagle_config.eagle_aux_hidden_state_layer_ids``.
+- ``aux_layer_ids`` follow :mod:`pipeline.eagle3.aux_layers` (Aerie's numbering: the output
+  of decoder layer ``l``): checked when a config is built or read, defaulting to
+  ``[1, N//2 - 1, N - 4]`` when distinct, and written for SGLang (nested) and vLLM
+  (top-level, ``l + 1``) alike.
 - ``draft_vocab_size <= vocab_size`` (capped); ``target_hidden_size`` is written only when it
   differs from ``hidden_size`` (SGLang then sizes ``fc`` from it).
 """
@@ -23,17 +25,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.eagle3.aux_layers import (
+    check_aux_layer_ids,
+    default_aux_layer_ids,
+    engine_ids,
+    ids_from_config,
+)
+
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default: ``[1, N//2 - 1, N - 4]`` for a target with N decoder layers."""
-    ids = (1, num_layers // 2 - 1, num_layers - 4)
-    if min(ids) < 0 or max(ids) >= num_layers:
-        raise ValueError(f"default aux layers {ids} are invalid for {num_layers} layers; "
-                         "pass aux_layer_ids explicitly")
-    return ids
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,7 @@ class DrafterConfig:
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in "
                              f"[1, vocab_size={self.vocab_size}]")
-        if not self.aux_layer_ids:
-            raise ValueError("aux_layer_ids must not be empty")
+        object.__setattr__(self, "aux_layer_ids", check_aux_layer_ids(self.aux_layer_ids))
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope type {self.rope_type!r} is not supported "
                              f"(supported: {SUPPORTED_ROPE_TYPES})")
@@ -96,16 +95,16 @@ class DrafterConfig:
         """The drafter of a Llama-style ``target`` config (object or config.json dict).
 
         ``draft_vocab_size`` is capped by the target vocab; ``aux_layer_ids`` default to
-        EAGLE-3's ``[1, N//2 - 1, N - 4]``.
+        :func:`~pipeline.eagle3.aux_layers.default_aux_layer_ids` and are checked against
+        the target's depth and model type.
         """
         get = _getter(target)
         hidden = int(get("hidden_size"))
         heads = int(get("num_attention_heads"))
         num_layers = int(get("num_hidden_layers"))
-        ids = (tuple(int(i) for i in aux_layer_ids) if aux_layer_ids is not None
-               else default_aux_layer_ids(num_layers))
-        if any(not 0 <= i < num_layers for i in ids):
-            raise ValueError(f"aux_layer_ids {ids} are outside [0, {num_layers})")
+        ids = check_aux_layer_ids(
+            aux_layer_ids if aux_layer_ids is not None else default_aux_layer_ids(num_layers),
+            num_layers, model_type=get("model_type", None))
         theta, scaling = read_rope(target)
         vocab = int(get("vocab_size"))
         return cls(
@@ -151,10 +150,7 @@ class DrafterConfig:
             "mlp_bias": False,
             "tie_word_embeddings": False,
             "torch_dtype": dtype,
-            "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-                "use_aux_hidden_state": True,
-            },
+            **engine_ids(self.aux_layer_ids),
         }
         if self.target_hidden_size != self.hidden_size:
             cfg["target_hidden_size"] = self.target_hidden_size
@@ -168,10 +164,7 @@ class DrafterConfig:
                              f"include {SGLANG_ARCHITECTURE}")
         if int(cfg.get("num_hidden_layers", 1)) != 1:
             raise ValueError("only one-layer drafters are supported")
-        eagle = cfg.get("eagle_config") or {}
-        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-        if ids is None:
-            raise ValueError("config.json lacks eagle_config.eagle_aux_hidden_state_layer_ids")
+        ids = ids_from_config(cfg)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         theta, scaling = read_rope(cfg)
@@ -189,7 +182,7 @@ class DrafterConfig:
             vocab_size=vocab,
             draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab),
             target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
-            aux_layer_ids=tuple(int(i) for i in ids),
+            aux_layer_ids=ids,
             hidden_act=str(cfg.get("hidden_act", "silu")),
         )
 

@@ -30,6 +30,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from pipeline.eagle3.aux_layers import check_aux_layer_ids
+
 
 class TargetRunner:
     """One sequence's target state (see the module docstring)."""
@@ -39,9 +41,8 @@ class TargetRunner:
         if base is None or not hasattr(base, "layers"):
             raise TypeError(f"{type(model).__name__}: expected a causal LM with "
                             "`.model.layers` (Llama-style)")
-        num_layers = len(base.layers)
-        if any(not 0 <= i < num_layers for i in aux_layer_ids):
-            raise ValueError(f"aux_layer_ids {tuple(aux_layer_ids)} outside [0, {num_layers})")
+        if aux_layer_ids:  # hooks below record Aerie's convention: the output of layer l
+            aux_layer_ids = check_aux_layer_ids(aux_layer_ids, len(base.layers))
         self.model = model
         self.layers = base.layers
         self.aux_layer_ids = tuple(aux_layer_ids)

@@ -117,11 +117,12 @@ def test_shards_hold_every_sample_with_its_states(tmp_path, model):
     assert (summary.samples, summary.tokens) == (20, sum(len(r["input_ids"]) for r in rows))
     assert summary.loss_tokens == sum(sum(r["loss_mask"]) for r in rows)
     assert summary.shards > 2 and summary.shards_reused == 0
-    assert summary.aux_layer_ids == (1, 2, 2) and summary.hidden_size == H
+    assert summary.aux_layer_ids == (1, 2, 4) and summary.hidden_size == H
     manifest = read_manifest(storage, shards_prefix(STEP))
     assert manifest.kind == "hidden_state_shards" and verify_manifest(
         storage, shards_prefix(STEP), manifest) == []
-    assert manifest.meta["aux_layer_ids"] == [1, 2, 2] and manifest.meta["backend"] == "hf"
+    assert manifest.meta["aux_layer_ids"] == [1, 2, 4] and manifest.meta["backend"] == "hf"
+    assert manifest.meta["aux_capture"] == "layer_output"
     assert [s["rows"] for s in manifest.meta["shards"]] == [f.rows for f in manifest.files]
 
     by_id = {r["sample_id"]: r for r in rows}
@@ -347,7 +348,7 @@ def test_open_backend_refuses_unknown_kinds_and_builds_sglang_from_the_policy(tm
             pass
     with open_backend(storage, STEP, "sglang", sglang_aux_urls=["http://127.0.0.1:9"],
                       sglang_final_urls=["http://127.0.0.1:9"]) as sglang:
-        assert sglang.hidden_size == H and sglang.aux_layer_ids == (1, 2, 2)
+        assert sglang.hidden_size == H and sglang.aux_layer_ids == (1, 2, 4)
 
 
 def test_heldout_prompts_never_reach_the_shards(tmp_path, model):

@@ -19,7 +19,7 @@ SGLANG_KEYS = {
     "num_key_value_heads", "head_dim", "num_hidden_layers", "hidden_act", "rms_norm_eps",
     "max_position_embeddings", "vocab_size", "draft_vocab_size", "rope_theta", "rope_scaling",
     "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings", "torch_dtype",
-    "eagle_config",
+    "eagle_config", "eagle_aux_hidden_state_layer_ids", "num_aux_hidden_states",
 }
 
 
@@ -41,14 +41,14 @@ def test_from_transformers4_style_dict_and_caps_the_draft_vocab():
               "num_attention_heads": 8, "vocab_size": 100, "max_position_embeddings": 512,
               "rms_norm_eps": 1e-5, "rope_theta": 1e6,
               "rope_scaling": {"type": "linear", "factor": 2.0}}
-    cfg = DrafterConfig.from_target(target, aux_layer_ids=[0, 2, 7])
+    cfg = DrafterConfig.from_target(target, aux_layer_ids=[0, 2, 6])
     assert cfg.num_key_value_heads == 8 and cfg.head_dim == 8
     assert cfg.rope_theta == 1e6
     assert cfg.rope_scaling == {"factor": 2.0, "rope_type": "linear"}
     assert cfg.draft_vocab_size == 100  # 32000 capped by the target vocab
-    assert cfg.aux_layer_ids == (0, 2, 7)
-    with pytest.raises(ValueError, match="outside"):
-        DrafterConfig.from_target(target, aux_layer_ids=[0, 8])
+    assert cfg.aux_layer_ids == (0, 2, 6)
+    with pytest.raises(ValueError, match=r"must be in \[0, 6\]"):
+        DrafterConfig.from_target(target, aux_layer_ids=[0, 7])
 
 
 def test_read_rope_prefers_rope_parameters_and_drops_default_scaling():
@@ -68,7 +68,9 @@ def test_sglang_config_json():
     assert out["model_type"] == "llama" and out["num_hidden_layers"] == 1
     assert out["tie_word_embeddings"] is False and out["torch_dtype"] == "bfloat16"
     assert out["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4],
-                                   "use_aux_hidden_state": True}
+                                   "use_aux_hidden_state": True,
+                                   "aux_hidden_state_capture": "layer_output"}
+    assert out["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM numbers them + 1
     assert out["rope_theta"] == 500000.0  # top level, for loaders that read only that
     assert out["rope_scaling"] == LLAMA3
     assert out["rope_parameters"] == {**LLAMA3, "rope_theta": 500000.0}

@@ -68,7 +68,7 @@ def save_copy_drafter(target: torch.nn.Module, directory: Path, outputs: list[li
     previous position, which a tiny random Llama, repeating itself, often confirms. The
     draft vocab (64 of 128 ids, a real d2t/t2d) holds the tokens the target emits most."""
     cfg = DrafterConfig.from_target(target.config, draft_vocab_size=DRAFT_VOCAB,
-                                    aux_layer_ids=(1, 3, LAYERS - 1))
+                                    aux_layer_ids=(1, 3, LAYERS - 2))
     counts = torch.bincount(torch.tensor([t for o in outputs for t in o]), minlength=VOCAB)
     mapping = build_vocab_mapping(counts, DRAFT_VOCAB)
     model = Eagle3Drafter(cfg, target.get_input_embeddings().weight.detach())

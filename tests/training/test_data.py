@@ -4,6 +4,7 @@ the target weights the teacher uses."""
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -131,8 +132,24 @@ def test_a_missing_window_step_is_named(storage):
         read_window(storage, STEPS)
 
 
+def test_shards_of_another_convention_or_unservable_ids_are_refused(storage):
+    """Training reads aux states in Aerie's convention (the output of layer l) with ids
+    every engine can capture; shards saying otherwise are named, not trained on."""
+    manifests = read_window(storage, STEPS)
+    first = STEPS[0]
+    foreign = {s: replace(m, meta={**m.meta, "aux_capture": "layer_input"}) if s == first
+               else m for s, m in manifests.items()}
+    with pytest.raises(WindowError, match=f"step {first}: shards hold aux states captured "
+                                          "as 'layer_input'"):
+        shard_geometry(foreign)
+    repeated = {s: replace(m, meta={**m.meta, "aux_layer_ids": [1, 1, 0]})
+                for s, m in manifests.items()}
+    with pytest.raises(WindowError, match="distinct and ascending.*capture the step again"):
+        shard_geometry(repeated)
+
+
 def test_window_geometry_and_target_weights_come_from_the_policy(storage, world_root):
-    assert shard_geometry(read_window(storage, STEPS)) == (HIDDEN, (1, 1, 0))
+    assert shard_geometry(read_window(storage, STEPS)) == (HIDDEN, (0, 1, 2))  # 4 layers
     target = load_target(storage, 3)
     weights = load_file(str(world_root.parent / "storage-policy" / "model.safetensors"))
     assert torch.equal(target.lm_head, weights["lm_head.weight"])

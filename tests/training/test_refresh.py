@@ -50,7 +50,8 @@ def test_a_fitting_drafter_warm_starts_and_is_recorded(vocab_storage, tmp_path):
 @pytest.mark.parametrize("change,reason", [
     (dict(intermediate_size=48), "shapes differ"),
     (dict(draft_vocab_size=32), "shapes differ"),
-    (dict(aux_layer_ids=(0, 1, 2)), "aux layer ids differ")])
+    (dict(aux_layer_ids=(0, 1)), "shapes differ"),
+    (dict(aux_layer_ids=(0, 2, 3)), "aux layer ids differ")])
 def test_a_misfitting_drafter_means_scratch_with_the_reason(vocab_storage, tmp_path, change,
                                                            reason):
     model = build_drafter(plan(vocab_storage, STEP, FAST, tmp_path, "none"), vocab_storage)[0]
@@ -157,5 +158,5 @@ def test_the_export_is_an_sglang_drafter_with_the_window_vocab(reference_run, sh
     _, mapping = load_window_vocab(shared_storage, STEP)
     assert torch.equal(drafter.d2t, mapping.d2t) and torch.equal(drafter.t2d, mapping.t2d)
     config = DrafterConfig.from_sglang_config(reference_run.drafter_config)
-    assert config == drafter.config and config.aux_layer_ids == (1, 1, 0)
+    assert config == drafter.config and config.aux_layer_ids == (0, 1, 2)  # 4 layers
     assert drafter.fc.weight.dtype == torch.float32  # export_dtype of the test config
