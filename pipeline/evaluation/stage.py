@@ -126,7 +126,7 @@ def run(storage: Storage, step: int, candidate: str,
     target = _load_target(storage, step)
     params = config.spec_params(target.config.architectures)
     settings = {**asdict(params), "max_new_tokens": config.max_new_tokens}
-    eos = target.config.eos_token_id
+    eos = stop_token_ids(target)
     ids = [list(p.prompt_ids) for p in prompts]
     base = evaluate(target, None, ids, None, max_new_tokens=config.max_new_tokens,
                     eos_token_id=eos)
@@ -199,6 +199,23 @@ def _drafter_manifest(storage: Storage, prefix: str) -> Manifest:
     if "window_steps" not in manifest.meta:
         raise ValueError(f"{storage.url(prefix)}: drafter manifest has no window_steps")
     return manifest
+
+
+def stop_token_ids(model: torch.nn.Module) -> frozenset[int]:
+    """Every token that ends the target's turn: ``eos_token_id`` of its ``config.json`` and
+    of its ``generation_config.json`` (an int or a list in either; chat models often list
+    their turn closer, e.g. ``<|eot_id|>`` or ``<|im_end|>``, only in the latter), as the
+    serving engines and ``generate`` stop."""
+    found: set[int] = set()
+    for source in (model.config, getattr(model, "generation_config", None)):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is None:
+            continue
+        for token in [value] if isinstance(value, int) else value:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"eos_token_id {value!r} of the target is not a token id")
+            found.add(token)
+    return frozenset(found)
 
 
 def _load_target(storage: Storage, step: int) -> torch.nn.Module:

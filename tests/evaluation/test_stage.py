@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from pathlib import Path
 
@@ -129,3 +130,25 @@ def test_charts_are_png_and_published_to_storage(tmp_path):
     url = publish_chart(storage, 7, "alpha", png)
     assert url == storage.url("evals/step=000007/charts/alpha.png")
     assert storage.read_bytes(storage.key_of(url)) == png
+
+
+def test_decoding_stops_at_turn_closers_listed_only_in_generation_config(target, prompts,
+                                                                         references):
+    """A chat model lists its turn closer (``<|eot_id|>``, ``<|im_end|>``) in
+    generation_config.json: evaluation stops there too, as the serving engines do."""
+    from transformers import GenerationConfig
+
+    from pipeline.evaluation.engine import evaluate
+
+    model = copy.deepcopy(target)
+    closer = references[0][2]  # the third token greedy decoding emits for prompt 0
+    model.config.eos_token_id = 299
+    model.generation_config = GenerationConfig(eos_token_id=[299, closer])
+    assert stage.stop_token_ids(model) == {299, closer}
+    run = evaluate(model, None, [prompts[0]], max_new_tokens=10,
+                   eos_token_id=stage.stop_token_ids(model))
+    first = references[0].index(closer)
+    assert run.outputs[0] == references[0][:first + 1]  # the closer is emitted, then stop
+    model.generation_config = GenerationConfig(eos_token_id=[299, True])
+    with pytest.raises(ValueError, match="not a token id"):
+        stage.stop_token_ids(model)
