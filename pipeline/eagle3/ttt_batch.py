@@ -3,20 +3,59 @@
 :func:`collate` turns shard samples into a :class:`TTTBatch`; the teacher (target logits
 ``final_hidden @ lm_head.T``, restricted to the draft vocab by ``t2d``, and the full-vocab
 argmax) is computed in vocab chunks, only on the rows the loss reads
-(:func:`teacher_rows`), so a 128k-vocab teacher never materialises (N, V) at once.
+(:func:`teacher_rows`), so a 128k-vocab teacher never materialises (N, V) at once. The
+logits are the target's own: :class:`LogitHead` applies what its family does after the
+head matmul (Gemma's final soft-cap, Cohere's and Granite's scaling).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from pipeline.eagle3.model import Eagle3Drafter
 
 DEFAULT_TEACHER_CHUNK = 8192
+
+
+# -- the target's head -------------------------------------------------------------------
+@dataclass(frozen=True)
+class LogitHead:
+    """What the target does to ``final_hidden @ lm_head.T``: multiply by ``scale``, then
+    (when ``softcap``) ``softcap * tanh(logits / softcap)``. Both keep the argmax."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("scale", "softcap"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"logit {name} must be a positive number, got {value!r}")
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any]) -> LogitHead:
+        """The head of a target's ``config.json``: ``final_logit_softcapping`` (Gemma 2/3),
+        ``logit_scale`` (Cohere: multiplied), ``logits_scaling`` (Granite: divided)."""
+        scale = float(config.get("logit_scale") or 1.0)
+        if config.get("logits_scaling"):
+            scale /= float(config["logits_scaling"])
+        softcap = config.get("final_logit_softcapping")
+        return cls(scale=scale, softcap=float(softcap) if softcap else None)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+PLAIN_HEAD = LogitHead()
 
 
 # -- the batch ---------------------------------------------------------------------------
@@ -83,7 +122,7 @@ class _Sample(Protocol):
 
 def collate(samples: Sequence[_Sample], lm_head_weight: torch.Tensor, t2d: torch.Tensor, *,
             pad_token_id: int = 0, device: torch.device | str | None = None,
-            chunk_size: int = DEFAULT_TEACHER_CHUNK) -> TTTBatch:
+            chunk_size: int = DEFAULT_TEACHER_CHUNK, head: LogitHead = PLAIN_HEAD) -> TTTBatch:
     """Right-pad shard samples (e.g. ``ShardSample``) into a :class:`TTTBatch`.
 
     Teacher targets come from ``final_hidden`` and the target's ``lm_head_weight`` (V, H)
@@ -111,7 +150,7 @@ def collate(samples: Sequence[_Sample], lm_head_weight: torch.Tensor, t2d: torch
         final[row, :n] = s.final_hidden.to(dev)
     rows = teacher_rows(loss_mask & attention_mask)
     target_logits, target_argmax = teacher_batch(final, lm_head_weight.to(dev), t2d.to(dev),
-                                                 rows, chunk_size=chunk_size)
+                                                 rows, chunk_size=chunk_size, head=head)
     return TTTBatch(input_ids, aux, target_logits, target_argmax, loss_mask, attention_mask)
 
 
@@ -130,8 +169,8 @@ def teacher_rows(trained: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def teacher_batch(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor,
-                  rows: torch.Tensor, *, chunk_size: int = DEFAULT_TEACHER_CHUNK
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  rows: torch.Tensor, *, chunk_size: int = DEFAULT_TEACHER_CHUNK,
+                  head: LogitHead = PLAIN_HEAD) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`teacher_targets` for the ``rows`` (B, T) of ``final_hidden`` (B, T, H) only.
 
     Returns ``(logits (B, T, Vd) fp32, argmax (B, T) int64)``, zeros outside ``rows``.
@@ -140,14 +179,14 @@ def teacher_batch(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d:
     logits = torch.zeros(b, t, int(t2d.sum()), dtype=torch.float32, device=final_hidden.device)
     argmax = torch.zeros(b, t, dtype=torch.int64, device=final_hidden.device)
     logits[rows], argmax[rows] = teacher_targets(final_hidden[rows], lm_head_weight, t2d,
-                                                 chunk_size=chunk_size)
+                                                 chunk_size=chunk_size, head=head)
     return logits, argmax
 
 
 @torch.no_grad()
 def teacher_targets(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                    t2d: torch.Tensor, *, chunk_size: int = DEFAULT_TEACHER_CHUNK
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    t2d: torch.Tensor, *, chunk_size: int = DEFAULT_TEACHER_CHUNK,
+                    head: LogitHead = PLAIN_HEAD) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher logits restricted to the draft vocab and the full-vocab argmax, in fp32.
 
     ``final_hidden`` (…, H) post-norm target states, ``lm_head_weight`` (V, H), ``t2d`` (V,)
@@ -169,7 +208,7 @@ def teacher_targets(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
     arg = torch.zeros(n, dtype=torch.int64, device=h.device)
     col = 0
     for c0 in range(0, vocab, chunk_size):
-        logits = h @ lm_head_weight[c0:c0 + chunk_size].float().T  # (N, C)
+        logits = head(h @ lm_head_weight[c0:c0 + chunk_size].float().T)  # (N, C)
         value, index = logits.max(dim=-1)
         better = value > best  # strict: an earlier chunk keeps a tie
         best = torch.where(better, value, best)

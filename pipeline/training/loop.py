@@ -34,7 +34,7 @@ from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.eagle3.ttt import TTTMetrics, ttt_loss
-from pipeline.eagle3.ttt_batch import TTTBatch, collate
+from pipeline.eagle3.ttt_batch import LogitHead, TTTBatch, collate
 from pipeline.records import from_dict, to_dict, to_json
 from pipeline.storage import Storage
 from pipeline.training import checkpoint as ckpt
@@ -133,6 +133,7 @@ def train(spec: TrainSpec, storage: Storage) -> TrainResult:
         log.info("training %d steps (%d per epoch) on %d samples, warm start: %s", total,
                  per_epoch, reader.num_samples, warm["reason"])
     lm_head, t2d = target.lm_head.to(ctx.device), model.t2d
+    head = LogitHead.of(target.config)  # the target's soft-cap / scaling after the matmul
     per_step = cfg.world_size * cfg.grad_accum
     tokens_seen, started = 0, time.perf_counter()
     while step < total:
@@ -142,7 +143,7 @@ def train(spec: TrainSpec, storage: Storage) -> TrainResult:
             sums = MetricSums.zeros(cfg.ttt_depth)
             for _ in range(cfg.grad_accum):
                 _, samples = next(batches)
-                batch = collate(samples, lm_head, t2d, device=ctx.device)
+                batch = collate(samples, lm_head, t2d, device=ctx.device, head=head)
                 loss, metrics = engine(batch)
                 engine.backward(loss)
                 engine.step()

@@ -29,7 +29,8 @@ from resources.refresh import RefreshPolicyResource
 
 POLICY = RefreshPolicyResource(every=2, window=2)
 TRAIN = {"ops": {
-    "drafter_checkpoint": {"config": {"lr": 3e-3, "epochs": 6, "micro_batch_size": 8}},
+    # from scratch, the demo drafter needs ~20 steps before its first accepted draft
+    "drafter_checkpoint": {"config": {"lr": 3e-3, "epochs": 15, "micro_batch_size": 8}},
     # a small world has a few hundred draft-verify cycles per evaluation, not thousands
     "serving_drafter": {"config": {"min_cycles": 20}},
 }}
