@@ -121,7 +121,9 @@ class DrafterConfig:
             draft_vocab_size=min(int(draft_vocab_size), vocab),
             target_hidden_size=hidden,
             aux_layer_ids=ids,
-            hidden_act=str(get("hidden_act", "silu")),
+            # the drafter is SGLang's/vLLM's Llama layer, a SiLU-gated MLP, whatever the
+            # target's MLP (Gemma's gelu_pytorch_tanh, Phi's, ...): never copied from it
+            hidden_act="silu",
         )
 
     # -- SGLang config.json ------------------------------------------------------------

@@ -51,6 +51,18 @@ def test_from_transformers4_style_dict_and_caps_the_draft_vocab():
         DrafterConfig.from_target(target, aux_layer_ids=[0, 7])
 
 
+@pytest.mark.parametrize("mlp", [{"hidden_act": "gelu"},
+                                 {"hidden_activation": "gelu_pytorch_tanh"}])  # Gemma 2/3
+def test_the_drafter_is_swiglu_whatever_the_targets_mlp(mlp):
+    """The EAGLE-3 drafter SGLang and vLLM run is a Llama layer with a SiLU-gated MLP; a
+    GELU target's activation is neither copied (the export would not load) nor refused."""
+    target = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+              "num_attention_heads": 8, "vocab_size": 100, "max_position_embeddings": 512,
+              "rms_norm_eps": 1e-6, "rope_theta": 1e4, **mlp}
+    cfg = DrafterConfig.from_target(target)
+    assert cfg.hidden_act == "silu" and cfg.to_sglang_config()["hidden_act"] == "silu"
+
+
 def test_read_rope_prefers_rope_parameters_and_drops_default_scaling():
     assert read_rope({"rope_parameters": {"rope_type": "default", "rope_theta": 3.0},
                       "rope_theta": 7.0}) == (3.0, None)
