@@ -1,4 +1,5 @@
-"""Small fake drafters (random weights, no training) and their published form in storage."""
+"""Small fake drafters (random weights, no training), their published form in storage, and
+the gate settings and evaluation summaries the promotion tests decide with."""
 
 from __future__ import annotations
 
@@ -7,10 +8,20 @@ from pathlib import Path
 
 from pipeline.contracts import Manifest
 from pipeline.eagle3.export import save_drafter
+from pipeline.eagle3.spec import SpecParams
 from pipeline.manifest import entry_for, write_manifest
+from pipeline.release.gate import EvalSummary, GatePolicy
 from pipeline.storage import Storage
 
 TARGET_VOCAB = 48
+SETTINGS = SpecParams(3, 1, 4)
+POLICY = GatePolicy(min_relative_gain=0.02, min_cycles=10)
+
+
+def summary(tau: float, version: str | None = None) -> EvalSummary:
+    """An evaluation over 100 cycles whose settings and held-out keys agree."""
+    return EvalSummary(tau=tau, cycles=100, emitted_tokens=int(100 * tau), alpha=(0.8,),
+                       settings_key="S", heldout_key="H", drafter_version=version)
 
 
 def make_drafter_dir(path: Path, seed: int = 0, *, draft_vocab_size: int = 24,

@@ -56,7 +56,7 @@ def valid_record(draw, rid: str) -> dict[str, Any]:
 class RaisingMapping(Mapping):
     """A record whose mapping protocol raises ``error`` at ``where``."""
 
-    def __init__(self, data: dict, where: str, error: type[Exception]):
+    def __init__(self, data: dict, where: str, error: type[BaseException] = RuntimeError):
         self.data, self.where, self.error = data, where, error
 
     def _maybe(self, where: str) -> None:

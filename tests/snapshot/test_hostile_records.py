@@ -11,7 +11,6 @@ import json
 import math
 import numbers
 import unicodedata
-from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from pipeline.snapshot.schema import (
     validate_record,
 )
 from pipeline.snapshot.sieve import Sieve
+from tests.reliability.snapshot_hostile import RaisingMapping
 
 from .conftest import VOCAB, good_record
 
@@ -134,38 +134,11 @@ def test_deep_nesting_is_quarantined_and_rendered():
         assert json.loads(rejection["record_json"])  # depth-capped, parseable
 
 
-class Raising(Mapping):
-    """A record whose mapping protocol raises at ``where``."""
-
-    def __init__(self, data, where, error=RuntimeError):
-        self.data, self.where, self.error = data, where, error
-
-    def _maybe(self, where):
-        if self.where == where:
-            raise self.error("hostile")
-
-    def __getitem__(self, key):
-        self._maybe("getitem")
-        return self.data[key]
-
-    def __iter__(self):
-        self._maybe("iter")
-        return iter(self.data)
-
-    def __len__(self):
-        self._maybe("len")
-        return len(self.data)
-
-    def get(self, key, default=None):
-        self._maybe("get")
-        return self.data.get(key, default)
-
-
 @pytest.mark.parametrize("where", ["getitem", "iter"])
 @pytest.mark.parametrize("error", [RuntimeError, KeyError, TypeError, RecursionError,
                                    UnicodeDecodeError.__mro__[1]])
 def test_a_mapping_that_raises_while_read_is_quarantined_with_the_error_type(where, error):
-    rec, rejection = check(Raising(good_record(0), where, error))
+    rec, rejection = check(RaisingMapping(good_record(0), where, error))
     assert rec is None and rejection["field"] == "<record>"
     assert error.__name__ in rejection["reason"]
     json.loads(rejection["record_json"])
@@ -173,13 +146,13 @@ def test_a_mapping_that_raises_while_read_is_quarantined_with_the_error_type(whe
 
 @pytest.mark.parametrize("where", ["get", "len"])
 def test_a_mapping_read_through_its_protocol_needs_no_get_or_len(where):
-    rec, rejection = check(Raising(good_record(0), where))
+    rec, rejection = check(RaisingMapping(good_record(0), where))
     assert rejection is None and rec["rollout_id"] == "r3-0"
 
 
 def test_interrupts_are_not_swallowed():
     with pytest.raises(KeyboardInterrupt):
-        check(Raising(good_record(0), "getitem", KeyboardInterrupt))
+        check(RaisingMapping(good_record(0), "getitem", KeyboardInterrupt))
 
 
 class BadIndex:

@@ -9,9 +9,8 @@ import uuid
 
 import pytest
 
-from pipeline.eagle3.spec import SpecParams
 from pipeline.release.backend import LedgerBackend
-from pipeline.release.gate import Candidate, EvalSummary, GatePolicy, decide
+from pipeline.release.gate import Candidate, EvalSummary, decide
 from pipeline.release.ledger import ServingLedger
 from pipeline.release.lock import LockTimeout
 from pipeline.release.mlflow_registry import CHAMPION, DrafterRegistry
@@ -24,26 +23,13 @@ from pipeline.release.promotion import (
 from pipeline.release.restart import RestartHook
 from pipeline.serving_now import resolve_serving
 from pipeline.storage import Storage
-from tests.release.helpers import lineage, make_drafter_dir, publish_drafter
-
-SETTINGS = SpecParams(3, 1, 4)
-POLICY = GatePolicy(min_relative_gain=0.02, min_cycles=10)
-
-
-@pytest.fixture(scope="module")
-def drafter_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("promo")
-    return [make_drafter_dir(root / f"d{i}", seed=i) for i in range(3)]
-
-
-@pytest.fixture
-def storage(tmp_path) -> Storage:
-    return Storage((tmp_path / "storage").as_uri())
-
-
-@pytest.fixture
-def serving(storage, sqlite_registry) -> LedgerBackend:
-    return LedgerBackend(ServingLedger(storage, sqlite_registry.model_name), SETTINGS)
+from tests.release.helpers import (
+    POLICY,
+    SETTINGS,
+    lineage,
+    publish_drafter,
+    summary,
+)
 
 
 def register(registry: DrafterRegistry, storage: Storage, drafter_dir, step: int) -> str:
@@ -52,11 +38,6 @@ def register(registry: DrafterRegistry, storage: Storage, drafter_dir, step: int
     reg = registry.publish(drafter_dir=drafter_dir,
                            lineage=lineage(fingerprint, uri, step=step))
     return reg.version.version
-
-
-def summary(tau: float, version: str | None = None) -> EvalSummary:
-    return EvalSummary(tau=tau, cycles=100, emitted_tokens=int(100 * tau), alpha=(0.8,),
-                       settings_key="S", heldout_key="H", drafter_version=version)
 
 
 def gate(tau: float, champion: EvalSummary | None):

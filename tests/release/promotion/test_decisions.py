@@ -9,10 +9,9 @@ import math
 
 import pytest
 
-from pipeline.eagle3.spec import SpecParams
 from pipeline.manifest import read_manifest
 from pipeline.release.backend import LedgerBackend, ServingError
-from pipeline.release.gate import ALREADY_CHAMPION, Candidate, EvalSummary, GatePolicy, decide
+from pipeline.release.gate import ALREADY_CHAMPION, Candidate, EvalSummary, decide
 from pipeline.release.ledger import ServingLedger
 from pipeline.release.mlflow_registry import (
     CHAMPION,
@@ -27,26 +26,13 @@ from pipeline.release.promotion import (
     rollback,
 )
 from pipeline.storage import Storage
-from tests.release.helpers import lineage, make_drafter_dir, publish_drafter
-
-SETTINGS = SpecParams(3, 1, 4)
-POLICY = GatePolicy(min_relative_gain=0.02, min_cycles=10)
-
-
-@pytest.fixture(scope="module")
-def drafter_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("decisions")
-    return [make_drafter_dir(root / f"d{i}", seed=i) for i in range(2)]
-
-
-@pytest.fixture
-def storage(tmp_path) -> Storage:
-    return Storage((tmp_path / "storage").as_uri())
-
-
-@pytest.fixture
-def serving(storage, sqlite_registry) -> LedgerBackend:
-    return LedgerBackend(ServingLedger(storage, sqlite_registry.model_name), SETTINGS)
+from tests.release.helpers import (
+    POLICY,
+    SETTINGS,
+    lineage,
+    publish_drafter,
+    summary,
+)
 
 
 def register(registry: DrafterRegistry, storage: Storage, drafter_dir, step: int) -> str:
@@ -54,11 +40,6 @@ def register(registry: DrafterRegistry, storage: Storage, drafter_dir, step: int
     uri = publish_drafter(storage, step, drafter_dir)
     fingerprint = read_manifest(storage, storage.key_of(uri)).meta["fingerprint"]
     return registry.register(None, uri, lineage(fingerprint, uri, step=step)).version.version
-
-
-def summary(tau: float, version: str | None) -> EvalSummary:
-    return EvalSummary(tau=tau, cycles=100, emitted_tokens=int(100 * tau), alpha=(0.8,),
-                       settings_key="S", heldout_key="H", drafter_version=version)
 
 
 def gate(candidate: str, tau: float, champion: EvalSummary | None):
