@@ -41,11 +41,17 @@ class LogitHead:
     def of(cls, config: Mapping[str, Any]) -> LogitHead:
         """The head of a target's ``config.json``: ``final_logit_softcapping`` (Gemma 2/3),
         ``logit_scale`` (Cohere: multiplied), ``logits_scaling`` (Granite: divided)."""
-        scale = float(config.get("logit_scale") or 1.0)
-        if config.get("logits_scaling"):
-            scale /= float(config["logits_scaling"])
-        softcap = config.get("final_logit_softcapping")
-        return cls(scale=scale, softcap=float(softcap) if softcap else None)
+        def number(key: str) -> float | None:
+            value = config.get(key)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"config.json {key} {value!r} is not a positive number")
+            return float(value)
+
+        multiply, divide = number("logit_scale"), number("logits_scaling")
+        return cls(scale=(multiply or 1.0) / (divide or 1.0),
+                   softcap=number("final_logit_softcapping"))
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.scale != 1.0:

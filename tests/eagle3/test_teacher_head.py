@@ -59,5 +59,7 @@ def test_the_teacher_equals_the_models_own_logits(build):
 def test_a_plain_config_has_a_plain_head():
     assert LogitHead.of({"vocab_size": 10}) == PLAIN_HEAD
     assert LogitHead.of({"final_logit_softcapping": None, "logit_scale": None}) == PLAIN_HEAD
-    with pytest.raises(ValueError, match="softcap must be a positive number"):
-        LogitHead.of({"final_logit_softcapping": -30.0})
+    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        for bad in (-30.0, 0, True, "30"):
+            with pytest.raises(ValueError, match=f"{key} .* is not a positive number"):
+                LogitHead.of({key: bad})
