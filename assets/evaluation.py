@@ -36,6 +36,9 @@ class EvalRunConfig(Config):
     eagle_topk: int | None = Field(default=None, description="--speculative-eagle-topk")
     num_draft_tokens: int | None = Field(default=None,
                                          description="--speculative-num-draft-tokens")
+    reference_prompts: int = Field(default=_E.reference_prompts,
+                                   description="prompts (the longest) also decoded by the "
+                                               "independent cache-free greedy reference")
     champion: str = Field(default="serving", description="serving (the drafter serving now; "
                                                          "'registry' is the old name) | none "
                                                          "| a storage prefix")
@@ -46,7 +49,8 @@ class EvalRunConfig(Config):
         if all(v is None for v in given):
             given = (serving.num_steps, serving.topk, serving.num_draft_tokens)
         return EvalConfig(max_prompts=self.max_prompts, max_new_tokens=self.max_new_tokens,
-                          num_steps=given[0], eagle_topk=given[1], num_draft_tokens=given[2])
+                          num_steps=given[0], eagle_topk=given[1], num_draft_tokens=given[2],
+                          reference_prompts=self.reference_prompts)
 
 
 @asset(partitions_def=refresh_steps, group_name="drafter", kinds={"pytorch"},
@@ -55,7 +59,8 @@ class EvalRunConfig(Config):
                    "prompts of the window; charts linked from the metadata. " + WINDOW_NOTE,
        check_specs=[spec("acceptance_eval", "acceptance_lossless",
                          "every drafter's outputs equal greedy decoding on every held-out "
-                         "prompt and τ was measured; blocks registration and promotion",
+                         "prompt and the cache-free reference on the sampled ones, and τ was "
+                         "measured; blocks registration and promotion",
                          blocking=True)])
 def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
                     storage: StorageResource, mlflow: MlflowResource,

@@ -75,15 +75,19 @@ def training_loss(first: float, final: float, history: Sequence[float]) -> Check
 
 def evaluation_sound(report: AcceptanceReport) -> CheckOutcome:
     """Every drafter's outputs equal greedy decoding on every prompt (speculative decoding is
-    lossless), and each drafter was measured (cycles > 0, finite τ). A failure means the
+    lossless), every contestant's equal the independent reference's on the sampled prompts
+    (the engine is right), and each drafter was measured (cycles > 0, finite τ). A failure means the
     measurement cannot be trusted, so nothing may be promoted on it. (Whether there were
     enough cycles for a decision is the gate's question, not this check's.)"""
-    prompts = report.heldout["prompts"]
+    prompts, sampled = report.heldout["prompts"], report.reference.get("prompts", 0)
     problems = []
     for name, c in sorted(report.contestants.items()):
         if c.outputs_match_baseline != prompts:
             problems.append(f"{name}: {c.outputs_match_baseline}/{prompts} prompts match "
                             "greedy decoding")
+        if c.outputs_match_reference != sampled:
+            problems.append(f"{name}: {c.outputs_match_reference}/{sampled} sampled prompts "
+                            "match the cache-free reference")
         if name == "no_drafter":
             continue
         stats = c.acceptance

@@ -87,15 +87,20 @@ def test_training_loss(first, final, history, passed, finite):
     assert outcome.passed is passed and outcome.metadata["finite"] is finite
 
 
-def _report(matches: dict[str, int], cycles: int = 10, prompts: int = 4) -> AcceptanceReport:
+def _report(matches: dict[str, int], cycles: int = 10, prompts: int = 4,
+            reference: dict[str, int] | None = None, sampled: int = 2) -> AcceptanceReport:
+    """``matches``: prompts matching the baseline per contestant; ``reference``: sampled
+    prompts matching the cache-free reference (default: all ``sampled``)."""
     stats = AcceptanceStats(num_steps=3, prompts=prompts)
     for _ in range(cycles):
         stats.add_cycle(2, 3, bonus=True)  # two of three drafts accepted, plus the bonus
-    contestants = {n: Contestant(n, None, None, to_dict(stats), m) for n, m in matches.items()}
+    reference = reference or {}
+    contestants = {n: Contestant(n, None, None, to_dict(stats), m, reference.get(n, sampled))
+                   for n, m in matches.items()}
     return AcceptanceReport(step=1, policy_uri="", policy_sha256="",
                             heldout={"prompts": prompts}, settings={}, heldout_key="h",
                             settings_key="s", contestants=contestants, fingerprint="f",
-                            seconds=0.0)
+                            seconds=0.0, reference={"prompts": sampled, "indices": [0, 3]})
 
 
 def test_evaluation_sound_passes_lossless_measured_contestants():
@@ -105,6 +110,16 @@ def test_evaluation_sound_passes_lossless_measured_contestants():
 def test_evaluation_sound_fails_on_one_lossy_prompt():
     outcome = evaluation_sound(_report({"candidate": 3, "no_drafter": 4}))
     assert not outcome.passed and "candidate: 3/4 prompts" in outcome.description
+
+
+def test_evaluation_sound_fails_when_the_engine_agrees_with_itself_but_not_the_reference():
+    """Every contestant equals the engine's baseline, yet the baseline (and so everyone)
+    differs from the cache-free reference on one sampled prompt: an engine bug."""
+    outcome = evaluation_sound(_report({"candidate": 4, "no_drafter": 4},
+                                       reference={"candidate": 1, "no_drafter": 1}))
+    assert not outcome.passed
+    assert "no_drafter: 1/2 sampled prompts match the cache-free reference" in \
+        outcome.description
 
 
 def test_evaluation_sound_fails_on_an_unmeasured_drafter():

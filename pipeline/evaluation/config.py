@@ -17,7 +17,8 @@ class EvalConfig:
     """What is measured: prompt count, generation length and SGLang's speculative settings.
 
     ``num_steps``/``eagle_topk``/``num_draft_tokens``: all three or none (None: SGLang's
-    auto choice for the target's architecture, DESIGN §5).
+    auto choice for the target's architecture, DESIGN §5). ``reference_prompts``: how many
+    prompts (the longest) are also decoded by the independent cache-free reference.
     """
 
     max_prompts: int = 32
@@ -25,10 +26,11 @@ class EvalConfig:
     num_steps: int | None = None
     eagle_topk: int | None = None
     num_draft_tokens: int | None = None
+    reference_prompts: int = 4
 
     def __post_init__(self) -> None:
-        if self.max_prompts < 1 or self.max_new_tokens < 1:
-            raise ValueError("max_prompts and max_new_tokens must be >= 1")
+        if self.max_prompts < 1 or self.max_new_tokens < 1 or self.reference_prompts < 1:
+            raise ValueError("max_prompts, max_new_tokens and reference_prompts must be >= 1")
 
     def spec_params(self, architectures: Sequence[str] | None) -> SpecParams:
         given = (self.num_steps, self.eagle_topk, self.num_draft_tokens)

@@ -106,6 +106,8 @@ def generate(runner: TargetRunner, drafter: Drafter | None, prompt: Sequence[int
         raise ValueError("cannot decode an empty prompt")
     if drafter is not None and params is None:
         raise ValueError("a drafter needs SpecParams")
+    lookahead = params.num_steps if drafter is not None and params is not None else 0
+    runner.check_length(len(prompt) + max_new_tokens + lookahead)  # tree nodes reach past
     stats = AcceptanceStats(params.num_steps if drafter is not None and params else 0,
                             prompts=1, prefill_tokens=1)
     clock = _Clock(runner.device)

@@ -12,9 +12,13 @@ Invariants:
 - Same prompts, same settings, same target for every contestant; the report's
   ``heldout_key`` and ``settings_key`` say so, and the promotion gate compares only reports
   whose keys agree.
-- Lossless check for free: greedy speculative decoding must emit the no-drafter tokens, so
-  every contestant's outputs are compared with the baseline's and mismatches counted (fp32
-  ties can flip an argmax between a one-token and a tree forward; more than that is a bug).
+- Lossless, checked twice: greedy speculative decoding must emit the no-drafter tokens, so
+  every contestant's outputs are compared with the baseline's; and on a sample of the
+  prompts (``reference_prompts``, the longest) every contestant, the baseline included, is
+  compared with an independent reference, the target's plain cache-free greedy loop
+  (:mod:`.reference`), which catches a bug the engine shares with itself. Mismatches are
+  counted (fp32 ties can flip an argmax; more than that is a bug) and
+  :func:`pipeline.checks.evaluation_sound` blocks promotion on any.
 - Idempotent: a committed report with the same input fingerprint (policy, drafters,
   prompts, settings) is returned as is.
 """
@@ -36,6 +40,8 @@ from pipeline.eagle3.export import load_drafter
 from pipeline.evaluation.config import EvalConfig
 from pipeline.evaluation.engine import evaluate
 from pipeline.evaluation.metrics import AcceptanceStats
+from pipeline.evaluation.reference import greedy_reference, reference_sample
+from pipeline.evaluation.target import TargetRunner
 from pipeline.layout import EVALS, eval_prefix, policy_prefix, steps_of
 from pipeline.manifest import entry_for, read_manifest, withdraw_manifest, write_manifest
 from pipeline.records import from_dict, from_json, to_dict, to_json
@@ -60,6 +66,7 @@ class Contestant:
     fingerprint: str | None  # the drafter manifest's fingerprint (None: no drafter)
     stats: dict[str, Any]  # AcceptanceStats.to_dict()
     outputs_match_baseline: int  # prompts whose tokens equal the no-drafter tokens
+    outputs_match_reference: int = 0  # sampled prompts whose tokens equal the reference's
 
     @property
     def acceptance(self) -> AcceptanceStats:
@@ -86,6 +93,7 @@ class AcceptanceReport:
     seconds: float
     schema_version: int = REPORT_SCHEMA_VERSION
     prompt_keys: list[str] = field(default_factory=list)
+    reference: dict[str, Any] = field(default_factory=dict)  # prompts, indices (sample)
 
     def summary(self) -> dict[str, Any]:
         """Flat numbers for metadata and logs: τ, α and lossless matches per contestant."""
@@ -94,6 +102,8 @@ class AcceptanceReport:
             s = c.acceptance
             out[f"{name}_tau"] = s.tau
             out[f"{name}_match"] = f"{c.outputs_match_baseline}/{self.heldout['prompts']}"
+            out[f"{name}_reference_match"] = (f"{c.outputs_match_reference}/"
+                                              f"{self.reference.get('prompts', 0)}")
             if name != NO_DRAFTER:
                 out[f"{name}_alpha"] = [round(a, 4) for a in s.alpha]
         return out
@@ -128,10 +138,15 @@ def run(storage: Storage, step: int, candidate: str,
     settings = {**asdict(params), "max_new_tokens": config.max_new_tokens}
     eos = stop_token_ids(target)
     ids = [list(p.prompt_ids) for p in prompts]
+    TargetRunner(target).check_length(max(map(len, ids)) + config.max_new_tokens
+                                      + params.num_steps)  # refuse before any work
+    sample = reference_sample([len(p) for p in ids], config.reference_prompts)
+    reference = {i: greedy_reference(target, ids[i], config.max_new_tokens, eos)
+                 for i in sample}
     base = evaluate(target, None, ids, None, max_new_tokens=config.max_new_tokens,
                     eos_token_id=eos)
     results = {NO_DRAFTER: Contestant(NO_DRAFTER, None, None, to_dict(base.stats),
-                                      len(ids))}
+                                      len(ids), _matches(base.outputs, reference))}
     embed = target.get_input_embeddings().weight.detach()
     for name, prefix in (("candidate", candidate), ("champion", champion)):
         if prefix is None:
@@ -146,14 +161,24 @@ def run(storage: Storage, step: int, candidate: str,
                         "prompts", step, name, len(ids) - match, len(ids))
         results[name] = Contestant(name, prefix,
                                    drafters[name].meta.get("fingerprint"),
-                                   to_dict(run.stats), match)
+                                   to_dict(run.stats), match, _matches(run.outputs, reference))
     report = AcceptanceReport(
         step=step, policy_uri=policy.key, policy_sha256=policy.sha256, heldout=heldout,
         settings=settings, heldout_key=heldout["keys_sha256"], settings_key=_sha256(settings),
         contestants=results, fingerprint=fingerprint, seconds=time.perf_counter() - started,
-        prompt_keys=[p.key for p in prompts])
+        prompt_keys=[p.key for p in prompts],
+        reference={"prompts": len(sample), "indices": sample})
     _publish(storage, report)
     return report
+
+
+def _matches(outputs: list[list[int]], reference: dict[int, list[int]]) -> int:
+    """Sampled prompts whose outputs equal the independent reference's."""
+    matches = sum(outputs[i] == tokens for i, tokens in reference.items())
+    if matches < len(reference):
+        log.warning("%d of %d sampled prompts differ from the cache-free greedy reference",
+                    len(reference) - matches, len(reference))
+    return matches
 
 
 def read_report(storage: Storage, step: int) -> AcceptanceReport | None:

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.model import Eagle3Drafter
+from pipeline.evaluation.reference import greedy_reference
 from pipeline.vocab.mapping import build_vocab_mapping
 
 VOCAB = 300
@@ -39,17 +40,6 @@ def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     lengths = [1, 2, 30] + torch.randint(3, 30, (17,), generator=g).tolist()
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-@torch.inference_mode()
-def greedy_reference(model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
-    """The target's greedy continuation, one full forward pass per token, no KV cache."""
-    ids, out = list(prompt), []
-    for _ in range(n):
-        token = int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax())
-        out.append(token)
-        ids.append(token)
-    return out
 
 
 @pytest.fixture(scope="session")

@@ -68,8 +68,15 @@ def test_three_contestants_on_the_same_heldout_prompts(world, tmp_path, monkeypa
     for c in report.contestants.values():
         s = c.acceptance
         assert s.prompts == len(prompts)
-        # Lossless: every drafter emits exactly the greedy tokens.
+        # Lossless: every drafter emits exactly the greedy tokens, and on the sampled
+        # (longest) prompts exactly the cache-free reference's.
         assert c.outputs_match_baseline == len(prompts)
+        assert c.outputs_match_reference == report.reference["prompts"]
+    lengths = [len(p.prompt_ids) for p in prompts]
+    assert report.reference["prompts"] == min(4, len(prompts))
+    sampled = report.reference["indices"]
+    assert min(lengths[i] for i in sampled) >= max(
+        (n for i, n in enumerate(lengths) if i not in sampled), default=0)
     assert report.contestants[NO_DRAFTER].tau == 1.0
     assert report.contestants["candidate"].acceptance.num_steps == 3
     assert report.contestants["candidate"].fingerprint == "fp-1"
