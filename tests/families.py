@@ -44,7 +44,7 @@ def _configs() -> dict[str, tf.PretrainedConfig]:
             "long_factor": [4.0] * 8, "original_max_position_embeddings": 256},
             original_max_position_embeddings=256),
         "deepseek_v3": tf.DeepseekV3Config(
-            **{**s, "num_key_value_heads": 4}, **_MOE, kv_lora_rank=16, q_lora_rank=24,
+            **{**s, "num_key_value_heads": 4, "num_hidden_layers": 5}, **_MOE, kv_lora_rank=16, q_lora_rank=24,
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
             first_k_dense_replace=1, n_group=1, topk_group=1),
         "gpt_oss": tf.GptOssConfig(**s, head_dim=16, sliding_window=WINDOW,

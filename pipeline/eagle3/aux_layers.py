@@ -67,17 +67,21 @@ def engine_default_ids(num_layers: int) -> tuple[int, int, int]:
     return 1, num_layers // 2 - 1, num_layers - 4
 
 
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+def default_aux_layer_ids(num_layers: int, model_type: str | None = None
+                          ) -> tuple[int, int, int]:
     """The engines' default layers (:func:`engine_default_ids`) when those are distinct;
     for targets too shallow for that, three ids spread over ``[1, N - 2]`` (``[0, 2]`` for
-    four layers). Fewer than four layers: a ValueError."""
+    four layers, except for a DeepSeek-style target, whose first id must be 1). Too shallow
+    for three distinct ids: a ValueError."""
     classic = engine_default_ids(num_layers)
     if classic[0] < classic[1] < classic[2]:
         return classic
-    if num_layers < 4:
-        raise ValueError(f"a {num_layers}-layer target has no three distinct aux layers in "
-                         f"[0, {num_layers - 2}]; pass aux_layer_ids explicitly")
-    low, high = (1 if num_layers >= 5 else 0), num_layers - 2
+    low, high = (1 if num_layers >= 5 or model_type in _FIRST_ID_ONE else 0), num_layers - 2
+    if high - low < 2:
+        kind = f"{num_layers}-layer" + (f" {model_type}" if model_type else "")
+        raise ValueError(f"a {kind} target has no three "
+                         f"distinct aux layers in [{low}, {high}]; pass aux_layer_ids "
+                         "explicitly")
     return low, (low + high) // 2, high
 
 

@@ -33,7 +33,7 @@ from pipeline.eagle3.aux_layers import (
 )
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -102,17 +102,20 @@ class DrafterConfig:
         hidden = int(get("hidden_size"))
         heads = int(get("num_attention_heads"))
         num_layers = int(get("num_hidden_layers"))
+        model_type = get("model_type", None)
         ids = check_aux_layer_ids(
-            aux_layer_ids if aux_layer_ids is not None else default_aux_layer_ids(num_layers),
-            num_layers, model_type=get("model_type", None))
-        theta, scaling = read_rope(target)
+            aux_layer_ids if aux_layer_ids is not None
+            else default_aux_layer_ids(num_layers, model_type),
+            num_layers, model_type=model_type)
+        head_dim = int(get("head_dim", None) or hidden // heads)
+        theta, scaling = drafter_rope(target, head_dim)
         vocab = int(get("vocab_size"))
         return cls(
             hidden_size=hidden,
             intermediate_size=int(get("intermediate_size")),
             num_attention_heads=heads,
             num_key_value_heads=int(get("num_key_value_heads", heads) or heads),
-            head_dim=int(get("head_dim", None) or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -208,11 +211,17 @@ def read_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling)`` from a config object or dict.
 
     ``rope_parameters`` (transformers 5) wins; otherwise top-level ``rope_theta`` and
-    ``rope_scaling`` (``type`` is accepted for ``rope_type``). ``rope_scaling`` is None for
-    plain RoPE, else a dict with ``rope_type`` and its parameters, never ``rope_theta``.
+    ``rope_scaling`` (``type`` is accepted for ``rope_type``). Per-layer-type parameters
+    (Gemma-3: ``{"full_attention": {...}, "sliding_attention": {...}}``) give the
+    full-attention layers' RoPE: the drafter attends over the whole sequence as those do.
+    ``rope_scaling`` is None for plain RoPE, else a dict with ``rope_type`` and its
+    parameters, never ``rope_theta``.
     """
     get = _getter(cfg)
     params = get("rope_parameters", None)
+    if isinstance(params, Mapping) and params and all(
+            isinstance(v, Mapping) for v in params.values()):
+        params = params.get("full_attention") or params[sorted(params)[0]]
     if isinstance(params, Mapping) and "rope_theta" in params:
         theta = float(params["rope_theta"])
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -227,6 +236,38 @@ def read_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
         scaling["rope_type"] = scaling.pop("type")
     scaling.pop("type", None)
     if not scaling or scaling == {"rope_type": "default"}:
+        return theta, None
+    return theta, dict(sorted(scaling.items()))
+
+
+# The yarn fields transformers, SGLang and vLLM read alike for a Llama layer. DeepSeek's
+# mscale/mscale_all_dim, attention_factor and GPT-OSS's truncate=False change transformers'
+# result but not the engines' Llama YaRN, so a drafter carrying them would be trained on one
+# rotation and served with another.
+_PORTABLE_YARN = ("rope_type", "factor", "original_max_position_embeddings", "beta_fast",
+                  "beta_slow")
+
+
+def drafter_rope(target: Any, head_dim: int) -> tuple[float, dict[str, Any] | None]:
+    """The drafter's RoPE for ``target``: the target's (:func:`read_rope`) where every
+    engine computes it as transformers does, else the nearest form that they all do.
+
+    The drafter rotates its whole head (the engines' Llama drafter reads no
+    ``partial_rotary_factor``). ``dynamic`` NTK becomes plain RoPE (equal to it up to the
+    original length in transformers, while SGLang and vLLM scale it statically everywhere);
+    ``yarn`` keeps only :data:`_PORTABLE_YARN`; ``longrope`` whose factor lists do not fit
+    the drafter's ``head_dim`` (partial rotary, as Phi-4-mini, or another head size) becomes
+    plain RoPE.
+    """
+    theta, scaling = read_rope(target)
+    scaling = dict(scaling or {})
+    scaling.pop("partial_rotary_factor", None)
+    kind = scaling.get("rope_type", "default")
+    if kind == "yarn":
+        scaling = {k: v for k, v in scaling.items() if k in _PORTABLE_YARN}
+    fits = all(len(scaling.get(f) or ()) == head_dim // 2
+               for f in ("short_factor", "long_factor"))
+    if kind in ("default", "dynamic") or (kind == "longrope" and not fits):
         return theta, None
     return theta, dict(sorted(scaling.items()))
 

@@ -78,23 +78,34 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding:
-    """Llama RoPE (plain or a static scaling: linear, llama3, yarn); no parameters."""
+    """Llama RoPE: plain, a static scaling (linear, llama3, yarn) or ``longrope``, whose
+    long factors apply to a whole forward pass once its furthest position reaches
+    ``original_max_position_embeddings`` (transformers' rule); no parameters."""
 
     def __init__(self, config: DrafterConfig):
         self.inv_freq, self.attention_scaling = rope_frequencies(config)  # (d/2,) fp32
+        self.long_from: int | None = None  # positions >= this switch to long_inv_freq
+        if config.rope_type == "longrope":
+            self.long_from = int(config.rope_parameters["original_max_position_embeddings"])
+            self.long_inv_freq, _ = rope_frequencies(config, seq_len=self.long_from + 1)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sin`` of shape ``positions.shape + (d,)`` for integer ``positions``."""
-        inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[..., None].float() * inv_freq  # (..., d/2)
+        inv_freq = self.inv_freq
+        if (self.long_from is not None and positions.numel()
+                and int(positions.max()) >= self.long_from):
+            inv_freq = self.long_inv_freq
+        freqs = positions[..., None].float() * inv_freq.to(positions.device)  # (..., d/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (..., d)
         return ((emb.cos() * self.attention_scaling).to(dtype),
                 (emb.sin() * self.attention_scaling).to(dtype))
 
 
-def rope_frequencies(config: DrafterConfig) -> tuple[torch.Tensor, float]:
-    """``(inv_freq (d/2,) fp32, attention_scaling)``; scaled types via transformers' table."""
+def rope_frequencies(config: DrafterConfig, seq_len: int | None = None
+                     ) -> tuple[torch.Tensor, float]:
+    """``(inv_freq (d/2,) fp32, attention_scaling)``; scaled types via transformers' table
+    (``seq_len`` picks longrope's long factors when it passes the original length)."""
     if config.rope_type == "default":
         d = config.head_dim
         exponent = torch.arange(0, d, 2, dtype=torch.int64).float() / d
@@ -107,7 +118,7 @@ def rope_frequencies(config: DrafterConfig) -> tuple[torch.Tensor, float]:
                      head_dim=config.head_dim,
                      max_position_embeddings=config.max_position_embeddings,
                      rope_parameters=config.rope_parameters)
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[config.rope_type](hf)
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[config.rope_type](hf, None, seq_len)
     return inv_freq.float(), float(scaling)
 
 

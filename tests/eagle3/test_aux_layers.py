@@ -32,6 +32,10 @@ def test_shallow_defaults_no_longer_repeat_a_layer():
     assert default_aux_layer_ids(32) == (1, 15, 28)  # Llama-3-8B: SpecForge's [1, 15, 28]
     with pytest.raises(ValueError, match="3-layer target has no three distinct"):
         default_aux_layer_ids(3)
+    # DeepSeek-style targets: SGLang shifts their ids only when the first is 1
+    assert default_aux_layer_ids(5, "deepseek_v3") == (1, 2, 3)
+    with pytest.raises(ValueError, match="4-layer deepseek_v3 target has no three"):
+        default_aux_layer_ids(4, "deepseek_v3")
 
 
 @pytest.mark.parametrize(("ids", "layers", "message"), [

@@ -93,6 +93,45 @@ def test_sglang_config_json():
     assert wide.fc_in_features == 192
 
 
+def test_per_layer_type_rope_gives_the_full_attention_layers_rope():
+    """Gemma-3 (transformers 5): one rope per layer type; the drafter, which attends over
+    the whole sequence, takes the full-attention layers'."""
+    gemma3 = {"rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}
+    assert read_rope(gemma3) == (1e6, {"factor": 8.0, "rope_type": "linear"})
+    cfg = DrafterConfig.from_target({**tiny_target_config().to_dict(), **gemma3})
+    assert cfg.to_sglang_config()["rope_scaling"] == {"factor": 8.0, "rope_type": "linear"}
+
+
+@pytest.mark.parametrize(("rope", "drafter"), [
+    # DeepSeek-V3: mscale/mscale_all_dim change transformers' YaRN, not the engines' Llama
+    ({"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+     {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+      "beta_fast": 32, "beta_slow": 1}),
+    # GPT-OSS: truncate=False is transformers-only
+    ({"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+      "truncate": False}, {"rope_type": "yarn", "factor": 32.0,
+                           "original_max_position_embeddings": 4096}),
+    # dynamic NTK: transformers rescales per length, the engines statically: plain RoPE
+    ({"rope_type": "dynamic", "factor": 2.0}, None),
+    # Phi-4-mini: partial rotary, factor lists for 3/4 of the head: plain RoPE
+    ({"rope_type": "longrope", "partial_rotary_factor": 0.75, "short_factor": [1.0] * 3,
+      "long_factor": [2.0] * 3, "original_max_position_embeddings": 64}, None),
+    # Phi-3: lists that fit the (8-wide) head are kept; the partial factor 1.0 is dropped
+    ({"rope_type": "longrope", "partial_rotary_factor": 1.0, "short_factor": [1.0] * 4,
+      "long_factor": [2.0] * 4, "original_max_position_embeddings": 64},
+     {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+      "original_max_position_embeddings": 64}),
+])
+def test_drafter_rope_is_one_every_engine_computes_alike(rope, drafter):
+    target = tiny_target_config(rope_parameters={**rope, "rope_theta": 5e4})
+    cfg = DrafterConfig.from_target(target)
+    assert cfg.head_dim == 8 and cfg.rope_theta == 5e4
+    assert cfg.rope_scaling == drafter
+
+
 def test_plain_rope_writes_null_scaling():
     out = DrafterConfig.from_target(tiny_target_config()).to_sglang_config()
     assert out["rope_theta"] == 10000.0 and out["rope_scaling"] is None

@@ -97,11 +97,24 @@ def test_parameter_names_and_shapes_are_sglangs():
      "original_max_position_embeddings": 64, "rope_theta": 500000.0},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
      "rope_theta": 10000.0},
+    {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},  # Gemma-3's global layers
+    "longrope",
 ])
-def test_rope_matches_transformers(rope):
+@pytest.mark.parametrize("positions", [[0, 1, 5, 63, 64, 200, 255], [0, 3, 62, 63]],
+                         ids=["past-64", "below-64"])
+def test_rope_matches_transformers(rope, positions):
+    """Every rope type the drafter takes, as transformers' Llama rotates. longrope (Phi-3)
+    switches to its long factors for a whole pass once a position reaches the original
+    length (64 here), and stays on the short ones below it."""
+    if rope == "longrope":
+        half = tiny_target_config().head_dim // 2
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.5] * half,
+                "long_factor": [float(i + 2) for i in range(half)],
+                "original_max_position_embeddings": 64}
     target = tiny_target_config(rope_parameters=rope)
     cfg = DrafterConfig.from_target(target)
-    positions = torch.tensor([[0, 1, 5, 63, 64, 200, 255]])
+    assert cfg.rope_type == rope["rope_type"]
+    positions = torch.tensor([positions])
     x = torch.randn(1, cfg.num_attention_heads, positions.shape[1], cfg.head_dim)
     hf_cos, hf_sin = LlamaRotaryEmbedding(target)(x, positions)
     cos, sin = RotaryEmbedding(cfg).cos_sin(positions, torch.float32)
