@@ -1,7 +1,7 @@
 """Tiny random-initialised targets of the model families people train with RL.
 
-Each keeps its family's distinguishing structure at toy width (hidden 64, 4 layers; 5 for DeepSeek, whose aux ids start at 1): the
-rope type, tied embeddings, the vocabulary size where it matters (Qwen3's 151,936), MoE
+Each keeps its family's distinguishing structure at toy width (hidden 64, 4 layers; 5 for
+DeepSeek, whose aux ids start at 1): the rope type, tied embeddings, the vocabulary size where it matters (Qwen3's 151,936), MoE
 routing, MLA, sliding-window and hybrid attention (windows of 8 tokens, shorter than the
 test sequences), Gemma's soft-caps and GPT-OSS's attention sinks. Built through
 ``AutoModelForCausalLM.from_config`` exactly as a checkpoint of that family loads.
@@ -45,7 +45,8 @@ def _configs() -> dict[str, tf.PretrainedConfig]:
             original_max_position_embeddings=256),
         "deepseek_v3": tf.DeepseekV3Config(
             **{**s, "num_key_value_heads": 4, "num_hidden_layers": 5}, **_MOE,
-            kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+            kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, n_routed_experts=4,
             first_k_dense_replace=1, n_group=1, topk_group=1),
         "gpt_oss": tf.GptOssConfig(**s, head_dim=16, sliding_window=WINDOW,
                                    num_local_experts=4, num_experts_per_tok=2),
