@@ -2,9 +2,10 @@
 
 Each keeps its family's distinguishing structure at toy width (hidden 64, 4 layers; 5 for
 DeepSeek, whose aux ids start at 1): the rope type, tied embeddings, the vocabulary size
-where it matters (Qwen3's 151,936), MoE routing, MLA, sliding-window and hybrid attention (windows of 8 tokens, shorter than the
-test sequences), Gemma's soft-caps and GPT-OSS's attention sinks. Built through
-``AutoModelForCausalLM.from_config`` exactly as a checkpoint of that family loads.
+where it matters (Qwen3's 151,936), MoE routing, MLA, sliding-window and hybrid attention
+(windows of 8 tokens, shorter than the test sequences), Gemma's soft-caps and GPT-OSS's
+attention sinks. Built through ``AutoModelForCausalLM.from_config`` exactly as a checkpoint
+of that family loads.
 """
 
 from __future__ import annotations
