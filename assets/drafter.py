@@ -75,6 +75,12 @@ class DrafterRunConfig(Config):
     keep_checkpoints: int = Field(default=_T.keep_checkpoints, description="kept on disk")
     log_every: int = Field(default=_T.log_every, description="steps between log lines")
     export_dtype: str = Field(default=_T.export_dtype, description="exported weight dtype")
+    drafter_hidden_size: int = Field(default=0, description="drafter width (0: the target's; "
+                                     "another width exports the drafter's own embedding)")
+    drafter_intermediate_size: int = Field(default=0, description="MLP width (0: derived)")
+    drafter_heads: int = Field(default=0, description="attention heads (0: derived)")
+    drafter_kv_heads: int = Field(default=0, description="KV heads (0: derived)")
+    drafter_head_dim: int = Field(default=0, description="head size (0: derived)")
     warm_start: str = Field(default="serving", description="serving (the drafter serving now) "
                             "| previous (the newest committed one) | none | a storage prefix "
                             "or local drafter dir")

@@ -17,10 +17,17 @@ Invariants:
   (top-level, ``l + 1``) alike.
 - ``draft_vocab_size <= vocab_size`` (capped); ``target_hidden_size`` is written only when it
   differs from ``hidden_size`` (SGLang then sizes ``fc`` from it).
+- Width (:class:`DrafterShape`): the drafter copies the target's width and attention layout
+  unless told otherwise or the target's attention is too wide to copy (MLA, more than 64
+  heads: DeepSeek-V3's 128 heads would make a ~1.2B drafter); then heads are 128 wide
+  (fewer for tiny targets) with 8 KV heads. A drafter whose ``hidden_size`` differs from the
+  target's owns its token embedding (exported, as SGLang and vLLM then load the draft's own
+  ``embed_tokens`` instead of sharing the target's).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +41,44 @@ from pipeline.eagle3.aux_layers import (
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+WIDE_ATTENTION_HEADS = 64  # targets with more heads (or MLA) get a re-laid-out drafter
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """The drafter's own widths; 0 = derived from the target (module docstring)."""
+
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"drafter {name} must be an int >= 0 (0: derived from the "
+                                 f"target), got {value!r}")
+
+    def resolve(self, target: Any) -> dict[str, int]:
+        """Concrete widths for ``target`` (a config object or dict)."""
+        get = _getter(target)
+        width, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        head_dim = int(get("head_dim", None) or width // heads)
+        kv_heads = int(get("num_key_value_heads", heads) or heads)
+        wide = get("kv_lora_rank", None) is not None or heads > WIDE_ATTENTION_HEADS
+        hidden = self.hidden_size or width
+        copy = hidden == width and not wide and not self.head_dim
+        dim = self.head_dim or (head_dim if copy else min(128, 2 * (hidden // 8)))
+        n = self.num_attention_heads or (heads if copy else max(1, hidden // dim))
+        kv = self.num_key_value_heads or (kv_heads if copy and n == heads else math.gcd(n, 8))
+        inter = int(get("intermediate_size"))
+        if hidden != width:  # the target's MLP ratio, rounded to 64
+            inter = max(64, round(inter * hidden / width / 64) * 64)
+        return {"hidden_size": hidden, "intermediate_size": self.intermediate_size or inter,
+                "num_attention_heads": n, "num_key_value_heads": kv, "head_dim": dim}
 
 
 @dataclass(frozen=True)
@@ -79,6 +124,11 @@ class DrafterConfig:
         return (self.rope_scaling or {}).get("rope_type", "default")
 
     @property
+    def owns_embedding(self) -> bool:
+        """A drafter of another width than its target carries its own token embedding."""
+        return self.hidden_size != self.target_hidden_size
+
+    @property
     def fc_in_features(self) -> int:
         return self.target_hidden_size * len(self.aux_layer_ids)
 
@@ -91,38 +141,34 @@ class DrafterConfig:
     # -- construction ------------------------------------------------------------------
     @classmethod
     def from_target(cls, target: Any, *, draft_vocab_size: int = 32000,
-                    aux_layer_ids: Sequence[int] | None = None) -> DrafterConfig:
-        """The drafter of a Llama-style ``target`` config (object or config.json dict).
+                    aux_layer_ids: Sequence[int] | None = None,
+                    shape: DrafterShape = DrafterShape()) -> DrafterConfig:
+        """The drafter of a decoder-only ``target`` config (object or config.json dict).
 
         ``draft_vocab_size`` is capped by the target vocab; ``aux_layer_ids`` default to
         :func:`~pipeline.eagle3.aux_layers.default_aux_layer_ids` and are checked against
-        the target's depth and model type.
+        the target's depth and model type; ``shape`` sets the drafter's widths (module
+        docstring).
         """
         get = _getter(target)
-        hidden = int(get("hidden_size"))
-        heads = int(get("num_attention_heads"))
         num_layers = int(get("num_hidden_layers"))
         model_type = get("model_type", None)
         ids = check_aux_layer_ids(
             aux_layer_ids if aux_layer_ids is not None
             else default_aux_layer_ids(num_layers, model_type),
             num_layers, model_type=model_type)
-        head_dim = int(get("head_dim", None) or hidden // heads)
-        theta, scaling = drafter_rope(target, head_dim)
+        widths = shape.resolve(target)
+        theta, scaling = drafter_rope(target, widths["head_dim"])
         vocab = int(get("vocab_size"))
         return cls(
-            hidden_size=hidden,
-            intermediate_size=int(get("intermediate_size")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(get("num_key_value_heads", heads) or heads),
-            head_dim=head_dim,
+            **widths,
             rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(get("max_position_embeddings")),
             vocab_size=vocab,
             draft_vocab_size=min(int(draft_vocab_size), vocab),
-            target_hidden_size=hidden,
+            target_hidden_size=int(get("hidden_size")),
             aux_layer_ids=ids,
             # the drafter is SGLang's/vLLM's Llama layer, a SiLU-gated MLP, whatever the
             # target's MLP (Gemma's gelu_pytorch_tanh, Phi's, ...): never copied from it

@@ -1,9 +1,10 @@
 """Drafter checkpoints in the format SGLang loads, and warm starts between refreshes.
 
 A checkpoint is a directory with ``config.json`` (:meth:`DrafterConfig.to_sglang_config`) and
-``model.safetensors`` holding exactly :data:`~pipeline.eagle3.model.EXPORTED_NAMES`: float
-weights in one dtype (bf16 by default), ``d2t`` int64 and ``t2d`` bool. No ``embed_tokens``:
-SGLang shares the target's embedding.
+``model.safetensors`` holding exactly :func:`~pipeline.eagle3.model.exported_names`: float
+weights in one dtype (bf16 by default), ``d2t`` int64 and ``t2d`` bool. No ``embed_tokens``
+(SGLang shares the target's embedding) unless the drafter's width differs from the target's:
+then its own projected table, which the engines load instead.
 
 Invariants:
 
@@ -30,7 +31,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from pipeline.eagle3.config import DrafterConfig, shapes_match
-from pipeline.eagle3.model import EXPORTED_NAMES, Eagle3Drafter
+from pipeline.eagle3.model import OWN_EMBEDDING, Eagle3Drafter, exported_names
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -85,24 +86,27 @@ def read_drafter_config(directory: str | Path) -> DrafterConfig:
 def load_drafter(directory: str | Path, target_embedding: torch.Tensor | nn.Embedding, *,
                  dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
                  ) -> Eagle3Drafter:
-    """The drafter saved in ``directory``, with the target's token embedding attached.
+    """The drafter saved in ``directory``, with the target's token embedding attached (or
+    its own, when it carries one).
 
     ``dtype`` defaults to the dtype the weights were saved in.
     """
     directory = Path(directory)
     config = read_drafter_config(directory)
+    expected = exported_names(config)
     with safe_open(str(directory / WEIGHTS_NAME), framework="pt") as f:
         names = set(f.keys())
-        missing, extra = set(EXPORTED_NAMES) - names, names - set(EXPORTED_NAMES)
+        missing, extra = set(expected) - names, names - set(expected)
         if missing or extra:
             raise ValueError(f"{directory / WEIGHTS_NAME}: missing {sorted(missing)}, "
                              f"unexpected {sorted(extra)}")
-        state = {name: f.get_tensor(name) for name in EXPORTED_NAMES}
+        state = {name: f.get_tensor(name) for name in expected}
     if dtype is None:
         dtype = state["fc.weight"].dtype
     weight = target_embedding.weight if isinstance(target_embedding, nn.Embedding) \
         else target_embedding
-    model = Eagle3Drafter(config, weight.detach().to("cpu", dtype))
+    weight = state[OWN_EMBEDDING] if config.owns_embedding else weight.detach()
+    model = Eagle3Drafter(config, weight.to("cpu", dtype))
     model.to(dtype)
     model.set_vocab(state.pop("d2t"), state.pop("t2d"))
     model.load_state_dict({**state, "d2t": model.d2t, "t2d": model.t2d}, strict=True)

@@ -25,7 +25,10 @@ Invariants:
   only in which keys a query sees.
 - ``embed_tokens`` holds the target's embedding as a non-persistent buffer: it never gets a
   gradient, is not in ``parameters()`` (so optimisers and ZeRO ignore it) and not in
-  ``state_dict()`` (so neither checkpoints nor exports carry it).
+  ``state_dict()`` (so neither checkpoints nor exports carry it). A drafter of another width
+  than its target (``config.owns_embedding``) holds instead a fixed projection of the
+  target's embedding (:func:`project_embedding`), still frozen but persistent: exported as
+  ``embed_tokens.weight``, which SGLang and vLLM load as the draft's own embedding.
 - RoPE frequencies are computed in fp32 from the config and never cast with the model, so
   ``model.to(torch.bfloat16)`` keeps exact positions.
 """
@@ -61,6 +64,26 @@ EXPORTED_NAMES = (
     "d2t",
     "t2d",
 )
+OWN_EMBEDDING = "embed_tokens.weight"
+
+
+def exported_names(config: DrafterConfig) -> tuple[str, ...]:
+    """The tensors of an exported drafter: :data:`EXPORTED_NAMES`, plus its own embedding
+    when it is narrower or wider than the target."""
+    return EXPORTED_NAMES + ((OWN_EMBEDDING,) if config.owns_embedding else ())
+
+
+@torch.no_grad()
+def project_embedding(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """The target's (V, Ht) embedding mapped to (V, ``width``) by a fixed orthonormal
+    projection (seeded, so every run derives the same table from the same target): token
+    geometry is kept as well as ``width`` allows, and the drafter's input norm rescales."""
+    rows, cols = weight.shape[1], width
+    basis = torch.randn(max(rows, cols), min(rows, cols),
+                        generator=torch.Generator().manual_seed(0))
+    q = torch.linalg.qr(basis).Q  # orthonormal columns
+    projection = q if rows >= cols else q.T  # (Ht, width)
+    return (weight.float() @ projection.to(weight.device)).to(weight.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -198,15 +221,15 @@ class DecoderLayer(nn.Module):
 
 
 class FrozenEmbedding(nn.Module):
-    """The target's token embedding as a non-persistent buffer (no grad, not saved).
+    """A token embedding as a buffer: no grad; saved only when ``persistent``.
 
     Shares memory with the tensor it is given (a 128k × 4096 table is worth not copying);
     nothing here writes to it.
     """
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, persistent: bool = False):
         super().__init__()
-        self.register_buffer("weight", weight.detach(), persistent=False)
+        self.register_buffer("weight", weight.detach(), persistent=persistent)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
@@ -217,17 +240,25 @@ class Eagle3Drafter(nn.Module):
 
     def __init__(self, config: DrafterConfig, embed_weight: torch.Tensor, *,
                  d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None):
-        """``embed_weight``: the target's ``(vocab_size, hidden_size)`` token embedding.
+        """``embed_weight``: the target's ``(vocab_size, target_hidden_size)`` token
+        embedding; for a drafter that owns its embedding, also its own ``(vocab_size,
+        hidden_size)`` table (as exported).
 
         ``d2t``/``t2d`` default to the identity mapping onto the first ``draft_vocab_size``
         target ids; set the real ones with :meth:`set_vocab`.
         """
         super().__init__()
-        if tuple(embed_weight.shape) != (config.vocab_size, config.hidden_size):
-            raise ValueError(f"embedding {tuple(embed_weight.shape)} must be (vocab_size, "
-                             f"hidden_size) = ({config.vocab_size}, {config.hidden_size})")
+        shape = tuple(embed_weight.shape)
+        own = (config.vocab_size, config.hidden_size)
+        if shape != own and shape != (config.vocab_size, config.target_hidden_size):
+            raise ValueError(f"embedding {shape} must be (vocab_size, hidden_size) = {own}"
+                             + (f" or the target's ({config.vocab_size}, "
+                                f"{config.target_hidden_size})" if config.owns_embedding
+                                else ""))
+        if shape != own:
+            embed_weight = project_embedding(embed_weight, config.hidden_size)
         self.config = config
-        self.embed_tokens = FrozenEmbedding(embed_weight)
+        self.embed_tokens = FrozenEmbedding(embed_weight, persistent=config.owns_embedding)
         self.fc = nn.Linear(config.fc_in_features, config.hidden_size, bias=False)
         self.midlayer = DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -307,14 +338,13 @@ class Eagle3Drafter(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     def exported_state_dict(self) -> dict[str, torch.Tensor]:
-        """Exactly the tensors SGLang loads (:data:`EXPORTED_NAMES`), detached."""
-        state = self.state_dict()
-        missing = set(EXPORTED_NAMES) - set(state)
-        extra = set(state) - set(EXPORTED_NAMES)
+        """Exactly the tensors SGLang loads (:func:`exported_names`), detached."""
+        state, names = self.state_dict(), exported_names(self.config)
+        missing, extra = set(names) - set(state), set(state) - set(names)
         if missing or extra:
             raise RuntimeError(f"drafter state dict drifted from SGLang's names: missing "
                                f"{sorted(missing)}, unexpected {sorted(extra)}")
-        return {name: state[name].detach() for name in EXPORTED_NAMES}
+        return {name: state[name].detach() for name in names}
 
 
 def _init_weights(module: nn.Module) -> None:

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from pipeline.eagle3.export import CONFIG_NAME, WEIGHTS_NAME, read_drafter_config
-from pipeline.eagle3.model import EXPORTED_NAMES, Eagle3Drafter, check_vocab_mapping
+from pipeline.eagle3.model import Eagle3Drafter, check_vocab_mapping, exported_names
 
 _INDEX_DTYPES = {"d2t": torch.int64, "t2d": torch.bool}
 
@@ -41,19 +41,20 @@ def drafter_format_errors(directory: str | Path) -> tuple[str, ...]:
     with torch.device("meta"):
         reference = Eagle3Drafter(config, torch.empty(config.vocab_size, config.hidden_size))
     expected = {n: t for n, t in reference.exported_state_dict().items()}
+    names_wanted = set(exported_names(config))
 
     errors: list[str] = []
     try:
         with safe_open(str(directory / WEIGHTS_NAME), framework="pt") as f:
             names = set(f.keys())
-            missing, extra = set(EXPORTED_NAMES) - names, names - set(EXPORTED_NAMES)
+            missing, extra = names_wanted - names, names - names_wanted
             if missing:
                 errors.append(f"missing tensors {sorted(missing)}")
             if extra:
                 errors.append(f"unexpected tensors {sorted(extra)} (SGLang ignores them)")
             float_dtypes = set()
             index = {}
-            for name in sorted(names & set(EXPORTED_NAMES)):
+            for name in sorted(names & names_wanted):
                 x = f.get_tensor(name)
                 want = expected[name]
                 if tuple(x.shape) != tuple(want.shape):

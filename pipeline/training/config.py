@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.eagle3.config import DrafterShape
 from pipeline.records import to_dict
 
 DTYPES = ("fp32", "bf16")
@@ -63,8 +64,20 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     export_dtype: str = "bfloat16"  # dtype of the exported SGLang weights
+    # the drafter's widths (0: derived from the target, see pipeline.eagle3.config)
+    drafter_hidden_size: int = 0
+    drafter_intermediate_size: int = 0
+    drafter_heads: int = 0
+    drafter_kv_heads: int = 0
+    drafter_head_dim: int = 0
+
+    @property
+    def drafter_shape(self) -> DrafterShape:
+        return DrafterShape(self.drafter_hidden_size, self.drafter_intermediate_size,
+                            self.drafter_heads, self.drafter_kv_heads, self.drafter_head_dim)
 
     def __post_init__(self) -> None:
+        _ = self.drafter_shape  # validates the widths
         positive = ("lr", "adam_eps", "ttt_depth", "max_length", "micro_batch_size",
                     "grad_accum", "epochs", "shuffle_buffer", "world_size", "checkpoint_every",
                     "keep_checkpoints", "log_every")
@@ -98,9 +111,12 @@ class TrainConfig:
         return self.micro_batch_size * self.grad_accum * self.world_size
 
     def fingerprint(self) -> str:
-        """sha256 of the fields that change the trained weights (not logging cadence)."""
+        """sha256 of the fields that change the trained weights (not logging cadence).
+        Drafter widths left at 0 (derived from the target, which the spec fingerprints) are
+        left out, so runs planned before those fields existed keep their fingerprints."""
         cosmetic = {"log_every", "keep_checkpoints", "checkpoint_every"}
-        payload = {k: v for k, v in sorted(to_dict(self).items()) if k not in cosmetic}
+        payload = {k: v for k, v in sorted(to_dict(self).items()) if k not in cosmetic
+                   and not (k.startswith("drafter_") and v == 0)}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

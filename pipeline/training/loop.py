@@ -75,7 +75,7 @@ def build_drafter(spec: TrainSpec, storage: Storage) -> tuple[Eagle3Drafter, Any
     hidden, aux_ids = shard_geometry(manifests)
     mapping = load_mapping(storage, spec.vocab_key)
     config = DrafterConfig.from_target(target.config, draft_vocab_size=mapping.draft_vocab_size,
-                                       aux_layer_ids=aux_ids)
+                                       aux_layer_ids=aux_ids, shape=spec.config.drafter_shape)
     if hidden != config.target_hidden_size or mapping.target_vocab_size != config.vocab_size:
         raise WindowError(f"shards (H={hidden}) or vocab mapping (V={mapping.target_vocab_size})"
                           f" do not fit the policy (H={config.target_hidden_size}, "
@@ -170,9 +170,9 @@ def train(spec: TrainSpec, storage: Storage) -> TrainResult:
     params = full_fp32_params(engine, named)  # collective
     result = None
     if ctx.rank == 0:
-        export = Eagle3Drafter(model.config, target.embed, d2t=model.d2t.cpu(),
-                               t2d=model.t2d.cpu())
-        export.load_state_dict({**params, "d2t": export.d2t, "t2d": export.t2d}, strict=True)
+        embed = model.embed_tokens.weight.cpu() if model.config.owns_embedding else target.embed
+        export = Eagle3Drafter(model.config, embed, d2t=model.d2t.cpu(), t2d=model.t2d.cpu())
+        export.load_state_dict({**export.state_dict(), **params}, strict=True)
         save_drafter(export, model.config, spec.out_dir, overwrite=True,
                      dtype=_EXPORT_DTYPES[cfg.export_dtype])
         window = max(1, min(per_epoch, len(history) // 4))  # first vs last quarter

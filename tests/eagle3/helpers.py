@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig
 
-from pipeline.eagle3.config import DrafterConfig
+from pipeline.eagle3.config import DrafterConfig, DrafterShape
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.eagle3.ttt_batch import TTTBatch
 from pipeline.vocab.mapping import build_vocab_mapping
@@ -23,16 +23,18 @@ def tiny_target_config(**overrides) -> LlamaConfig:
 
 
 def tiny_drafter(seed: int = 0, *, target: LlamaConfig | None = None,
-                 draft_vocab_size: int = DRAFT_VOCAB) -> Eagle3Drafter:
+                 draft_vocab_size: int = DRAFT_VOCAB,
+                 shape: DrafterShape = DrafterShape()) -> Eagle3Drafter:
     """A drafter whose weights are large enough that attention is far from uniform.
 
     With Llama's 0.02 init every attention is nearly uniform, and a wrong mask or position
-    barely moves the output; these weights make such bugs show up at O(1).
+    barely moves the output; these weights make such bugs show up at O(1). ``shape``: its
+    widths (a narrower one projects the random target embedding onto its own).
     """
     target = target or tiny_target_config()
-    cfg = DrafterConfig.from_target(target, draft_vocab_size=draft_vocab_size)
+    cfg = DrafterConfig.from_target(target, draft_vocab_size=draft_vocab_size, shape=shape)
     g = torch.Generator().manual_seed(seed)
-    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    embed = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g)
     model = Eagle3Drafter(cfg, embed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from transformers import LlamaConfig
+from transformers import DeepseekV3Config, LlamaConfig
 
-from pipeline.eagle3.config import DrafterConfig, read_rope, shapes_match
+from pipeline.eagle3.config import DrafterConfig, DrafterShape, read_rope, shapes_match
 from pipeline.records import from_json, to_json
 from tests.eagle3.helpers import tiny_target_config
 
@@ -130,6 +130,42 @@ def test_drafter_rope_is_one_every_engine_computes_alike(rope, drafter):
     cfg = DrafterConfig.from_target(target)
     assert cfg.head_dim == 8 and cfg.rope_theta == 5e4
     assert cfg.rope_scaling == drafter
+
+
+def test_drafter_width_follows_the_target_unless_its_attention_is_too_wide():
+    llama = DrafterConfig.from_target(LlamaConfig(num_hidden_layers=32, num_key_value_heads=8))
+    assert (llama.hidden_size, llama.num_attention_heads, llama.num_key_value_heads,
+            llama.head_dim, llama.intermediate_size) == (4096, 32, 8, 128, 11008)
+    assert not llama.owns_embedding
+    # DeepSeek-V3 (MLA, 128 heads of 56): 56 heads of 128 and 8 KV heads, not 128 × 56 with
+    # 128 KV heads; the width stays the target's so the embedding is shared
+    v3 = DrafterConfig.from_target(DeepseekV3Config())
+    assert (v3.hidden_size, v3.num_attention_heads, v3.num_key_value_heads, v3.head_dim,
+            v3.intermediate_size) == (7168, 56, 8, 128, 18432)
+    assert not v3.owns_embedding
+
+
+def test_drafter_width_from_configuration():
+    v3 = DeepseekV3Config()
+    narrow = DrafterConfig.from_target(v3, shape=DrafterShape(hidden_size=4096))
+    assert (narrow.hidden_size, narrow.num_attention_heads, narrow.num_key_value_heads,
+            narrow.head_dim, narrow.intermediate_size) == (4096, 32, 8, 128, 10560)
+    assert narrow.target_hidden_size == 7168 and narrow.fc_in_features == 3 * 7168
+    assert narrow.owns_embedding
+    written = narrow.to_sglang_config()
+    assert written["target_hidden_size"] == 7168 and written["hidden_size"] == 4096
+    assert DrafterConfig.from_sglang_config(written) == narrow
+    explicit = DrafterConfig.from_target(v3, shape=DrafterShape(
+        hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=128))
+    assert (explicit.hidden_size, explicit.intermediate_size, explicit.num_attention_heads,
+            explicit.num_key_value_heads, explicit.head_dim) == (2048, 5632, 16, 4, 128)
+    for bad in ({"hidden_size": -1}, {"head_dim": True}, {"num_attention_heads": 2.0}):
+        with pytest.raises(ValueError, match="must be an int >= 0"):
+            DrafterShape(**bad)
+    with pytest.raises(ValueError, match="multiple"):
+        DrafterConfig.from_target(v3, shape=DrafterShape(num_attention_heads=56,
+                                                         num_key_value_heads=5))
 
 
 def test_plain_rope_writes_null_scaling():

@@ -12,7 +12,8 @@ from torch import nn
 
 from pipeline.eagle3 import export
 from pipeline.eagle3.export import load_drafter, save_drafter, warm_start
-from pipeline.eagle3.model import EXPORTED_NAMES, Eagle3Drafter
+from pipeline.eagle3.config import DrafterShape
+from pipeline.eagle3.model import EXPORTED_NAMES, Eagle3Drafter, project_embedding
 from pipeline.vocab.mapping import build_vocab_mapping
 from tests.eagle3.helpers import tiny_drafter
 
@@ -59,6 +60,48 @@ def test_load_round_trip_gives_identical_logits(tmp_path, dtype):
     with torch.no_grad():
         assert torch.equal(loaded(ids, aux)[1], expected(ids, aux)[1])
     assert torch.equal(loaded.d2t, model.d2t) and torch.equal(loaded.t2d, model.t2d)
+
+
+NARROW = DrafterShape(hidden_size=16, head_dim=8)  # a 16-wide drafter of a 32-wide target
+
+
+def test_a_drafter_of_another_width_exports_its_own_embedding(tmp_path):
+    """SGLang and vLLM keep the draft's own ``embed_tokens`` when ``target_hidden_size``
+    differs from ``hidden_size``: it is exported, and the round trip is exact."""
+    model = tiny_drafter(33, shape=NARROW)
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.target_hidden_size, cfg.fc_in_features) == (16, 32, 96)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (2, 2, 8)
+    out = save_drafter(model, cfg, tmp_path / "narrow", dtype=torch.float32)
+    written = json.loads((out / "config.json").read_text())
+    assert written["hidden_size"] == 16 and written["target_hidden_size"] == 32
+    tensors = read_checkpoint(out)
+    assert set(tensors) == set(EXPORTED_NAMES) | {"embed_tokens.weight"}
+    assert tensors["embed_tokens.weight"].shape == (cfg.vocab_size, 16)
+    assert tensors["fc.weight"].shape == (16, 96)
+    # the embedding is a fixed function of the target's: the same table from the same target
+    target_embed = torch.randn(cfg.vocab_size, 32, generator=torch.Generator().manual_seed(4))
+    again = Eagle3Drafter(cfg, target_embed)
+    assert torch.equal(again.embed_tokens.weight, project_embedding(target_embed, 16))
+    assert not again.embed_tokens.weight.requires_grad
+    assert "embed_tokens.weight" not in dict(again.named_parameters())
+    # loading ignores the target embedding passed in and uses the exported one
+    loaded = load_drafter(out, torch.zeros(cfg.vocab_size, 32))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=g)
+    aux = torch.randn(2, 7, cfg.fc_in_features, generator=g)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, aux)[1], model(ids, aux)[1])
+
+
+def test_projection_keeps_token_geometry():
+    """Orthonormal: a narrower table keeps pairwise angles approximately; a same-width
+    one exactly (a rotation)."""
+    weight = torch.randn(50, 32, generator=torch.Generator().manual_seed(1))
+    rotated = project_embedding(weight, 32)
+    torch.testing.assert_close(rotated @ rotated.T, weight @ weight.T, rtol=1e-4, atol=1e-4)
+    wider = project_embedding(weight, 48)
+    torch.testing.assert_close(wider @ wider.T, weight @ weight.T, rtol=1e-4, atol=1e-4)
 
 
 def test_save_is_atomic_and_refuses_to_clobber(tmp_path, monkeypatch):

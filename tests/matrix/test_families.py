@@ -19,6 +19,7 @@ from pipeline.eagle3.config import DrafterConfig
 from pipeline.evaluation import stage as eval_stage
 from pipeline.evaluation.config import EvalConfig
 from pipeline.layout import drafter_prefix
+from pipeline.release.format_check import drafter_format_errors
 from pipeline.training import stage as train_stage
 from pipeline.training.config import TrainConfig
 from pipeline.verified import fetch
@@ -74,3 +75,24 @@ def test_evaluation_is_lossless_against_the_reference(refreshed, drafting):
     assert report.reference["prompts"] == 2
     assert report.contestants["candidate"].acceptance.cycles > 0
     assert len(report.prompt_keys) >= 2
+
+
+def test_a_narrower_drafter_trains_exports_and_decodes(tmp_path):
+    """``drafter_hidden_size`` below the target's: the drafter owns its (projected, frozen)
+    embedding, exports it with ``target_hidden_size``, passes the serving format check and
+    decodes losslessly against the reference."""
+    target = tiny_target("qwen3_moe")  # hidden 64
+    storage = build_world(tmp_path / "storage", (STEP,), samples=16, model=target,
+                          extract=replace(EXTRACT, heldout_fraction=0.3))
+    vocab_stage.run(storage, STEP, 1, 64)
+    narrow = replace(TRAIN, drafter_hidden_size=32, drafter_head_dim=8)
+    train_stage.run(storage, STEP, narrow, work_root=tmp_path / "work", warm_start="none")
+    local = fetch(storage, drafter_prefix(STEP), kind="drafter_checkpoint", label="drafter")
+    assert drafter_format_errors(local) == ()
+    written = json.loads((local / "config.json").read_text())
+    assert (written["hidden_size"], written["target_hidden_size"]) == (32, 64)
+    assert (written["num_attention_heads"], written["head_dim"]) == (4, 8)
+    report = eval_stage.run(storage, STEP, drafter_prefix(STEP), None, EvalConfig(
+        max_prompts=4, max_new_tokens=12, reference_prompts=2, **SETTINGS["tree"]))
+    outcome = evaluation_sound(report)
+    assert outcome.passed, outcome.description
