@@ -10,9 +10,9 @@ a sentinel character that occurs nowhere in the real rendering. Everything the t
 emits around the content (headers, injected ``<think>\\n\\n</think>\\n\\n``, default system
 prompts, history rewriting) is identical in both renders, so the text before the first and
 after the last sentinel pins the content's exact place. The content found there must equal
-the message content, or its whitespace-trimmed form for templates that ``| trim``; anything
-else (content altered, rendered twice, dropped) is a :class:`ChatMaskError` naming the sample
-and the message index.
+the message content, or the content with whitespace trimmed at either end (``| trim``,
+``lstrip('\\n')``); anything else (content altered, rendered twice, dropped) is a
+:class:`ChatMaskError` naming the sample and the message index.
 
 Masking rules (pinned by the golden tests in ``tests/tokenize/golden/``):
 
@@ -29,6 +29,18 @@ Masking rules (pinned by the golden tests in ``tests/tokenize/golden/``):
   characters are template glue, never another message's content.
 - **Empty assistant turns** mask only their closing token(s): the policy emitted just that.
 - System, user and tool content, role headers and injected template text are never masked.
+- **Reasoning.** RL engines hand back a reasoning model's output with its reasoning inline,
+  ``<think>…</think>answer`` (the text the policy wrote). Templates that read reasoning from a
+  field of the message (Qwen3's ``reasoning_content``, GPT-OSS's ``thinking``) get it there,
+  the answer in ``content``; templates that read neither get the content as it is and, if
+  they rewrite it (DeepSeek-V3.1 keeps only what follows ``</think>``), what they keep.
+  Reasoning tokens are trained wherever the template renders them (in RL most generated
+  tokens are reasoning, and the drafter must draft them): the turn's span then starts where
+  the generation prompt ends (``<think>``, ``<|channel|>analysis``…), as the policy wrote it
+  all. Where the template drops them (earlier turns of Qwen3 and GPT-OSS histories, every
+  DeepSeek-V3.1 turn) they are not in the sample; send exact ids to train them there.
+  A turn without reasoning masks from its content: an empty think block the template adds
+  (thinking off) is template text.
 
 Offsets must be exact (``trim_offsets=False`` for byte-level BPE): tokens must cover the text
 without gaps, else masks would silently drop whitespace tokens; this is checked.
@@ -47,7 +59,10 @@ Span = tuple[int, int]
 
 # Special tokens that close a turn in common chat formats; used when present in the vocab.
 KNOWN_END_OF_TURN: tuple[str, ...] = (
-    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>")
+    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|return|>",
+    "<|call|>")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+REASONING_FIELDS = ("reasoning_content", "thinking")  # Qwen3, GPT-OSS
 _SENTINEL_BASE = 0xF0000  # Supplementary Private Use Area-A: absent from real text
 
 
@@ -97,31 +112,74 @@ def _sentinel(text: str) -> str:
     return chr(code)
 
 
-def _locate_content(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message],
-                    index: int, text: str, sample_id: str) -> Span:
-    """Where ``messages[index]``'s content sits in ``text`` (the full rendering)."""
+def split_reasoning(content: str) -> tuple[str, str] | None:
+    """``(reasoning, answer)`` of ``<think>reasoning</think>answer``, or None without a
+    closing tag. As the templates do: text before the opening tag is dropped and newlines
+    around the reasoning are stripped; the answer is kept as it is (templates trim it
+    themselves, or not)."""
+    head, sep, answer = content.partition(THINK_CLOSE)
+    return (head.split(THINK_OPEN)[-1].strip("\n"), answer) if sep else None
+
+
+def reasoning_field(tokenizer: PreTrainedTokenizerFast) -> str | None:
+    """The message field the chat template reads reasoning from, if any."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    return next((f for f in REASONING_FIELDS if f"message.{f}" in template
+                 or f"'{f}' in message" in template or f'"{f}" in message' in template), None)
+
+
+def _as_template_reads(messages: Sequence[Message], field: str | None, *,
+                       answers_only: bool = False) -> list[dict[str, str]]:
+    """Assistant reasoning moved to ``field`` (or dropped, ``answers_only``)."""
+    out = []
+    for m in messages:
+        parts = split_reasoning(m["content"]) if m["role"] == "assistant" else None
+        if parts is not None and field is not None:  # as Qwen3 splits inline reasoning
+            m = {**m, "content": parts[1].lstrip("\n"), field: parts[0]}
+        elif parts is not None and answers_only:
+            m = {**m, "content": parts[1]}
+        out.append(dict(m))
+    return out
+
+
+def _locate(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message], index: int,
+            key: str, text: str, sample_id: str) -> Span | None:
+    """Where ``messages[index][key]`` sits in ``text`` (the full rendering); None when the
+    template does not render it."""
     sentinel = _sentinel(text)
     probe = [dict(m) for m in messages]
-    probe[index]["content"] = sentinel
+    probe[index][key] = sentinel
     marked = render(tokenizer, probe, sample_id=sample_id)
     first, last = marked.find(sentinel), marked.rfind(sentinel)
     if first < 0:
-        raise ChatMaskError(sample_id, index, "content_not_found",
-                            "the chat template does not render this assistant message")
+        return None
     after = len(marked) - last - 1  # characters the template emits after the content
     start, end = first, len(text) - after
     if (last != first or end < start or marked[:first] != text[:start]
             or marked[last + 1:] != text[end:]):
         raise ChatMaskError(sample_id, index, "content_not_found",
-                            "the template renders this assistant content more than once "
+                            f"the template renders this assistant {key} more than once "
                             "or depends on it; its place in the text is ambiguous")
-    content = messages[index]["content"]
+    value = messages[index][key]
     found = text[start:end]
-    if found != content and found != content.strip():
+    if found not in value or found.strip() != value.strip():  # only edge whitespace trimmed
         raise ChatMaskError(sample_id, index, "content_altered",
-                            f"the template altered the assistant content: rendered "
-                            f"{found[:60]!r}, message has {content[:60]!r}")
+                            f"the template altered the assistant {key}: rendered "
+                            f"{found[:60]!r}, message has {value[:60]!r}")
     return start, end
+
+
+def _turn_start(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message], index: int,
+                text: str, reasoning_start: int, sample_id: str) -> int:
+    """Where a turn with rendered reasoning begins: the end of its generation prompt."""
+    prompt = render(tokenizer, messages[:index], sample_id=sample_id,
+                    add_generation_prompt=True)
+    if not text.startswith(prompt) or len(prompt) > reasoning_start:
+        raise ChatMaskError(sample_id, index, "content_not_found",
+                            "the generation prompt is not where this turn's reasoning begins")
+    return len(prompt)
 
 
 def _closing_pattern(tokens: Sequence[str]) -> re.Pattern[str]:
@@ -137,15 +195,42 @@ def render_with_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Mes
                       end_of_turn: Sequence[str] | None = None) -> tuple[str, list[Span]]:
     """The rendered conversation and the character spans to mask, in order.
 
-    Each span covers one assistant message's content (as rendered) plus its closing token(s).
+    Each span covers one assistant turn as the policy wrote it: its content as rendered
+    (and its reasoning, where the template renders it) plus its closing token(s).
     """
-    text = render(tokenizer, messages, sample_id=sample_id)
     closing = _closing_pattern(end_of_turn or end_of_turn_tokens(tokenizer))
+    field = reasoning_field(tokenizer)
+    try:
+        return _spans(tokenizer, _as_template_reads(messages, field), field, closing,
+                      sample_id)
+    except ChatMaskError as e:
+        has_reasoning = any(m["role"] == "assistant" and split_reasoning(m["content"])
+                            for m in messages)
+        if field is not None or not has_reasoning or e.kind not in (
+                "content_altered", "content_not_found"):
+            raise
+    # a template that reads no reasoning field but rewrites inline reasoning: what it keeps
+    return _spans(tokenizer, _as_template_reads(messages, None, answers_only=True), None,
+                  closing, sample_id)
+
+
+def _spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message],
+           field: str | None, closing: re.Pattern[str], sample_id: str
+           ) -> tuple[str, list[Span]]:
+    text = render(tokenizer, messages, sample_id=sample_id)
     spans: list[Span] = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start, end = _locate_content(tokenizer, messages, i, text, sample_id)
+        located = _locate(tokenizer, messages, i, "content", text, sample_id)
+        if located is None:
+            raise ChatMaskError(sample_id, i, "content_not_found",
+                                "the chat template does not render this assistant message")
+        start, end = located
+        reasoning = (_locate(tokenizer, messages, i, field, text, sample_id)
+                     if field is not None and field in message else None)
+        if reasoning is not None:
+            start = _turn_start(tokenizer, messages, i, text, reasoning[0], sample_id)
         if spans and start < spans[-1][1]:
             raise ChatMaskError(sample_id, i, "out_of_order",
                                 "assistant content rendered before the previous turn's end")

@@ -24,7 +24,7 @@ def tiny_target_config(**overrides) -> LlamaConfig:
 
 def tiny_drafter(seed: int = 0, *, target: LlamaConfig | None = None,
                  draft_vocab_size: int = DRAFT_VOCAB,
-                 shape: DrafterShape = DrafterShape()) -> Eagle3Drafter:
+                 shape: DrafterShape | None = None) -> Eagle3Drafter:
     """A drafter whose weights are large enough that attention is far from uniform.
 
     With Llama's 0.02 init every attention is nearly uniform, and a wrong mask or position
@@ -32,7 +32,8 @@ def tiny_drafter(seed: int = 0, *, target: LlamaConfig | None = None,
     widths (a narrower one projects the random target embedding onto its own).
     """
     target = target or tiny_target_config()
-    cfg = DrafterConfig.from_target(target, draft_vocab_size=draft_vocab_size, shape=shape)
+    cfg = DrafterConfig.from_target(target, draft_vocab_size=draft_vocab_size,
+                                    shape=shape or DrafterShape())
     g = torch.Generator().manual_seed(seed)
     embed = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g)
     model = Eagle3Drafter(cfg, embed)

@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from pipeline.eagle3 import export
-from pipeline.eagle3.export import load_drafter, save_drafter, warm_start
 from pipeline.eagle3.config import DrafterShape
+from pipeline.eagle3.export import load_drafter, save_drafter, warm_start
 from pipeline.eagle3.model import EXPORTED_NAMES, Eagle3Drafter, project_embedding
 from pipeline.vocab.mapping import build_vocab_mapping
 from tests.eagle3.helpers import tiny_drafter

@@ -30,7 +30,12 @@ from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
 from pipeline.tokenize.stage import first_difference, load_step_tokenizer, tokenize_record, truncate
 from resources.storage import StorageResource
 
-from .test_tokenization_templates import chatml_think_tokenizer, chatml_tokenizer, demo_tokenizer
+from .test_tokenization_templates import (
+    TOKENIZERS,
+    chatml_think_tokenizer,
+    chatml_tokenizer,
+    demo_tokenizer,
+)
 
 CHAT = [{"role": "user", "content": "What is 2 + 3?"},
         {"role": "assistant", "content": "The answer is 5."}]
@@ -77,6 +82,31 @@ def test_exact_ids_are_the_truth_and_agree_with_the_template():
     assert r.loss_mask == [0] * len(rec["prompt_token_ids"]) + [1] * len(
         rec["response_token_ids"])
     assert tok.decode(rec["response_token_ids"]) == "The answer is 5.<|im_end|>"
+
+
+THINKING = [{"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": "<think>\nAdd two and three.\n</think>\n\n5."}]
+
+
+@pytest.mark.parametrize("template", ["qwen3", "gpt_oss"])
+def test_reasoning_sent_as_text_is_kept_and_trained_like_exact_ids(template):
+    """A thinking model's rollout as text (reasoning inline) is tokenized as the template
+    renders it, reasoning included, and equals the record of the engine's own ids (the
+    template's generation prompt + what the policy wrote): neither is dropped."""
+    tok = TOKENIZERS[template]()
+    text = tokenize_record(tok, text_record("t", THINKING))
+    assert text.source == "chat_template" and text.dropped is None
+    exact = tokenize_record(tok, exact_record(tok, "e", THINKING))
+    assert exact.checked and exact.mismatch is None and exact.dropped is None
+    n = len(exact.input_ids)  # the text record also keeps the template's trailing glue
+    assert (text.input_ids[:n], text.loss_mask[:n]) == (exact.input_ids, exact.loss_mask)
+    assert not any(text.loss_mask[n:])
+    trained = tok.decode([t for t, m in zip(text.input_ids, text.loss_mask, strict=True)
+                          if m])
+    assert "Add two and three." in trained and trained.endswith(
+        "5.<|im_end|>" if template == "qwen3" else "5.<|return|>")
+    prompt = encode_prompt(tok, THINKING[:1])
+    assert text.input_ids[:len(prompt)] == prompt and not any(text.loss_mask[:len(prompt)])
 
 
 def test_a_mismatching_exact_record_is_counted_and_its_ids_kept():

@@ -1,4 +1,5 @@
-"""Golden loss masks per chat template: Llama-3-style, ChatML, ChatML + thinking, the demo's.
+"""Golden loss masks per chat template: Llama-3-style, ChatML, ChatML + thinking, the demo's,
+and the published templates of Qwen3, Llama-3.1, DeepSeek-V3.1 and GPT-OSS (harmony).
 
 Two independent pins per conversation:
 - ``EXPECTED_MASKED``: the masked text, written by hand here (one string per contiguous
@@ -50,20 +51,42 @@ CONVERSATIONS: dict[str, list[dict[str, str]]] = {
     "leading_newlines": [
         {"role": "user", "content": "Indent it."},
         {"role": "assistant", "content": "\n\nindented\n"}],
+    # reasoning inline, as RL engines return a thinking model's text
+    "think_single": [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "<think>\nAdd two and three.\n</think>\n\n2 + 3 = 5."}],
+    "think_multi": [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "<think>\nGreet back.\n</think>\n\nHello!"},
+        {"role": "user", "content": "Add 10 and 32."},
+        {"role": "assistant", "content": "<think>\n10 + 32 = 42.\n</think>\n\n42"}],
 }
+# GPT-OSS's template refuses a tool message without a structured tool call before it (text
+# records carry none): such records are quarantined as render_failed (tested below).
+UNRENDERABLE = {("gpt_oss", "tool_call")}
 
-EOT, IM_END = "<|eot_id|>", "<|im_end|>"
+EOT, IM_END, EOS_DS = "<|eot_id|>", "<|im_end|>", "<｜end▁of▁sentence｜>"
+END, RETURN = "<|end|>", "<|return|>"  # GPT-OSS: an earlier turn ends, the last one returns
 _COMMON = {
     "single_turn": ["2 + 3 = 5.{}"],
     "system_multi_turn": ["Hello! How can I help?{}", "42{}"],
     "tool_call": ['call get_weather("Paris"){}', "It is 18 °C in Paris.{}"],
     "unicode": [f"東京は日本の首都です 🗼 — {CAFE} ✓{{}}"],
     "empty_assistant_turn": ["{}", "ok{}"],  # an empty turn masks only its closing token
+    # templates that read no reasoning and keep the content: reasoning trained as written
+    "think_single": ["<think>\nAdd two and three.\n</think>\n\n2 + 3 = 5.{}"],
+    "think_multi": ["<think>\nGreet back.\n</think>\n\nHello!{}",
+                    "<think>\n10 + 32 = 42.\n</think>\n\n42{}"],
 }
 
 
-def _closed(eot: str) -> dict[str, list[str]]:
-    return {k: [s.format(eot) for s in v] for k, v in _COMMON.items()}
+def _closed(eot: str, last: str | None = None) -> dict[str, list[str]]:
+    """``_COMMON`` closed by ``eot``, the conversation's last turn by ``last``."""
+    out = {}
+    for name, runs in _COMMON.items():
+        ends = [eot] * (len(runs) - 1) + [last or eot]
+        out[name] = [s.format(e) for s, e in zip(runs, ends, strict=True)]
+    return out
 
 
 EXPECTED_MASKED: dict[str, dict[str, list[str]]] = {
@@ -77,6 +100,28 @@ EXPECTED_MASKED: dict[str, dict[str, list[str]]] = {
     "chatml_think": _closed(IM_END) | {"leading_newlines": [f"\n\nindented\n{IM_END}"]},
     # The demo's GPT-2-style regex keeps each "\n" apart: no straddle.
     "demo": _closed(EOT) | {"leading_newlines": [f"\n\nindented\n{EOT}"]},
+    # Published templates. Qwen3 reads reasoning_content: the last turn's reasoning is
+    # rendered and trained from <think> on (the policy wrote it after the generation
+    # prompt); an earlier turn's is dropped from the history; content is lstrip('\n')-ed.
+    "qwen3": _closed(IM_END) | {
+        "leading_newlines": [f"indented\n{IM_END}"],
+        "think_single": [f"<think>\nAdd two and three.\n</think>\n\n2 + 3 = 5.{IM_END}"],
+        "think_multi": [f"Hello!{IM_END}", f"<think>\n10 + 32 = 42.\n</think>\n\n42{IM_END}"]},
+    # Llama-3.1 trims contents and reads no reasoning: inline reasoning is kept and trained.
+    "llama3_1": _closed(EOT) | {"leading_newlines": [f"indented{EOT}"]},
+    # DeepSeek-V3.1 keeps only what follows </think>, in every turn: reasoning not trained.
+    "deepseek_v3_1": _closed(EOS_DS) | {
+        "leading_newlines": [f"\n\nindented\n{EOS_DS}"],
+        "think_single": [f"\n\n2 + 3 = 5.{EOS_DS}"],
+        "think_multi": [f"\n\nHello!{EOS_DS}", f"\n\n42{EOS_DS}"]},
+    # GPT-OSS reads `thinking`: the last turn's analysis channel is trained with its final
+    # answer, from the channel header the policy wrote after "<|start|>assistant".
+    "gpt_oss": _closed(END, RETURN) | {
+        "leading_newlines": [f"\n\nindented\n{RETURN}"],
+        "think_single": ["<|channel|>analysis<|message|>Add two and three.<|end|><|start|>"
+                         f"assistant<|channel|>final<|message|>2 + 3 = 5.{RETURN}"],
+        "think_multi": [f"Hello!{END}", "<|channel|>analysis<|message|>10 + 32 = 42.<|end|>"
+                        f"<|start|>assistant<|channel|>final<|message|>42{RETURN}"]},
 }
 
 
@@ -118,7 +163,8 @@ def golden_path(template: str) -> Path:
     return GOLDEN / f"tokenization_{template}.json"
 
 
-CASES = [(t, c) for t in sorted(TOKENIZERS) for c in sorted(CONVERSATIONS)]
+CASES = [(t, c) for t in sorted(TOKENIZERS) for c in sorted(CONVERSATIONS)
+         if (t, c) not in UNRENDERABLE]
 
 
 @pytest.mark.parametrize(("template", "conversation"), CASES)
@@ -138,7 +184,8 @@ def test_ids_and_masks_match_the_golden_file(template, conversation):
 def test_golden_files_hold_every_conversation_and_the_hand_checked_masks():
     for template in TOKENIZERS:
         golden = json.loads(golden_path(template).read_text(encoding="utf-8"))
-        assert sorted(golden) == sorted(CONVERSATIONS)
+        assert sorted(golden) == sorted(c for c in CONVERSATIONS
+                                        if (template, c) not in UNRENDERABLE)
         for name, entry in golden.items():
             assert entry["masked_text"] == EXPECTED_MASKED[template][name]
             assert len(entry["input_ids"]) == len(entry["loss_mask"]) == len(entry["tokens"])
@@ -174,6 +221,14 @@ def test_unlocatable_assistant_content_is_an_error_naming_sample_and_message(
         assert f"message {index}" in str(err.value)
 
 
+@pytest.mark.parametrize(("template", "conversation"), sorted(UNRENDERABLE))
+def test_a_conversation_the_template_refuses_is_an_error_naming_the_sample(
+        template, conversation):
+    with pytest.raises(ChatMaskError) as err:
+        encode_chat(TOKENIZERS[template](), CONVERSATIONS[conversation], sample_id="r-9")
+    assert err.value.kind == "render_failed" and "sample 'r-9'" in str(err.value)
+
+
 def test_trimmed_offsets_are_refused():
     base = llama3_tokenizer()
     backend = base.backend_tokenizer.__class__.from_str(base.backend_tokenizer.to_str())
@@ -192,7 +247,8 @@ def regenerate() -> None:
     for template, build in sorted(TOKENIZERS.items()):
         tokenizer = build()
         entries = {name: golden_entry(tokenizer, messages)
-                   for name, messages in CONVERSATIONS.items()}
+                   for name, messages in CONVERSATIONS.items()
+                   if (template, name) not in UNRENDERABLE}
         golden_path(template).write_text(dump_golden(entries), encoding="utf-8")
 
 
