@@ -25,6 +25,7 @@ from pipeline.training.config import TrainConfig
 from pipeline.verified import fetch
 from pipeline.vocab import stage as vocab_stage
 from tests.families import FAMILIES, tiny_target
+from tests.matrix.conftest import speculators_load
 from tests.training.world import EXTRACT, build_world
 
 STEP = 1
@@ -37,7 +38,8 @@ SETTINGS = {"chain": dict(num_steps=3, eagle_topk=1, num_draft_tokens=4),
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def refreshed(request, tmp_path_factory):
-    """One family's world after capture, vocab and training: (storage, target, drafter)."""
+    """One family's world after capture, vocab and training: (storage, target, drafter,
+    the target's checkpoint directory)."""
     torch.set_num_threads(1)
     target = tiny_target(request.param)
     root = tmp_path_factory.mktemp(request.param)
@@ -46,11 +48,11 @@ def refreshed(request, tmp_path_factory):
     vocab_stage.run(storage, STEP, 1, 64)
     refresh = train_stage.run(storage, STEP, TRAIN, work_root=root / "work",
                               warm_start="none")
-    return storage, target, refresh
+    return storage, target, refresh, root / "storage-policy"  # saved by build_world
 
 
 def test_the_export_is_a_drafter_of_the_target(refreshed, tmp_path):
-    storage, target, refresh = refreshed
+    storage, target, refresh, _ = refreshed
     local = fetch(storage, drafter_prefix(STEP), kind="drafter_checkpoint", label="drafter")
     written = json.loads((local / "config.json").read_text())
     config = DrafterConfig.from_sglang_config(written)
@@ -66,7 +68,7 @@ def test_the_export_is_a_drafter_of_the_target(refreshed, tmp_path):
 
 @pytest.mark.parametrize("drafting", SETTINGS)
 def test_evaluation_is_lossless_against_the_reference(refreshed, drafting):
-    storage, target, refresh = refreshed
+    storage, target, _, _ = refreshed
     config = EvalConfig(max_prompts=4, max_new_tokens=12, reference_prompts=2,
                         **SETTINGS[drafting])
     report = eval_stage.run(storage, STEP, drafter_prefix(STEP), None, config)
@@ -77,10 +79,10 @@ def test_evaluation_is_lossless_against_the_reference(refreshed, drafting):
     assert len(report.prompt_keys) >= 2
 
 
-def test_a_narrower_drafter_trains_exports_and_decodes(tmp_path):
+def test_a_narrower_drafter_trains_exports_and_decodes(tmp_path, speculators_python):
     """``drafter_hidden_size`` below the target's: the drafter owns its (projected, frozen)
     embedding, exports it with ``target_hidden_size``, passes the serving format check and
-    decodes losslessly against the reference."""
+    speculators' converter and loader, and decodes losslessly against the reference."""
     target = tiny_target("qwen3_moe")  # hidden 64
     storage = build_world(tmp_path / "storage", (STEP,), samples=16, model=target,
                           extract=replace(EXTRACT, heldout_fraction=0.3))
@@ -92,7 +94,29 @@ def test_a_narrower_drafter_trains_exports_and_decodes(tmp_path):
     written = json.loads((local / "config.json").read_text())
     assert (written["hidden_size"], written["target_hidden_size"]) == (32, 64)
     assert (written["num_attention_heads"], written["head_dim"]) == (4, 8)
+    report, stderr = speculators_load(speculators_python, local, tmp_path / "storage-policy",
+                                      tmp_path / "converted")
+    assert report is not None, stderr
+    assert report["missing"] == [] and report["differing"] == []
+    assert (report["hidden_size"], report["target_hidden_size"]) == (32, 64)
     report = eval_stage.run(storage, STEP, drafter_prefix(STEP), None, EvalConfig(
         max_prompts=4, max_new_tokens=12, reference_prompts=2, **SETTINGS["tree"]))
     outcome = evaluation_sound(report)
     assert outcome.passed, outcome.description
+
+
+def test_the_export_loads_in_vllm_speculators(refreshed, speculators_python, tmp_path):
+    """Peer loader: speculators' EAGLE-3 converter and loader take the export as it is,
+    read the layers vLLM must capture, and hold every exported tensor unchanged."""
+    storage, target, _, target_dir = refreshed
+    local = fetch(storage, drafter_prefix(STEP), kind="drafter_checkpoint", label="drafter")
+    report, stderr = speculators_load(speculators_python, local, target_dir, tmp_path / "out")
+    assert report is not None, stderr
+    assert report["missing"] == [] and report["differing"] == []
+    assert report.get("current_missing", []) == report.get("current_differing", []) == []
+    written = json.loads((local / "config.json").read_text())
+    assert report["layer_ids"] == [i + 1 for i in written["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"]]
+    assert report["hidden_size"] == written["hidden_size"]
+    assert report["rope_theta"] == written["rope_theta"]
+    assert report["rope_type"] == (written["rope_scaling"] or {}).get("rope_type", "default")

@@ -1,0 +1,71 @@
+"""A separate environment with vLLM's speculators, for the peer-loader checks.
+
+Built once per session: a venv layered on this one (a ``.pth`` line puts the project's
+site-packages behind its own), with speculators installed without its declared pins and
+the few modules its import chain needs, every package the project already has held at the
+project's version (``pip -c`` with this environment's freeze). It runs
+``tests/matrix/speculators_load.py``. When it cannot be built (no package index), the
+checks are skipped locally and fail in CI (``CI`` set): never silently skipped there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+# speculators 0.9.0 declares transformers<=5.19 and datasets<=5.1 (its training extras);
+# its converter and loader run on the project's transformers 5.23, and datasets 5.2 is the
+# first that accepts the project's fsspec.
+PEER_PINS = ("speculators==0.9.0", "hs-connectors==0.9.0")
+PEER_IMPORT_DEPS = ("loguru==0.7.3", "openai==3.54.0", "datasets==5.2.0")
+LOADER = Path(__file__).with_name("speculators_load.py")
+REPORT = "SPECULATORS-REPORT "
+
+
+def _pip(python: Path, *args: str) -> None:
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    *args], check=True, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def speculators_python(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("speculators-env")
+    try:
+        venv.create(root / "venv", with_pip=True)
+        python = root / "venv" / "bin" / "python"
+        peer_site = subprocess.run(
+            [str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+            check=True, capture_output=True, text=True).stdout.strip()
+        Path(peer_site, "aerie-project.pth").write_text(site.getsitepackages()[0] + "\n")
+        freeze = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
+                                check=True, capture_output=True, text=True).stdout
+        constraints = root / "constraints.txt"
+        constraints.write_text("".join(line + "\n" for line in freeze.splitlines()
+                                       if "==" in line))
+        _pip(python, "--no-deps", *PEER_PINS)
+        _pip(python, *PEER_IMPORT_DEPS, "-c", str(constraints))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        message = f"cannot build the speculators environment: {detail[-2000:]}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
+def speculators_load(python: Path, drafter: Path, target: Path, out: Path
+                     ) -> tuple[dict | None, str]:
+    """Run the loader; ``(report, stderr)``, report None when speculators refused."""
+    run = subprocess.run([str(python), str(LOADER), str(drafter), str(target), str(out)],
+                         capture_output=True, text=True, timeout=600)
+    lines = [x for x in run.stdout.splitlines() if x.startswith(REPORT)]
+    if run.returncode != 0 or not lines:
+        return None, run.stderr[-3000:]
+    return json.loads(lines[-1][len(REPORT):]), run.stderr
