@@ -159,3 +159,28 @@ def test_decoding_stops_at_turn_closers_listed_only_in_generation_config(target,
     model.generation_config = GenerationConfig(eos_token_id=[299, True])
     with pytest.raises(ValueError, match="not a token id"):
         stage.stop_token_ids(model)
+
+
+def test_the_stage_decodes_every_contestant_and_the_reference_to_the_stop_tokens(
+        world, tmp_path, monkeypatch):
+    """The stage passes the target's stop tokens (config and generation_config) to every
+    decoding it runs: baseline, drafters and the cache-free reference."""
+    storage, target = world
+    candidate = publish_drafter(storage, target, 2, seed=5, tmp=tmp_path)
+    seen: list[tuple[frozenset[int], frozenset[int]]] = []
+    real_evaluate, real_reference = stage.evaluate, stage.greedy_reference
+
+    def evaluate(model, *args, eos_token_id, **kwargs):
+        seen.append((frozenset(eos_token_id), stage.stop_token_ids(model)))
+        return real_evaluate(model, *args, eos_token_id=eos_token_id, **kwargs)
+
+    def greedy_reference(model, prompt, max_new_tokens, eos):
+        seen.append((frozenset(eos), stage.stop_token_ids(model)))
+        return real_reference(model, prompt, max_new_tokens, eos)
+
+    monkeypatch.setattr(stage, "evaluate", evaluate)
+    monkeypatch.setattr(stage, "greedy_reference", greedy_reference)
+    stage.run(storage, 2, candidate, None, EvalConfig(max_prompts=3, max_new_tokens=5,
+                                                      reference_prompts=2, **SETTINGS))
+    assert len(seen) == 2 + 2  # baseline + candidate, two reference prompts
+    assert all(given == wanted and given for given, wanted in seen)

@@ -14,11 +14,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from pipeline.capture.shards import iter_shard
 from pipeline.checks import evaluation_sound
 from pipeline.eagle3.config import DrafterConfig
+from pipeline.eagle3.ttt_batch import LogitHead, teacher_targets
 from pipeline.evaluation import stage as eval_stage
 from pipeline.evaluation.config import EvalConfig
-from pipeline.layout import drafter_prefix
+from pipeline.layout import drafter_prefix, shards_prefix
+from pipeline.manifest import read_manifest
 from pipeline.release.format_check import drafter_format_errors
 from pipeline.training import stage as train_stage
 from pipeline.training.config import TrainConfig
@@ -64,6 +67,28 @@ def test_the_export_is_a_drafter_of_the_target(refreshed, tmp_path):
     # trained to the end on finite losses (whether a random teacher over 151,936 tokens has
     # anything to teach a 64-token draft vocab is not this test's question)
     assert refresh.result.steps > 0 and math.isfinite(refresh.result.final["loss"])
+
+
+def test_capture_and_teacher_are_the_targets_own(refreshed):
+    """The shards hold HF's states bit for bit (aux id l = output of layer l, final =
+    post-norm), and the teacher recomputed from the final state is the target's own logits
+    (tied heads, Gemma's soft-cap and all)."""
+    storage, target, refresh, _ = refreshed
+    prefix = shards_prefix(STEP)
+    sample = next(iter_shard(storage, f"{prefix}/{read_manifest(storage, prefix).files[0].path}"))
+    ids = refresh.result.drafter_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    with torch.no_grad():
+        out = target(input_ids=sample.input_ids.long()[None], output_hidden_states=True)
+    states = out.hidden_states
+    h = target.config.hidden_size
+    for slot, layer in enumerate(ids):
+        assert torch.equal(sample.aux_hidden[:, slot * h:(slot + 1) * h],
+                           states[layer + 1][0].to(torch.bfloat16)), layer
+    assert torch.equal(sample.final_hidden, states[-1][0].to(torch.bfloat16))
+    every = torch.ones(target.config.vocab_size, dtype=torch.bool)
+    logits, _ = teacher_targets(states[-1][0], target.get_output_embeddings().weight, every,
+                                head=LogitHead.of(target.config.to_dict()))
+    torch.testing.assert_close(logits, out.logits[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("drafting", SETTINGS)
