@@ -3,9 +3,11 @@
 Built once per session: a venv layered on this one (a ``.pth`` line puts the project's
 site-packages behind its own), with speculators installed without its declared pins and
 the few modules its import chain needs, every package the project already has held at the
-project's version (``pip -c`` with this environment's freeze). It runs
-``tests/matrix/speculators_load.py``. When it cannot be built (no package index), the
-checks are skipped locally and fail in CI (``CI`` set): never silently skipped there.
+project's version (``pip -c`` with this environment's freeze). There
+``tests/matrix/speculators_load.py`` runs as one service process for the session
+(:class:`Speculators`), stopped at the end. When the environment cannot be built (no
+package index), the checks are skipped locally and fail in CI (``CI`` set): never silently
+skipped there.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import site
 import subprocess
 import sys
 import venv
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,8 +37,37 @@ def _pip(python: Path, *args: str) -> None:
                     *args], check=True, capture_output=True, text=True, timeout=600)
 
 
+class Speculators:
+    """The loader service in the speculators environment (one process per session)."""
+
+    def __init__(self, python: Path):
+        self.process = subprocess.Popen([str(python), str(LOADER)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+
+    def load(self, drafter: Path, target: Path, out: Path) -> tuple[dict | None, str]:
+        """``(report, "")``, or ``(None, error)`` when speculators refused the export."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        request = {"drafter": str(drafter), "target": str(target), "out": str(out)}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        for line in self.process.stdout:
+            if line.startswith(REPORT):
+                answer = json.loads(line[len(REPORT):])
+                return (None, answer["error"]) if "error" in answer else (answer, "")
+        raise RuntimeError(f"the speculators loader exited ({self.process.wait()})")
+
+    def stop(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.kill(self.process.pid, 9)
+            self.process.wait()
+
+
 @pytest.fixture(scope="session")
-def speculators_python(tmp_path_factory) -> Path:
+def speculators(tmp_path_factory) -> Iterator[Speculators]:
     root = tmp_path_factory.mktemp("speculators-env")
     try:
         venv.create(root / "venv", with_pip=True)
@@ -57,15 +89,6 @@ def speculators_python(tmp_path_factory) -> Path:
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    return python
-
-
-def speculators_load(python: Path, drafter: Path, target: Path, out: Path
-                     ) -> tuple[dict | None, str]:
-    """Run the loader; ``(report, stderr)``, report None when speculators refused."""
-    run = subprocess.run([str(python), str(LOADER), str(drafter), str(target), str(out)],
-                         capture_output=True, text=True, timeout=600)
-    lines = [x for x in run.stdout.splitlines() if x.startswith(REPORT)]
-    if run.returncode != 0 or not lines:
-        return None, run.stderr[-3000:]
-    return json.loads(lines[-1][len(REPORT):]), run.stderr
+    service = Speculators(python)
+    yield service
+    service.stop()

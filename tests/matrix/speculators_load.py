@@ -1,8 +1,11 @@
-"""Load an Aerie drafter export the way vLLM's speculators project does (run by
-``tests/matrix/test_peer_loader.py`` inside a separate environment with speculators
-installed; it imports nothing from Aerie).
+"""Load an Aerie drafter export the way vLLM's speculators project does (run by the tests of
+``tests/matrix/`` inside a separate environment with speculators installed; it imports
+nothing from Aerie).
 
-``python speculators_load.py DRAFTER_DIR TARGET_DIR OUT_DIR`` converts the export with
+A small service: each line on stdin is a JSON request ``{"drafter", "target", "out"}`` (one
+process serves the whole session, so speculators is imported once); each answer is one line
+on stdout, ``SPECULATORS-REPORT <json>``, the report or ``{"error": <traceback tail>}``.
+For a request, it converts the export with
 speculators' own EAGLE-3 converter (the path a vLLM user takes from an SGLang-format
 drafter), passing the layer ids the export writes for vLLM (top-level
 ``eagle_aux_hidden_state_layer_ids``), lets the converter validate the result against the
@@ -69,6 +72,17 @@ def main(drafter: Path, target: Path, out: Path) -> dict:
     return report
 
 
+def serve() -> None:
+    import traceback
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            report = main(*(Path(request[k]) for k in ("drafter", "target", "out")))
+        except Exception:  # noqa: BLE001 - the refusal is the answer, reported to the test
+            report = {"error": traceback.format_exc()[-3000:]}
+        print("SPECULATORS-REPORT " + json.dumps(report), flush=True)
+
+
 if __name__ == "__main__":
-    report = main(*(Path(a) for a in sys.argv[1:4]))
-    print("SPECULATORS-REPORT " + json.dumps(report))
+    serve()

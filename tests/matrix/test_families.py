@@ -28,7 +28,6 @@ from pipeline.training.config import TrainConfig
 from pipeline.verified import fetch
 from pipeline.vocab import stage as vocab_stage
 from tests.families import FAMILIES, tiny_target
-from tests.matrix.conftest import speculators_load
 from tests.training.world import EXTRACT, build_world
 
 STEP = 1
@@ -104,7 +103,7 @@ def test_evaluation_is_lossless_against_the_reference(refreshed, drafting):
     assert len(report.prompt_keys) >= 2
 
 
-def test_a_narrower_drafter_trains_exports_and_decodes(tmp_path, speculators_python):
+def test_a_narrower_drafter_trains_exports_and_decodes(tmp_path, speculators):
     """``drafter_hidden_size`` below the target's: the drafter owns its (projected, frozen)
     embedding, exports it with ``target_hidden_size``, passes the serving format check and
     speculators' converter and loader, and decodes losslessly against the reference."""
@@ -119,9 +118,9 @@ def test_a_narrower_drafter_trains_exports_and_decodes(tmp_path, speculators_pyt
     written = json.loads((local / "config.json").read_text())
     assert (written["hidden_size"], written["target_hidden_size"]) == (32, 64)
     assert (written["num_attention_heads"], written["head_dim"]) == (4, 8)
-    report, stderr = speculators_load(speculators_python, local, tmp_path / "storage-policy",
+    report, error = speculators.load(local, tmp_path / "storage-policy",
                                       tmp_path / "converted")
-    assert report is not None, stderr
+    assert report is not None, error
     assert report["missing"] == [] and report["differing"] == []
     assert (report["hidden_size"], report["target_hidden_size"]) == (32, 64)
     report = eval_stage.run(storage, STEP, drafter_prefix(STEP), None, EvalConfig(
@@ -130,13 +129,13 @@ def test_a_narrower_drafter_trains_exports_and_decodes(tmp_path, speculators_pyt
     assert outcome.passed, outcome.description
 
 
-def test_the_export_loads_in_vllm_speculators(refreshed, speculators_python, tmp_path):
+def test_the_export_loads_in_vllm_speculators(refreshed, speculators, tmp_path):
     """Peer loader: speculators' EAGLE-3 converter and loader take the export as it is,
     read the layers vLLM must capture, and hold every exported tensor unchanged."""
     storage, target, _, target_dir = refreshed
     local = fetch(storage, drafter_prefix(STEP), kind="drafter_checkpoint", label="drafter")
-    report, stderr = speculators_load(speculators_python, local, target_dir, tmp_path / "out")
-    assert report is not None, stderr
+    report, error = speculators.load(local, target_dir, tmp_path / "out")
+    assert report is not None, error
     assert report["missing"] == [] and report["differing"] == []
     assert report.get("current_missing", []) == report.get("current_differing", []) == []
     written = json.loads((local / "config.json").read_text())

@@ -11,7 +11,6 @@ from pipeline.demo.policy import build_policy
 from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
-from tests.matrix.conftest import speculators_load
 from tests.tokenize.test_tokenization_templates import demo_tokenizer
 
 
@@ -25,20 +24,20 @@ def demo_export(tmp_path):
     return save_drafter(drafter, config, tmp_path / "drafter"), tmp_path / "policy"
 
 
-def test_the_demo_export_loads_in_vllm_speculators(speculators_python, tmp_path):
+def test_the_demo_export_loads_in_vllm_speculators(speculators, tmp_path):
     drafter, target = demo_export(tmp_path)
-    report, stderr = speculators_load(speculators_python, drafter, target, tmp_path / "out")
-    assert report is not None, stderr
+    report, error = speculators.load(drafter, target, tmp_path / "out")
+    assert report is not None, error
     assert report["missing"] == [] and report["differing"] == []
     assert report["current_missing"] == [] and report["current_differing"] == []
     assert report["layer_ids"] == report["current_layer_ids"] == [1, 2, 3]  # demo layers 0-2
 
 
-def test_duplicate_layer_ids_are_refused_by_speculators(speculators_python, tmp_path):
+def test_duplicate_layer_ids_are_refused_by_speculators(speculators, tmp_path):
     drafter, target = demo_export(tmp_path)
     config = json.loads((drafter / "config.json").read_text())
     config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 1, 0]
     config["eagle_aux_hidden_state_layer_ids"] = [2, 2, 1]  # the demo's old export
     (drafter / "config.json").write_text(json.dumps(config))
-    report, stderr = speculators_load(speculators_python, drafter, target, tmp_path / "out")
-    assert report is None and "target_layer_ids must be distinct" in stderr
+    report, error = speculators.load(drafter, target, tmp_path / "out")
+    assert report is None and "target_layer_ids must be distinct" in error
