@@ -95,7 +95,10 @@ def evaluation_sound(report: AcceptanceReport) -> CheckOutcome:
             problems.append(f"{name}: τ {stats.tau:.3f} over {stats.cycles} cycles")
     text = "; ".join(problems) or (f"all {len(report.contestants)} contestants lossless on "
                                    f"{prompts} prompts")
-    return CheckOutcome(not problems, text, {"prompts": prompts, "problems": len(problems)})
+    if not sampled:
+        text += " (no cache-free reference: a report from before schema 2)"
+    return CheckOutcome(not problems, text, {"prompts": prompts, "problems": len(problems),
+                                             "reference_prompts": sampled})
 
 
 @dataclass(frozen=True)

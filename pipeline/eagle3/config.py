@@ -20,14 +20,14 @@ Invariants:
 - Width (:class:`DrafterShape`): the drafter copies the target's width and attention layout
   unless told otherwise or the target's attention is too wide to copy (MLA, more than 64
   heads: DeepSeek-V3's 128 heads would make a ~1.2B drafter); then heads are 128 wide
-  (fewer for tiny targets) with 8 KV heads. A drafter whose ``hidden_size`` differs from the
-  target's owns its token embedding (exported, as SGLang and vLLM then load the draft's own
-  ``embed_tokens`` instead of sharing the target's).
+  (fewer for tiny targets) with up to 8 KV heads (the largest count that divides them). A
+  drafter whose ``hidden_size`` differs from the target's owns its token embedding
+  (exported, as SGLang and vLLM then load the draft's own ``embed_tokens`` instead of
+  sharing the target's).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,7 +73,8 @@ class DrafterShape:
         copy = hidden == width and not wide and not self.head_dim
         dim = self.head_dim or (head_dim if copy else min(128, 2 * (hidden // 8)))
         n = self.num_attention_heads or (heads if copy else max(1, hidden // dim))
-        kv = self.num_key_value_heads or (kv_heads if copy and n == heads else math.gcd(n, 8))
+        kv = self.num_key_value_heads or (kv_heads if copy and n == heads else
+                                          max(d for d in range(1, 9) if n % d == 0))
         inter = int(get("intermediate_size"))
         if hidden != width:  # the target's MLP ratio, rounded to 64
             inter = max(64, round(inter * hidden / width / 64) * 64)
@@ -118,6 +119,10 @@ class DrafterConfig:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope type {self.rope_type!r} is not supported "
                              f"(supported: {SUPPORTED_ROPE_TYPES})")
+        if self.rope_type == "longrope" and not isinstance(
+                (self.rope_scaling or {}).get("original_max_position_embeddings"), int):
+            raise ValueError("longrope needs rope_scaling.original_max_position_embeddings "
+                             "(an int), where its long factors begin")
 
     @property
     def rope_type(self) -> str:
@@ -283,6 +288,11 @@ def read_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
     scaling.pop("type", None)
     if not scaling or scaling == {"rope_type": "default"}:
         return theta, None
+    if scaling.get("rope_type") == "longrope" and "original_max_position_embeddings" not in \
+            scaling:  # Phi-3's config.json keeps it at the top level
+        original = get("original_max_position_embeddings", None)
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
     return theta, dict(sorted(scaling.items()))
 
 

@@ -105,6 +105,9 @@ def load_drafter(directory: str | Path, target_embedding: torch.Tensor | nn.Embe
         dtype = state["fc.weight"].dtype
     weight = target_embedding.weight if isinstance(target_embedding, nn.Embedding) \
         else target_embedding
+    if weight.shape[0] != config.vocab_size:
+        raise ValueError(f"{directory}: the target's embedding has {weight.shape[0]} rows, "
+                         f"the drafter's vocab_size is {config.vocab_size}")
     weight = state[OWN_EMBEDDING] if config.owns_embedding else weight.detach()
     model = Eagle3Drafter(config, weight.to("cpu", dtype))
     model.to(dtype)

@@ -53,7 +53,7 @@ from pipeline.verified import committed, fetch, read_verified
 log = logging.getLogger(__name__)
 
 EVAL_KIND = "acceptance_eval"
-REPORT_SCHEMA_VERSION = 1
+REPORT_SCHEMA_VERSION = 2  # 2: the cache-free reference sample (reference, *_reference)
 REPORT_FILE = "report.json"
 NO_DRAFTER = "no_drafter"
 
@@ -174,11 +174,16 @@ def run(storage: Storage, step: int, candidate: str,
 
 def _matches(outputs: list[list[int]], reference: dict[int, list[int]]) -> int:
     """Sampled prompts whose outputs equal the independent reference's."""
-    matches = sum(outputs[i] == tokens for i, tokens in reference.items())
-    if matches < len(reference):
-        log.warning("%d of %d sampled prompts differ from the cache-free greedy reference",
-                    len(reference) - matches, len(reference))
-    return matches
+    differ = [i for i, tokens in reference.items() if outputs[i] != tokens]
+    if differ:
+        i = differ[0]
+        pairs = zip(outputs[i], reference[i], strict=False)  # one may stop earlier
+        at = next((t for t, (a, b) in enumerate(pairs) if a != b),
+                  min(len(outputs[i]), len(reference[i])))
+        log.warning("%d of %d sampled prompts differ from the cache-free greedy reference "
+                    "(first: prompt %d at generated token %d)", len(differ), len(reference),
+                    i, at)
+    return len(reference) - len(differ)
 
 
 def read_report(storage: Storage, step: int) -> AcceptanceReport | None:

@@ -83,13 +83,20 @@ def attention_windows(config: Any) -> dict[str | None, int | None]:
 
 
 def exact_length_limit(config: Any) -> int | None:
-    """The longest sequence decoded exactly with a KV cache (module docstring), or None."""
+    """The longest sequence decoded exactly with a KV cache (module docstring), or None.
+
+    As transformers switches: ``longrope`` past ``original_max_position_embeddings``,
+    ``dynamic`` past ``max_position_embeddings``."""
     params = getattr(config, "rope_parameters", None) or {}
     nested = [v for v in params.values() if isinstance(v, dict)]
-    limits = [int(p.get("original_max_position_embeddings")
-                  or getattr(config, "original_max_position_embeddings", None)
-                  or config.max_position_embeddings)
-              for p in (nested or [params]) if p.get("rope_type") in LENGTH_DEPENDENT_ROPE]
+    limits = []
+    for p in nested or [params]:
+        if p.get("rope_type") == "longrope":
+            limits.append(int(p.get("original_max_position_embeddings")
+                              or getattr(config, "original_max_position_embeddings", None)
+                              or config.max_position_embeddings))
+        elif p.get("rope_type") == "dynamic":
+            limits.append(int(config.max_position_embeddings))
     return min(limits, default=None)
 
 

@@ -61,6 +61,11 @@ def hotswap_refusals(current_dir: Path, new_dir: Path) -> tuple[str, ...]:
     reasons = []
     if not shapes_match(old, new):
         reasons.append("drafter shapes differ from the serving drafter's")
+    if (old.rope_theta, old.rope_scaling) != (new.rope_theta, new.rope_scaling):
+        # weights are swapped, config.json is not: the server would keep the old rotation
+        reasons.append(f"RoPE (theta {new.rope_theta}, scaling {new.rope_scaling}) differs "
+                       f"from the serving drafter's (theta {old.rope_theta}, scaling "
+                       f"{old.rope_scaling})")
     if old.aux_layer_ids != new.aux_layer_ids:
         reasons.append(f"aux layer ids {list(new.aux_layer_ids)} differ from the serving "
                        f"{list(old.aux_layer_ids)}")

@@ -204,14 +204,17 @@ def render_with_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Mes
         return _spans(tokenizer, _as_template_reads(messages, field), field, closing,
                       sample_id)
     except ChatMaskError as e:
-        has_reasoning = any(m["role"] == "assistant" and split_reasoning(m["content"])
-                            for m in messages)
-        if field is not None or not has_reasoning or e.kind not in (
-                "content_altered", "content_not_found"):
+        if field is not None or e.kind not in ("content_altered", "content_not_found"):
             raise
-    # a template that reads no reasoning field but rewrites inline reasoning: what it keeps
-    return _spans(tokenizer, _as_template_reads(messages, None, answers_only=True), None,
-                  closing, sample_id)
+        # A template that reads no reasoning field but drops inline reasoning itself
+        # (DeepSeek-V3.1): masked as it renders, provided the answers alone render to the
+        # very same text; anything else is the original error.
+        answers = _as_template_reads(messages, None, answers_only=True)
+        if answers == [dict(m) for m in messages] or render(
+                tokenizer, answers, sample_id=sample_id) != render(
+                tokenizer, messages, sample_id=sample_id):
+            raise
+    return _spans(tokenizer, answers, None, closing, sample_id)
 
 
 def _spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message],

@@ -172,7 +172,11 @@ def train(spec: TrainSpec, storage: Storage) -> TrainResult:
     if ctx.rank == 0:
         embed = model.embed_tokens.weight.cpu() if model.config.owns_embedding else target.embed
         export = Eagle3Drafter(model.config, embed, d2t=model.d2t.cpu(), t2d=model.t2d.cpu())
-        export.load_state_dict({**export.state_dict(), **params}, strict=True)
+        trained = {n for n, _ in export.named_parameters()}
+        if set(params) != trained:  # every parameter trained: none left at its fresh init
+            raise RuntimeError(f"gathered parameters {sorted(set(params) ^ trained)} differ "
+                               "from the drafter's")
+        export.load_state_dict({**dict(export.named_buffers()), **params}, strict=True)
         save_drafter(export, model.config, spec.out_dir, overwrite=True,
                      dtype=_EXPORT_DTYPES[cfg.export_dtype])
         window = max(1, min(per_epoch, len(history) // 4))  # first vs last quarter

@@ -168,6 +168,19 @@ def test_drafter_width_from_configuration():
                                                          num_key_value_heads=5))
 
 
+def test_phi3_config_json_keeps_longrope_original_length_at_the_top_level():
+    half = tiny_target_config().head_dim // 2
+    phi3 = {**tiny_target_config().to_dict(), "rope_parameters": None, "rope_theta": 1e4,
+            "original_max_position_embeddings": 64, "rope_scaling": {
+                "type": "longrope", "short_factor": [1.0] * half, "long_factor": [2.0] * half}}
+    cfg = DrafterConfig.from_target(phi3)
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 64
+    assert DrafterConfig.from_sglang_config(cfg.to_sglang_config()) == cfg
+    del phi3["original_max_position_embeddings"]
+    with pytest.raises(ValueError, match="longrope needs"):
+        DrafterConfig.from_target(phi3)
+
+
 def test_plain_rope_writes_null_scaling():
     out = DrafterConfig.from_target(tiny_target_config()).to_sglang_config()
     assert out["rope_theta"] == 10000.0 and out["rope_scaling"] is None

@@ -11,7 +11,12 @@ from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation import target as target_module
 from pipeline.evaluation.engine import evaluate
 from pipeline.evaluation.reference import greedy_reference
-from pipeline.evaluation.target import UnsupportedTarget, attention_windows
+from pipeline.evaluation.target import (
+    TargetRunner,
+    UnsupportedTarget,
+    attention_windows,
+    exact_length_limit,
+)
 from tests.evaluation.synthetic import OracleDrafter, RandomDrafter, context_seed
 from tests.families import FAMILIES, VOCAB, WINDOW, tiny_target
 
@@ -63,6 +68,38 @@ def test_a_window_the_engine_ignored_would_be_caught(monkeypatch):
     assert drafted == wrong != reference
 
 
+def test_prefill_masks_are_transformers_sliding_window_masks():
+    """The runner's windowed mask equals transformers' own sliding-window causal mask,
+    position by position (the boundary: a key ``W - 1`` back is seen, ``W`` back is not)."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    runner = TargetRunner(tiny_target("mistral_window"))
+    p = 3 * WINDOW
+    positions = torch.arange(p)
+    mask = runner._masks(positions, positions, torch.ones(p, p, dtype=torch.bool).tril())
+    seen = mask[0, 0] == 0  # additive: 0 where attended
+    rule = sliding_window_causal_mask_function(WINDOW)
+    want = torch.tensor([[bool(rule(torch.tensor(0), torch.tensor(0), torch.tensor(q),
+                                    torch.tensor(k))) for k in range(p)] for q in range(p)])
+    assert torch.equal(seen, want)
+    assert seen[WINDOW, 1] and not seen[WINDOW, 0]
+
+
+def test_a_window_shorter_than_the_draft_hides_a_nodes_own_ancestors():
+    """With a 3-token window and 5-deep chains, a tree node must not see its own ancestors
+    3 positions up: outputs still equal the cache-free reference."""
+    config = tiny_target("mistral_window").config
+    config.sliding_window = 3
+    torch.manual_seed(0)
+    model = type(tiny_target("mistral_window"))(config).eval()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (2, 9, 14)]
+    reference = [greedy_reference(model, p, MAX_NEW) for p in prompts]
+    run = evaluate(model, OracleDrafter(model), prompts, SpecParams(5, 1, 6),
+                   max_new_tokens=MAX_NEW)
+    assert run.outputs == reference and run.stats.tau > 3  # long accepted chains
+
+
 def test_attention_windows_per_layer_kind():
     assert attention_windows(tiny_target("llama3").config) == {None: None}
     assert attention_windows(tiny_target("mistral_window").config) == {None: WINDOW}
@@ -79,6 +116,15 @@ def test_layer_kinds_the_engine_cannot_run_are_refused():
     config.sliding_window = None
     with pytest.raises(UnsupportedTarget, match="no sliding_window"):
         attention_windows(config)
+
+
+def test_length_limits_follow_transformers_switch_points():
+    phi3 = tiny_target("phi3_longrope").config
+    assert exact_length_limit(phi3) == 256  # original_max_position_embeddings
+    llama = tiny_target("llama3").config
+    llama.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    assert exact_length_limit(llama) == llama.max_position_embeddings
+    assert exact_length_limit(tiny_target("gpt_oss").config) is None  # yarn: static
 
 
 def test_longrope_past_its_original_length_is_refused_before_decoding():

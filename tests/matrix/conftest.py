@@ -3,7 +3,9 @@
 Built once per session: a venv layered on this one (a ``.pth`` line puts the project's
 site-packages behind its own), with speculators installed without its declared pins and
 the few modules its import chain needs, every package the project already has held at the
-project's version (``pip -c`` with this environment's freeze). There
+project's version (``pip -c`` with this environment's freeze); the ``.pth`` adds every
+site directory of this interpreter with ``site.addsitedir``, so their own ``.pth`` files
+(editable installs) apply too. There
 ``tests/matrix/speculators_load.py`` runs as one service process for the session
 (:class:`Speculators`), stopped at the end. When the environment cannot be built (no
 package index), the checks are skipped locally and fail in CI (``CI`` set): never silently
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import site
 import subprocess
 import sys
+import threading
 import venv
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,21 +44,35 @@ def _pip(python: Path, *args: str) -> None:
 class Speculators:
     """The loader service in the speculators environment (one process per session)."""
 
-    def __init__(self, python: Path):
+    def __init__(self, python: Path, timeout_s: float = 600.0):
+        self.timeout_s = timeout_s
         self.process = subprocess.Popen([str(python), str(LOADER)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True)
+        self.answers: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith(REPORT):
+                self.answers.put(line[len(REPORT):])
+        self.answers.put(None)  # the service exited
 
     def load(self, drafter: Path, target: Path, out: Path) -> tuple[dict | None, str]:
         """``(report, "")``, or ``(None, error)`` when speculators refused the export."""
-        assert self.process.stdin is not None and self.process.stdout is not None
+        assert self.process.stdin is not None
         request = {"drafter": str(drafter), "target": str(target), "out": str(out)}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        for line in self.process.stdout:
-            if line.startswith(REPORT):
-                answer = json.loads(line[len(REPORT):])
-                return (None, answer["error"]) if "error" in answer else (answer, "")
-        raise RuntimeError(f"the speculators loader exited ({self.process.wait()})")
+        try:
+            line = self.answers.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no answer from the speculators loader in {self.timeout_s}s "
+                               f"for {drafter}") from None
+        if line is None:
+            raise RuntimeError(f"the speculators loader exited ({self.process.wait()})")
+        answer = json.loads(line)
+        return (None, answer["error"]) if "error" in answer else (answer, "")
 
     def stop(self) -> None:
         if self.process.stdin is not None:
@@ -75,7 +93,8 @@ def speculators(tmp_path_factory) -> Iterator[Speculators]:
         peer_site = subprocess.run(
             [str(python), "-c", "import site; print(site.getsitepackages()[0])"],
             check=True, capture_output=True, text=True).stdout.strip()
-        Path(peer_site, "aerie-project.pth").write_text(site.getsitepackages()[0] + "\n")
+        Path(peer_site, "aerie-project.pth").write_text("".join(  # with their own .pth
+            f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))
         freeze = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
                                 check=True, capture_output=True, text=True).stdout
         constraints = root / "constraints.txt"

@@ -103,30 +103,42 @@ def test_evaluation_is_lossless_against_the_reference(refreshed, drafting):
     assert len(report.prompt_keys) >= 2
 
 
-def test_a_narrower_drafter_trains_exports_and_decodes(tmp_path, speculators):
-    """``drafter_hidden_size`` below the target's: the drafter owns its (projected, frozen)
-    embedding, exports it with ``target_hidden_size``, passes the serving format check and
-    speculators' converter and loader, and decodes losslessly against the reference."""
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory):
+    """A drafter of half the target's width (``drafter_hidden_size``), trained and
+    published: (storage, its export, the target's checkpoint directory)."""
+    root = tmp_path_factory.mktemp("narrow")
     target = tiny_target("qwen3_moe")  # hidden 64
-    storage = build_world(tmp_path / "storage", (STEP,), samples=16, model=target,
+    storage = build_world(root / "storage", (STEP,), samples=16, model=target,
                           extract=replace(EXTRACT, heldout_fraction=0.3))
     vocab_stage.run(storage, STEP, 1, 64)
     narrow = replace(TRAIN, drafter_hidden_size=32, drafter_head_dim=8)
-    train_stage.run(storage, STEP, narrow, work_root=tmp_path / "work", warm_start="none")
+    train_stage.run(storage, STEP, narrow, work_root=root / "work", warm_start="none")
     local = fetch(storage, drafter_prefix(STEP), kind="drafter_checkpoint", label="drafter")
+    return storage, local, root / "storage-policy"
+
+
+def test_a_narrower_drafter_trains_exports_and_decodes(narrow):
+    """The narrow drafter owns its (projected, frozen) embedding, exports it with
+    ``target_hidden_size``, passes the serving format check and decodes losslessly against
+    the reference."""
+    storage, local, _ = narrow
     assert drafter_format_errors(local) == ()
     written = json.loads((local / "config.json").read_text())
     assert (written["hidden_size"], written["target_hidden_size"]) == (32, 64)
     assert (written["num_attention_heads"], written["head_dim"]) == (4, 8)
-    report, error = speculators.load(local, tmp_path / "storage-policy",
-                                      tmp_path / "converted")
-    assert report is not None, error
-    assert report["missing"] == [] and report["differing"] == []
-    assert (report["hidden_size"], report["target_hidden_size"]) == (32, 64)
     report = eval_stage.run(storage, STEP, drafter_prefix(STEP), None, EvalConfig(
         max_prompts=4, max_new_tokens=12, reference_prompts=2, **SETTINGS["tree"]))
     outcome = evaluation_sound(report)
     assert outcome.passed, outcome.description
+
+
+def test_a_narrower_drafter_loads_in_vllm_speculators(narrow, speculators, tmp_path):
+    _, local, target_dir = narrow
+    report, error = speculators.load(local, target_dir, tmp_path / "converted")
+    assert report is not None, error
+    assert report["missing"] == [] and report["differing"] == []
+    assert (report["hidden_size"], report["target_hidden_size"]) == (32, 64)
 
 
 def test_the_export_loads_in_vllm_speculators(refreshed, speculators, tmp_path):

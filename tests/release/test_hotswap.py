@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -106,6 +107,20 @@ def test_refusals_compare_shapes_aux_and_d2t(drafters):
     d0 = load_file(str(drafters["same0"] / "model.safetensors"))["d2t"]
     d5 = load_file(str(drafters["vocab"] / "model.safetensors"))["d2t"]
     assert not torch.equal(d0, d5)
+
+
+def test_a_drafter_trained_on_another_rope_is_not_swapped_in(drafters, tmp_path):
+    """Hot swap replaces weights, not config.json: the server would keep the serving
+    drafter's RoPE (e.g. after yarn's transformers-only fields were dropped)."""
+    rotated = tmp_path / "rotated"
+    shutil.copytree(drafters["same1"], rotated)
+    config = json.loads((rotated / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 64}
+    config["rope_parameters"] = {**config["rope_scaling"], "rope_theta": config["rope_theta"]}
+    (rotated / "config.json").write_text(json.dumps(config))
+    reasons = hotswap_refusals(drafters["same0"], rotated)
+    assert len(reasons) == 1 and "RoPE" in reasons[0]  # shapes, ids and d2t all match
 
 
 @pytest.mark.parametrize("other", ["wide", "vocab"])

@@ -254,3 +254,17 @@ def regenerate() -> None:
 
 if __name__ == "__main__":
     regenerate()
+
+
+def test_reasoning_is_never_dropped_where_the_template_renders_it():
+    """A template without a reasoning field that drops inline reasoning from earlier turns
+    only: masking the answers alone would lose the last turn's reasoning, so the sample is
+    refused (quarantined with its reason), not silently cut."""
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                "{% set c = m['content'] %}{% if not loop.last and '</think>' in c %}"
+                "{% set c = c.split('</think>')[1] %}{% endif %}{{ c }}<|im_end|>\n"
+                "{% endfor %}")
+    tokenizer = _with_template(chatml_tokenizer, template)
+    with pytest.raises(ChatMaskError) as err:
+        encode_chat(tokenizer, CONVERSATIONS["think_multi"], sample_id="r-3")
+    assert err.value.kind == "content_altered" and err.value.message_index == 1
