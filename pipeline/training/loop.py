@@ -176,7 +176,8 @@ def train(spec: TrainSpec, storage: Storage) -> TrainResult:
         if set(params) != trained:  # every parameter trained: none left at its fresh init
             raise RuntimeError(f"gathered parameters {sorted(set(params) ^ trained)} differ "
                                "from the drafter's")
-        export.load_state_dict({**dict(export.named_buffers()), **params}, strict=True)
+        persistent = {k: v for k, v in export.state_dict().items() if k not in trained}
+        export.load_state_dict({**persistent, **params}, strict=True)  # d2t, t2d, own embed
         save_drafter(export, model.config, spec.out_dir, overwrite=True,
                      dtype=_EXPORT_DTYPES[cfg.export_dtype])
         window = max(1, min(per_epoch, len(history) // 4))  # first vs last quarter
