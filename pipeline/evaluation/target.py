@@ -20,7 +20,8 @@ the runner is built: :class:`UnsupportedTarget` names the kind.
 
 Length-dependent RoPE. ``longrope`` (Phi-3/3.5/4-mini) and ``dynamic`` NTK rotate every
 position differently once the sequence passes ``original_max_position_embeddings``
-(transformers recomputes the frequencies per forward pass from the longest position), so
+(``longrope``) or ``max_position_embeddings`` (``dynamic``): transformers recomputes the
+frequencies per forward pass from the longest position, so
 keys cached below that length and a full recomputation disagree past it: no cached decoder,
 this one or a serving engine's, reproduces the model there. :meth:`TargetRunner.check_length`
 refuses such a sequence before it is decoded (:func:`exact_length_limit`).
