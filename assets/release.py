@@ -53,6 +53,7 @@ from resources.serving import ServingResource
 from resources.storage import StorageResource
 
 PROMOTION_POOL = "promotion"  # every path that moves the champion; limit 1
+GATE_ACTOR = "aerie (acceptance gate)"  # the actor of the gate's serving_drafter events
 
 _G = GatePolicy()
 
@@ -121,7 +122,7 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
     context.log.info(f"step {step}: {p.action} ({'; '.join(p.reasons)})")
     stale = staleness_now(context.instance, store, registry.model_name, refresh)
     return MaterializeResult(metadata={
-        **champion_metadata(p, actor="aerie (acceptance gate)", reason=f"refresh at step {step}"),
+        **champion_metadata(p, actor=GATE_ACTOR, reason=f"refresh at step {step}"),
         "decision": MetadataValue.json(json.loads(to_json(r.decision))),
         "refresh_summary": MetadataValue.md(refresh_summary(context.instance, step))},
         check_results=[result("serving_staleness", stale, AssetCheckSeverity.WARN)])

@@ -1,10 +1,12 @@
 """``aerie``: the command line of the embedded default.
 
 ``aerie demo`` plays both sides on one machine: the demo RL world (the user's RL trainer,
-writing snapshots through the writer API) and Aerie's Dagster jobs on a persistent sqlite
-instance under ``$AERIE_HOME/dagster``, so the runs can be inspected later with
-``aerie ui``. The sensor is ticked in-process, exactly as the daemon would tick it, and its
-run requests are executed; partitions that are already materialized are skipped.
+writing one snapshot per RL step through the writer API) and Aerie's refresh loop on a
+persistent sqlite Dagster instance under ``$AERIE_HOME/dagster``: after every step it ticks
+the snapshot sensor and the refresh sensor as the daemon would and runs what they request
+(:mod:`jobs.demo`), so the drafter is refreshed every N steps and the gate decides each
+refresh. ``aerie status`` says what serves now; ``aerie promote`` and ``aerie rollback`` run
+the override and rollback jobs; ``aerie ui`` opens the Dagster UI on the same instance.
 """
 
 import argparse
@@ -16,6 +18,8 @@ import time
 from pathlib import Path
 
 from pipeline.records import to_json
+
+VERSION_TAG = "aerie/cli"  # runs the CLI launched itself: the command
 
 log = logging.getLogger("aerie")
 
@@ -39,7 +43,10 @@ concurrency:
 """
 
 
-def _prepare_dagster_home() -> Path:
+def prepare_dagster_home() -> Path:
+    """``$DAGSTER_HOME`` (default ``$AERIE_HOME/dagster``) with Aerie's ``dagster.yaml``
+    and the workspace of the code location ``aerie``."""
+    from jobs.launch import workspace_file
     from resources.home import dagster_home
 
     home = Path(os.environ.setdefault("DAGSTER_HOME", str(dagster_home())))
@@ -49,6 +56,7 @@ def _prepare_dagster_home() -> Path:
         config.write_text(INSTANCE_YAML)
     else:
         _add_missing_limits(config)
+    workspace_file(home)
     return home
 
 
@@ -76,10 +84,12 @@ def _add_missing_limits(config: Path) -> None:
         log.info("%s: added Aerie's concurrency limits", config)
 
 
-def generate_demo_world(force: bool = False, config=None) -> dict:
+def generate_demo_world(force: bool = False, config=None, after_step=None,
+                        progress: bool = True) -> dict:
     """Run the demo RL world once; its report is written last, so a crash re-runs it.
 
-    ``config`` is a :class:`pipeline.demo.world.DemoConfig` (default: the full demo world).
+    ``config`` is a :class:`pipeline.demo.world.DemoConfig` (default: the full demo world);
+    ``after_step(out)`` is called once each step is written (the refresh loop's ticks).
     """
     from pipeline.demo.world import DemoConfig, generate_world
     from pipeline.snapshot.writer import SnapshotWriter
@@ -95,104 +105,14 @@ def generate_demo_world(force: bool = False, config=None) -> dict:
 
     def publish(out) -> None:
         writer.write_step(out.step, out.records, out.policy_dir, out.policy_version)
+        if after_step is not None:
+            after_step(out)
 
-    report = generate_world(config or DemoConfig(), work_dir, on_step=publish, progress=True)
+    report = generate_world(config or DemoConfig(), work_dir, on_step=publish,
+                            progress=progress)
     text = to_json(report)
     report_path.write_text(text)
     return json.loads(text)
-
-
-def run_pipeline() -> list[str]:
-    """Tick the snapshot sensor once and execute its run requests on the local instance."""
-    from dagster import DagsterInstance, build_sensor_context
-
-    from definitions import defs
-    from jobs.snapshots import snapshot_sensor
-
-    instance = DagsterInstance.get()
-    result = snapshot_sensor(build_sensor_context(
-        instance=instance, resources={"storage": defs.resources["storage"]}))
-    return execute_tick(instance, "ingest_step", result, DEMO_INGEST_CONFIG)
-
-
-def execute_tick(instance, job_name: str, result, run_config: dict | None = None) -> list[str]:
-    """Apply a sensor tick's partition requests and execute its run requests, as the daemon
-    does with a tick's result (``result`` may be a SkipReason or a lone RunRequest)."""
-    from dagster import RunRequest
-
-    for add in getattr(result, "dynamic_partitions_requests", None) or []:
-        instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys))
-    requests = [result] if isinstance(result, RunRequest) else \
-        getattr(result, "run_requests", None)
-    return execute_requests(instance, job_name, requests, run_config)
-
-
-def execute_requests(instance, job_name: str, requests, run_config: dict | None = None,
-                     ) -> list[str]:
-    """Execute run requests in this process, as the daemon would launch them.
-
-    ``run_config`` is deep-merged over each request's own. The request's partition is added
-    to the job's dynamic partitions if missing (a daemon refuses a request for an unknown
-    partition; a tick adds it first, see :func:`execute_tick`). Partitions whose job assets
-    are all materialized already are skipped (what the daemon's run-key dedup does across
-    restarts). Returns the partitions that ran.
-    """
-    from assets.partitions import complete_partitions, ensure_partition
-    from definitions import defs
-
-    job = defs.resolve_job_def(job_name)
-    done = complete_partitions(instance, job.asset_layer.executable_asset_keys)
-    ran = []
-    for request in requests or []:
-        if request.partition_key in done:
-            log.info("%s %s: already materialized", job_name, request.partition_key)
-            continue
-        ensure_partition(instance, job.partitions_def, request.partition_key)
-        outcome = job.execute_in_process(
-            instance=instance, partition_key=request.partition_key, tags=request.tags,
-            run_config=deep_merge(request.run_config or {}, run_config or {}),
-            raise_on_error=True)
-        log.info("%s %s: run %s succeeded", job_name, request.partition_key, outcome.run_id)
-        ran.append(request.partition_key)
-    return ran
-
-
-def deep_merge(base: dict, over: dict) -> dict:
-    """``base`` with ``over`` merged in, recursively for nested dicts (run configs)."""
-    out = dict(base)
-    for k, v in over.items():
-        both = isinstance(v, dict) and isinstance(out.get(k), dict)
-        out[k] = deep_merge(out[k], v) if both else v
-    return out
-
-
-# The demo world has 16 prompts per RL step: hold out a fifth of them (not the library's 5%)
-# so that evaluation has a few dozen prompts no drafter ever trained on.
-DEMO_INGEST_CONFIG = {"ops": {"hidden_state_shards": {"config": {"heldout_fraction": 0.2}}}}
-
-# The demo drafter trains from scratch on a few thousand tokens: the library defaults (lr
-# 1e-4, one epoch) are tuned for warm-started refreshes on real data and learn nothing here.
-DEMO_TRAIN_CONFIG = {"ops": {
-    "drafter_checkpoint": {"config": {"lr": 1e-3, "epochs": 3, "micro_batch_size": 8}},
-}}
-
-
-def train_newest(run_config: dict | None = None) -> str | None:
-    """Materialize ``drafter_refresh`` for the newest ingested step (skipped if done)."""
-    from dagster import DagsterInstance
-
-    from assets.partitions import ensure_partition, ingested_steps, refresh_steps, step_key
-    from jobs.refresh import refresh_request
-
-    instance = DagsterInstance.get()
-    ingested = ingested_steps(instance)
-    if not ingested:
-        return None
-    newest = step_key(ingested[-1])
-    ensure_partition(instance, refresh_steps, newest)  # as the refresh sensor's tick adds it
-    execute_requests(instance, "drafter_refresh", [refresh_request(ingested[-1])],
-                     DEMO_TRAIN_CONFIG if run_config is None else run_config)
-    return newest
 
 
 def _print_drift(report: dict) -> None:
@@ -208,42 +128,223 @@ def _print_drift(report: dict) -> None:
             f"{metrics.get(c, float('nan')):>24.4f}" for c in cols))
 
 
+
+
+def _print_drift(report: dict) -> None:
+    steps = report.get("steps") or []
+    if not steps:
+        return
+    cols = {"accuracy": "accuracy", "mean_response_tokens": "response tokens",
+            "kl_to_step0": "KL to step 0", "top1_agreement_with_step0": "top-1 = step 0"}
+    print("\nThe policy drifts under RL (the demo trainer's own metrics):")
+    print("step  " + "  ".join(f"{c:>15}" for c in cols.values()))
+    for row in steps:
+        metrics = row.get("metrics", row)
+        print(f"{row.get('step', '?'):>4}  " + "  ".join(
+            f"{metrics.get(c, float('nan')):>15.3f}" for c in cols))
+
+
+# The demo's one deliberately bad refresh: two optimizer steps from scratch, so that the gate
+# has a worse drafter to refuse (labelled as such in the summary).
+BAD_REFRESH = {"ops": {"drafter_checkpoint": {"config": {"warm_start": "none",
+                                                          "max_steps": 2}}}}
+
+
+def bad_refresh_index(num_steps: int, every: int) -> int | None:
+    """Which refresh of the demo (1-based) is the bad one: the second to last, when there
+    are at least three (a promotion before it and a refresh after it)."""
+    refreshes = num_steps // every
+    return refreshes - 1 if refreshes >= 3 else None
+
+
+def run_demo(world_config, policy, *, regenerate: bool = False, verbose: bool = False,
+             progress: bool = True, refresh_config: dict | None = None) -> tuple[dict, list]:
+    """The demo: the world's RL steps, each followed by the refresh loop's ticks. Returns the
+    world's report and the gate's outcome of every refresh on the instance.
+    ``refresh_config`` is merged into every refresh's run config (the bad one's on top)."""
+    from dagster import DagsterInstance
+    from tqdm import tqdm
+
+    from assets.partitions import refresh_steps
+    from jobs.demo import RefreshLoop, refresh_outcomes
+    from jobs.launch import deep_merge
+    from jobs.status import drafter_name
+
+    bad = bad_refresh_index(world_config.num_steps, policy.every)
+    loop = RefreshLoop(DagsterInstance.get(), verbose=verbose, policy=policy,
+                       refresh_config=lambda n: deep_merge(refresh_config or {},
+                                                           BAD_REFRESH if n == bad else {}))
+
+    def after_step(out) -> None:
+        ran = loop.after_step()
+        line = f"RL step {out.step:>2} written and ingested"
+        for o in refresh_outcomes(loop.instance, ran):
+            line += (f"; refresh: {drafter_name(o.version, o.fingerprint)} τ "
+                     f"{o.candidate_tau:.2f} → {o.action}")
+        tqdm.write(line)
+
+    report = generate_demo_world(force=regenerate, config=world_config,
+                                 after_step=after_step, progress=progress)
+    loop.after_step()  # a reused world: ingest and refresh whatever is left
+    partitions = loop.instance.get_dynamic_partitions(refresh_steps.name)
+    return report, refresh_outcomes(loop.instance, partitions)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    _prepare_dagster_home()
+    from jobs.status import refresh_table
+    from pipeline.demo.config import DemoConfig
+    from resources.refresh import refresh_policy_from_environment
+
+    home = prepare_dagster_home()
+    world_config, policy = DemoConfig(), refresh_policy_from_environment()
+    print(f"Aerie demo: the demo RL trainer writes {world_config.num_steps} RL steps; after "
+          f"each one Aerie ingests it and, every {policy.every} steps, refreshes the drafter "
+          f"on the last {policy.window} steps.\n(state: {home.parent})")
     t0 = time.perf_counter()
-    report = generate_demo_world(force=args.regenerate)
-    t1 = time.perf_counter()
+    report, outcomes = run_demo(world_config, policy, regenerate=args.regenerate,
+                                verbose=args.verbose)
+    seconds = time.perf_counter() - t0
     _print_drift(report)
-    ran = run_pipeline()
-    t2 = time.perf_counter()
-    trained = train_newest()
-    t3 = time.perf_counter()
-    print(f"demo world: {t1 - t0:.1f}s; ingest: {len(ran)} steps in {t2 - t1:.1f}s; "
-          f"drafter for {trained}: {t3 - t2:.1f}s (DAGSTER_HOME={os.environ['DAGSTER_HOME']})")
+    print(f"\nRefreshes (every {policy.every} RL steps, each trained on the last "
+          f"{policy.window}; τ = tokens per draft-verify cycle on held-out prompts):")
+    print(refresh_table(outcomes))
+    bad = bad_refresh_index(world_config.num_steps, policy.every)
+    if bad is not None:
+        print(f"(refresh {bad} is the demo's deliberately bad one: 2 training steps from "
+              "scratch, to show the gate refusing a worse drafter)")
+    _print_where_to_look(outcomes)
+    print(f"\ndemo: {seconds:.0f} s")
     return 0
 
 
+def _print_where_to_look(outcomes) -> None:
+    from resources.mlflow import mlflow_home
+    from resources.storage import storage_from_environment
+
+    print("\nWhere to look:")
+    print("  aerie status                  what serves now, staleness, the last decision")
+    print("  aerie ui                      then http://127.0.0.1:3000/locations/aerie/jobs/"
+          "drafter_refresh (a run per refresh), the asset serving_drafter (every decision)")
+    if outcomes:
+        step = int(outcomes[-1].partition.rsplit("-", 1)[1])
+        from pipeline.layout import chart_key
+
+        print(f"  τ over RL steps               "
+              f"{storage_from_environment().url(chart_key(step, 'tau'))}")
+    print(f"  mlflow ui --backend-store-uri sqlite:///{mlflow_home() / 'mlflow.db'}")
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
-    _prepare_dagster_home()
+    from jobs.launch import workspace_file
+
+    home = prepare_dagster_home()
     exe = Path(sys.executable).with_name("dagster")
-    os.execv(str(exe), [str(exe), "dev", "-w", "workspace.yaml", "-h", "127.0.0.1",
+    os.execv(str(exe), [str(exe), "dev", "-w", str(workspace_file(home)), "-h", "127.0.0.1",
                         "-p", str(args.port)])
     return 0  # unreachable
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="aerie", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="generate the demo RL world and run the pipeline on it")
+def _registry_and_storage():
+    from resources.mlflow import mlflow_from_environment
+    from resources.storage import storage_from_environment
+
+    return mlflow_from_environment(), storage_from_environment()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from dagster import DagsterInstance
+
+    from jobs.status import render, serving_status
+    from resources.refresh import refresh_policy_from_environment
+
+    prepare_dagster_home()
+    registry, storage = _registry_and_storage()
+    policy = refresh_policy_from_environment()
+    status = serving_status(DagsterInstance.get(), storage, registry.model_name,
+                            stale_after_steps=policy.stale_after_steps,
+                            max_tau_drop=policy.max_tau_drop_percent / 100)
+    print(render(status))
+    return 0
+
+
+def _run_release_job(job_name: str, op: str, config: dict, args) -> int:
+    """Run ``job_name`` (the override or the rollback job) on the instance, recorded like a
+    run launched from the UI, and print what serves afterwards."""
+    from dagster import DagsterInstance, RunRequest
+
+    from jobs import launch
+
+    prepare_dagster_home()
+    run_config = {"ops": {op: {"config": config}}, **launch.in_process(args.verbose)}
+    run = launch.execute(DagsterInstance.get(), job_name, RunRequest(run_config=run_config),
+                         run_config, {VERSION_TAG: f"aerie {args.command}"})
+    print(f"{job_name}: run {run.run_id} succeeded")
+    return cmd_status(args)
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    return _run_release_job("promote_drafter_manually", "force_promote_op",
+                            {"version": args.version, "actor": args.actor,
+                             "reason": args.reason}, args)
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    return _run_release_job("rollback_drafter", "rollback_op",
+                            {"actor": args.actor, "reason": args.reason}, args)
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("aerie")
+
+
+def parser() -> argparse.ArgumentParser:
+    import getpass
+
+    p = argparse.ArgumentParser(prog="aerie", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"aerie {_version()}")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show Dagster's run logs and every library's INFO logs")
+    sub = p.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run the demo RL world and the refresh loop on it")
     demo.add_argument("--regenerate", action="store_true",
                       help="generate the demo world again even if it exists")
     demo.set_defaults(func=cmd_demo)
     ui = sub.add_parser("ui", help="open the Dagster UI on the embedded default's instance")
     ui.add_argument("--port", type=int, default=3000)
     ui.set_defaults(func=cmd_ui)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    return args.func(args)
+    sub.add_parser("status", help="what serves now, since when, its τ and staleness, and the "
+                                  "last refresh").set_defaults(func=cmd_status)
+    who = getpass.getuser()
+    promote = sub.add_parser("promote", help="make a registered drafter version the champion, "
+                                             "overriding the gate (recorded)")
+    promote.add_argument("version", help="registered model version, e.g. 3")
+    promote.add_argument("--reason", required=True, help="why the gate is overridden")
+    promote.add_argument("--actor", default=who, help=f"who decides (default: {who})")
+    promote.set_defaults(func=cmd_promote)
+    rollback = sub.add_parser("rollback", help="restore the previous champion (recorded)")
+    rollback.add_argument("--reason", default="rollback", help="why")
+    rollback.add_argument("--actor", default=who, help=f"who rolls back (default: {who})")
+    rollback.set_defaults(func=cmd_rollback)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    # quiet by default: Aerie's own progress and results; libraries only when they warn
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s")
+    log.setLevel(logging.INFO if args.verbose else logging.WARNING)
+    from jobs.launch import RunFailed
+
+    try:
+        return args.func(args)
+    except RunFailed as e:  # the run's error, without the traceback (--verbose keeps it)
+        if args.verbose:
+            raise
+        print(f"aerie {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,13 +1,30 @@
 """The drafter refresh job for one refresh step (partition = step): draft vocab, training,
-acceptance evaluation, registration and gated promotion."""
+acceptance evaluation, registration and gated promotion.
+
+Its default run config holds the training preset of the configured target family
+(:data:`pipeline.training.config.FAMILY_PRESETS`; the demo family's by default): the
+Launchpad shows it, and the sensor's and the schedule's requests carry it (the daemon uses a
+request's own run config whole, never the job's default, when the request has one).
+"""
 
 from dagster import define_asset_job
 
 from assets.groups import REFRESH_ASSETS
+from pipeline.training.config import FAMILY_PRESETS
+from resources.mlflow import target_family_from_env
+
+
+def default_run_config(family: str) -> dict | None:
+    preset = FAMILY_PRESETS.get(family)
+    return {"ops": {"drafter_checkpoint": {"config": dict(preset)}}} if preset else None
+
+
+DEFAULT_RUN_CONFIG = default_run_config(target_family_from_env())
 
 drafter_refresh = define_asset_job(
     "drafter_refresh", selection=list(REFRESH_ASSETS),
     tags={"aerie/serial": "drafter_refresh"},  # one at a time: see jobs/cli.py INSTANCE_YAML
+    config=DEFAULT_RUN_CONFIG,
     description="Choose the draft vocab of the window ending at the partition's RL step, "
                 "train and publish its EAGLE-3 drafter (warm-started from the previous one), "
                 "measure it against the champion on held-out prompts, register it in MLflow "

@@ -38,7 +38,8 @@ from dagster import (
 
 from assets.drafter import VocabRunConfig
 from assets.partitions import ensure_partition, ingested_steps, refresh_steps, step_key
-from jobs.drafter import drafter_refresh
+from jobs.drafter import DEFAULT_RUN_CONFIG, drafter_refresh
+from jobs.launch import deep_merge
 from resources.refresh import RefreshPolicyResource
 
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
@@ -58,10 +59,12 @@ REFRESH_STEP_TAG = "aerie/refresh_step"
 
 
 def refresh_request(step: int, window: int | None = None) -> RunRequest:
-    """The run of the refresh at ``step``; ``window`` None leaves K to the refresh resource."""
+    """The run of the refresh at ``step``: the job's default run config (the family's
+    training preset) plus the window; ``window`` None leaves K to the refresh resource."""
     key = step_key(step)
+    vocab = RunConfig(ops={"vocab_mapping": VocabRunConfig(window=window)}).to_config_dict()
     return RunRequest(run_key=f"drafter-refresh-{key}", partition_key=key,
-                      run_config=RunConfig(ops={"vocab_mapping": VocabRunConfig(window=window)}),
+                      run_config=deep_merge(DEFAULT_RUN_CONFIG or {}, vocab),
                       tags={REFRESH_STEP_TAG: str(step)})
 
 

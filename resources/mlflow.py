@@ -87,6 +87,12 @@ class MlflowResource(ConfigurableResource):
             lock_timeout_s=self.lock_timeout_s)
 
 
+def target_family_from_env() -> str:
+    """``AERIE_TARGET_FAMILY`` (default ``demo``): read when the definitions load, for the
+    refresh job's training preset."""
+    return os.environ.get("AERIE_TARGET_FAMILY") or "demo"
+
+
 def mlflow_from_env() -> MlflowResource:
     """A resource whose fields are ``EnvVar``s for the variables that are set (values are
     resolved by Dagster at run time, never copied into run config)."""

@@ -41,3 +41,9 @@ def refresh_policy_from_env() -> RefreshPolicyResource:
     ``AERIE_STALE_AFTER_STEPS``, ``AERIE_MAX_TAU_DROP_PERCENT``) where it is set."""
     return RefreshPolicyResource(**{f: EnvVar.int(v) for f, v in _ENV.items()
                                     if v in os.environ})
+
+
+def refresh_policy_from_environment() -> RefreshPolicyResource:
+    """The same policy built outside Dagster (the CLI), values read from the environment."""
+    return RefreshPolicyResource(**{f: int(os.environ[v]) for f, v in _ENV.items()
+                                    if v in os.environ})

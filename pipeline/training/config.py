@@ -120,6 +120,14 @@ class TrainConfig:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+# Hyper-parameters per target family where the library defaults (tuned for warm-started
+# refreshes on real data) learn nothing: the demo drafter starts from scratch on a few
+# thousand tokens per window. The refresh job's default run config (what the Launchpad shows
+# and the sensors run) takes the preset of the configured family, AERIE_TARGET_FAMILY.
+FAMILY_PRESETS: dict[str, dict[str, float | int]] = {
+    "demo": {"lr": 1e-3, "epochs": 3, "micro_batch_size": 8},
+}
+
 def total_steps(config: TrainConfig, num_samples: int) -> tuple[int, int]:
     """``(steps_per_epoch, total_steps)`` for ``num_samples`` in the window.
 

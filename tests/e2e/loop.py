@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from dagster import DagsterInstance, build_sensor_context
+from dagster import DagsterInstance
 
 from jobs import cli
-from jobs.refresh import refresh_sensor
+from jobs.demo import RefreshLoop
+from jobs.launch import deep_merge
 from pipeline.demo.config import DemoConfig
 from pipeline.storage import Storage
 from resources.refresh import RefreshPolicyResource
@@ -37,7 +38,7 @@ TRAIN = {"ops": {
 UNREACHABLE = {"ops": {"serving_drafter": {"config": {"min_relative_gain": 10.0}}}}
 WORSE = {"ops": {"drafter_checkpoint": {"config": {
     "warm_start": "none", "max_steps": 1, "lr": 1e-6}}}}  # an untrained drafter
-CYCLE_CONFIG = {1: TRAIN, 2: cli.deep_merge(TRAIN, UNREACHABLE), 3: cli.deep_merge(TRAIN, WORSE)}
+CYCLE_CONFIG = {1: TRAIN, 2: deep_merge(TRAIN, UNREACHABLE), 3: deep_merge(TRAIN, WORSE)}
 REFRESHES = ["step-000001", "step-000003", "step-000005"]
 PENDING = "demo-world/pending-step.json"
 # the variables that would point Aerie somewhere other than the home under test
@@ -72,7 +73,7 @@ def run_loop(home: Path) -> Loop:
     from pipeline.demo.world import generate_world
     from pipeline.snapshot.writer import SnapshotWriter
 
-    cli._prepare_dagster_home()
+    cli.prepare_dagster_home()
     outputs = []  # the trainer's steps, published one at a time below
     generate_world(DemoConfig.small(num_steps=7), home / "demo-world", outputs.append,
                    progress=False)
@@ -82,19 +83,8 @@ def run_loop(home: Path) -> Loop:
         "policy_dir": str(pending.policy_dir.relative_to(home)), "records": pending.records}))
     storage = Storage((home / "storage").as_uri())
     writer = SnapshotWriter(storage)
-    loop = Loop(home, DagsterInstance.get(), storage)
-    cursor = None
+    driver = RefreshLoop(DagsterInstance.get(), refresh_config=CYCLE_CONFIG.get, policy=POLICY)
     for out in outputs:
         writer.write_step(out.step, out.records, out.policy_dir, out.policy_version)
-        cli.run_pipeline()  # snapshot sensor tick + ingest_step runs
-        tick = refresh_sensor(build_sensor_context(instance=loop.instance, cursor=cursor,
-                                                   resources={"refresh": POLICY}))
-        requests = getattr(tick, "run_requests", None) or []
-        loop.sensor_ticks.append("run" if requests else "skip")
-        if not requests:
-            continue
-        cursor = tick.cursor
-        cycle = len(loop.refreshed) + 1
-        loop.refreshed += cli.execute_tick(loop.instance, "drafter_refresh", tick,
-                                           CYCLE_CONFIG[cycle])
-    return loop
+        driver.after_step()  # snapshot sensor tick + ingest runs, refresh sensor tick + run
+    return Loop(home, driver.instance, storage, driver.refreshed, driver.refresh_ticks)

@@ -5,9 +5,10 @@ same disk, once with its storage uploaded to S3 (moto_server) instead. While the
 runs, the original home is renamed away, so anything that still reads or writes the old
 place fails or recreates it (both caught). In the moved state, one process (as a user would
 start it) goes on where the loop stopped: the RL trainer writes step 6, the snapshot sensor
-ingests it, a refresh trains, evaluates and gates the step-6 drafter against the champion,
-and the manual override makes version 2 (registered before the move) champion; the serving
-record it writes must resolve in the new place.
+ingests it, a tick of the refresh schedule trains, evaluates and gates the step-6 drafter
+against the champion, and ``aerie promote`` (the manual override) makes version 2
+(registered before the move) champion; the serving record it writes must resolve in the new
+place.
 """
 
 from __future__ import annotations
@@ -37,26 +38,26 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 # What runs in the moved state (see the module docstring); prints what it saw as JSON.
 SCRIPT = """
 import json, sys
-from pathlib import Path
 from dagster import DagsterInstance
-from definitions import defs
 from jobs import cli
+from jobs.demo import RefreshLoop
+from pipeline.serving_now import read_serving
 from pipeline.snapshot.writer import SnapshotWriter
 from resources.home import aerie_home
 from resources.storage import storage_from_environment
 
+storage = storage_from_environment()
 step = json.loads((aerie_home() / sys.argv[2]).read_text())
-SnapshotWriter(storage_from_environment()).write_step(
+SnapshotWriter(storage).write_step(
     step["step"], step["records"], aerie_home() / step["policy_dir"], step["policy_version"])
-ingested = cli.run_pipeline()
-refreshed = cli.train_newest(json.loads(sys.argv[1]))
-forced = defs.resolve_job_def("promote_drafter_manually").execute_in_process(
-    instance=DagsterInstance.get(), run_config={"ops": {"force_promote_op": {"config": {
-        "version": "2", "actor": "mover", "reason": "after the move"}}}})
+loop = RefreshLoop(DagsterInstance.get(), refresh_config=lambda n: json.loads(sys.argv[1]))
+ingested = loop.ingest()
+refreshed = loop.refresh_newest()
+assert cli.main(["promote", "2", "--actor", "mover", "--reason", "after the move"]) == 0
+serving = read_serving(storage, "aerie-drafter-demo")
 print(json.dumps({"ingested": ingested, "refreshed": refreshed,
-                  "forced": forced.output_for_node("force_promote_op")}))
+                  "champion": serving.target.registry_version}))
 """
-
 
 @dataclass
 class Moved:
@@ -146,7 +147,7 @@ def moved(request) -> Moved:
 
 def test_a_refresh_runs_in_the_moved_state(moved):
     assert moved.outcome["ingested"] == ["step-000006"]
-    assert moved.outcome["refreshed"] == "step-000006"
+    assert moved.outcome["refreshed"] == ["step-000006"]
     report = read_report(moved.storage, 6)  # evaluated against the champion served before
     assert {"candidate", "champion", "no_drafter"} <= set(report.contestants)
     assert all(c.outputs_match_baseline == report.heldout["prompts"]
@@ -154,7 +155,7 @@ def test_a_refresh_runs_in_the_moved_state(moved):
 
 
 def test_a_version_registered_before_the_move_is_served_from_the_new_place(moved, tmp_path):
-    assert moved.outcome["forced"]["champion"] == "2"
+    assert moved.outcome["champion"] == "2"
     serving = read_serving(moved.storage, "aerie-drafter-demo")
     assert serving.target is not None and serving.target.registry_version == "2"
     launch = resolve_serving(moved.storage, "aerie-drafter-demo", tmp_path / "cache")

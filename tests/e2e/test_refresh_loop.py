@@ -24,7 +24,7 @@ from dagster import (
 )
 
 from assets.groups import DATA_ASSETS, REFRESH_ASSETS
-from jobs import cli
+from jobs.demo import DEMO_INGEST_CONFIG
 from pipeline.capture.window import WindowError
 from pipeline.evaluation.stage import read_report
 from pipeline.layout import chart_key
@@ -209,7 +209,7 @@ def test_a_damaged_shard_is_refused_by_training_and_repaired_by_a_rerun(storage_
         instance.add_dynamic_partitions("rl_steps", ["step-000005"])
         rerun = materialize(  # what re-running the step's ingest_step does
             [rollout_snapshot, tokenized_rollouts, hidden_state_shards], instance=instance,
-            partition_key="step-000005", run_config=cli.DEMO_INGEST_CONFIG,
+            partition_key="step-000005", run_config=DEMO_INGEST_CONFIG,
             resources={"storage": StorageResource(url=storage_copy.root_url),
                        "capture": CaptureResource()})
     meta = {e.asset_key.path[0]: e.materialization.metadata

@@ -46,7 +46,7 @@ def world(tmp_path, monkeypatch, drafter_dirs, tracking):
     """The embedded default's instance (its dagster.yaml), a storage root and a registry with
     versions 1-3 registered (not promoted)."""
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
-    cli._prepare_dagster_home()
+    cli.prepare_dagster_home()
     storage = Storage((tmp_path / "storage").as_uri())
     mlflow = MlflowResource(tracking_uri=tracking[0], artifact_location=tracking[1],
                             target_family=f"t{uuid.uuid4().hex[:10]}",
@@ -186,7 +186,7 @@ def test_an_older_embedded_instance_gets_the_missing_limits(tmp_path, monkeypatc
     (home / "dagster.yaml").write_text(
         "telemetry:\n  enabled: false\nconcurrency:\n  runs:\n    max_concurrent_runs: 3\n")
     monkeypatch.setenv("DAGSTER_HOME", str(home))
-    cli._prepare_dagster_home()
+    cli.prepare_dagster_home()
     config = yaml.safe_load((home / "dagster.yaml").read_text())
     assert config["concurrency"]["pools"] == {"default_limit": 1}
     assert config["concurrency"]["runs"]["max_concurrent_runs"] == 3

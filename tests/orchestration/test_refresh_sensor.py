@@ -179,7 +179,7 @@ def test_embedded_instance_runs_one_refresh_at_a_time(tmp_path, monkeypatch):
     from jobs import cli
 
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
-    cli._prepare_dagster_home()
+    cli.prepare_dagster_home()
     with DagsterInstance.get() as instance:
         limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
     tags = _job().tags

@@ -1,0 +1,200 @@
+"""The refresh loop of the embedded default, driven one RL step at a time.
+
+After the RL trainer writes a step, :meth:`RefreshLoop.after_step` does what the daemon does
+on its next ticks: it ticks ``snapshot_sensor`` and runs the ``ingest_step`` runs it asks
+for, then ticks ``refresh_sensor`` (every N ingested steps) and runs the ``drafter_refresh``
+it asks for. Runs are created with the code location's origin (:mod:`jobs.launch`), so
+they show on their job pages as launched by their sensor. ``aerie demo`` and the e2e tests
+use it; :func:`refresh_outcomes` reads back what each refresh decided.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dagster import AssetKey, DagsterInstance, RunRequest, build_sensor_context
+
+from assets.release import GATE_ACTOR
+from jobs import launch
+from jobs.launch import deep_merge
+from resources.refresh import RefreshPolicyResource
+
+log = logging.getLogger("aerie")
+SENSOR_TAG = "dagster/sensor_name"  # what the daemon tags a sensor's runs with
+
+# The demo world has 16 prompts per RL step: hold out a fifth of them (not the library's 5%)
+# so that evaluation has a few dozen prompts no drafter ever trained on.
+DEMO_INGEST_CONFIG = {"ops": {"hidden_state_shards": {"config": {"heldout_fraction": 0.2}}}}
+
+
+def apply_tick(instance: DagsterInstance, job_name: str, result, run_config: dict | None,
+               launched_by: dict[str, str], verbose: bool = False) -> list[str]:
+    """Apply a tick's partition requests and execute its run requests, as the daemon does
+    with a sensor's or a schedule's result (a SensorResult, a SkipReason or a lone
+    RunRequest); ``launched_by`` names the sensor or schedule (run tags)."""
+    for add in getattr(result, "dynamic_partitions_requests", None) or []:
+        instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys))
+    requests = [result] if isinstance(result, RunRequest) else \
+        getattr(result, "run_requests", None)
+    return execute_requests(instance, job_name, requests, run_config, launched_by, verbose)
+
+
+def execute_requests(instance: DagsterInstance, job_name: str, requests,
+                     run_config: dict | None = None,
+                     launched_by: dict[str, str] | None = None, verbose: bool = False
+                     ) -> list[str]:
+    """Execute run requests in this process, as the daemon would launch them.
+
+    ``run_config`` is deep-merged over each request's own. The request's partition is added
+    to the job's dynamic partitions if missing (a daemon refuses a request for an unknown
+    partition). Partitions whose job assets are all materialized already are skipped (what
+    the daemon's run-key dedup does across restarts). Returns the partitions that ran.
+    """
+    from assets.partitions import complete_partitions, ensure_partition
+    from definitions import defs
+
+    job = defs.resolve_job_def(job_name)
+    done = complete_partitions(instance, job.asset_layer.executable_asset_keys)
+    ran = []
+    for request in requests or []:
+        if request.partition_key in done:
+            log.info("%s %s: already materialized", job_name, request.partition_key)
+            continue
+        ensure_partition(instance, job.partitions_def, request.partition_key)
+        config = deep_merge(deep_merge(request.run_config or {}, run_config or {}),
+                            launch.in_process(verbose))
+        run = launch.execute(instance, job_name, request, config, launched_by or {})
+        log.info("%s %s: run %s succeeded", job_name, request.partition_key, run.run_id)
+        ran.append(request.partition_key)
+    return ran
+
+
+@dataclass
+class RefreshLoop:
+    """The sensors' cursors and what they launched. ``refresh_config(n)`` is the run config
+    merged into the n-th refresh (1-based) of this loop, if any; ``policy`` the refresh
+    resource the sensors see (default: the definitions', from the environment)."""
+
+    instance: DagsterInstance
+    refresh_config: Callable[[int], dict | None] = lambda n: None
+    verbose: bool = False
+    policy: RefreshPolicyResource | None = None
+    snapshot_cursor: str | None = None
+    refresh_cursor: str | None = None
+    ingested: list[str] = field(default_factory=list)
+    refreshed: list[str] = field(default_factory=list)
+    refresh_ticks: list[str] = field(default_factory=list)  # "run" / "skip" per tick
+
+    def ingest(self) -> list[str]:
+        """Tick ``snapshot_sensor`` and run the ``ingest_step`` runs it requests."""
+        from definitions import defs
+        from jobs.snapshots import snapshot_sensor
+
+        tick = snapshot_sensor(build_sensor_context(
+            instance=self.instance, cursor=self.snapshot_cursor,
+            resources={"storage": defs.resources["storage"]}))
+        self.snapshot_cursor = tick.cursor or self.snapshot_cursor
+        ran = apply_tick(self.instance, "ingest_step", tick, DEMO_INGEST_CONFIG,
+                         {SENSOR_TAG: snapshot_sensor.name}, self.verbose)
+        self.ingested += ran
+        return ran
+
+    def refresh(self) -> list[str]:
+        """Tick ``refresh_sensor`` and run the ``drafter_refresh`` it requests, if any."""
+        from definitions import defs
+        from jobs.refresh import refresh_sensor
+
+        tick = refresh_sensor(build_sensor_context(
+            instance=self.instance, cursor=self.refresh_cursor,
+            resources={"refresh": self.policy or defs.resources["refresh"]}))
+        requests = getattr(tick, "run_requests", None) or []
+        self.refresh_ticks.append("run" if requests else "skip")
+        if not requests:
+            return []
+        self.refresh_cursor = tick.cursor
+        return self._refresh(tick, {SENSOR_TAG: refresh_sensor.name})
+
+    def refresh_newest(self) -> list[str]:
+        """Tick ``drafter_refresh_schedule`` (refresh the newest ingested step unless a
+        refresh was launched for it) and run what it requests."""
+        from dagster import build_schedule_context
+
+        from definitions import defs
+        from jobs.refresh import drafter_refresh_schedule
+
+        tick = drafter_refresh_schedule(build_schedule_context(
+            instance=self.instance,
+            resources={"refresh": self.policy or defs.resources["refresh"]}))
+        return self._refresh(tick, {"dagster/schedule_name": drafter_refresh_schedule.name})
+
+    def _refresh(self, tick, launched_by: dict[str, str]) -> list[str]:
+        ran = apply_tick(self.instance, "drafter_refresh", tick,
+                         self.refresh_config(len(self.refreshed) + 1), launched_by,
+                         self.verbose)
+        self.refreshed += ran
+        return ran
+
+    def after_step(self) -> list[str]:
+        """What the daemon's next ticks do once a step is written: ingest, then refresh if
+        another block of N steps is in. Returns the refresh partitions that ran."""
+        self.ingest()
+        return self.refresh()
+
+
+@dataclass(frozen=True)
+class RefreshOutcome:
+    """One refresh as the gate saw it (read back from ``serving_drafter``'s event)."""
+
+    partition: str
+    window: list[int]
+    version: str
+    fingerprint: str
+    candidate_tau: float
+    champion_tau: float | None  # None: no champion yet (measured against no drafter)
+    no_drafter_tau: float | None
+    action: str
+    champion_after: str
+    reasons: list[str]
+
+
+def refresh_outcomes(instance: DagsterInstance, partitions: list[str]) -> list[RefreshOutcome]:
+    """The gate's decision of every refresh in ``partitions`` that reached the gate."""
+    found = (gate_outcome(instance, p) for p in partitions)
+    return [o for o in found if o is not None]
+
+
+def _events(instance: DagsterInstance, asset: str, partition: str, limit: int = 20):
+    from dagster import AssetRecordsFilter
+
+    return [(r.run_id, {k: v.value for k, v in r.asset_materialization.metadata.items()})
+            for r in instance.fetch_materializations(AssetRecordsFilter(
+                asset_key=AssetKey(asset), asset_partitions=[partition]), limit=limit).records]
+
+
+def gate_outcome(instance: DagsterInstance, partition: str, run_id: str | None = None
+                 ) -> RefreshOutcome | None:
+    """The gate's newest decision on ``partition`` (in run ``run_id``, if given), or None
+    when no refresh of it reached the gate."""
+    gate = [(r, m) for r, m in _events(instance, "serving_drafter", partition)
+            if m.get("actor") == GATE_ACTOR and run_id in (None, r)]
+    if not gate:
+        return None
+    run, serving = gate[0]
+    registered = _of_run(_events(instance, "registered_drafter", partition), run)
+    evaluation = _of_run(_events(instance, "acceptance_eval", partition), run)
+    return RefreshOutcome(
+        partition=partition, window=list(registered["window_steps"]),
+        version=str(registered["version"]), fingerprint=str(registered["fingerprint"]),
+        candidate_tau=float(evaluation["candidate_tau"]),
+        champion_tau=evaluation.get("champion_tau"),
+        no_drafter_tau=evaluation.get("no_drafter_tau"),
+        action=str(serving["action"]), champion_after=str(serving["champion"]),
+        reasons=[line.removeprefix("- ") for line in str(serving["reasons"]).splitlines()])
+
+
+def _of_run(events: list[tuple[str, dict]], run_id: str) -> dict:
+    """The event of run ``run_id`` (the refresh's own), else the newest one (a re-run of the
+    gate alone)."""
+    return next((m for r, m in events if r == run_id), events[0][1] if events else {})

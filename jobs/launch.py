@@ -1,0 +1,117 @@
+"""Runs of the embedded default, created the way the daemon creates them.
+
+``aerie demo`` and the CLI tick the sensors themselves and execute the runs they request in
+this process (no daemon, no run worker to start). Each run is still created on the instance
+with the origin of the code location ``aerie`` (the one ``aerie ui`` serves), the job's own
+tags, the partition and who asked for it (``dagster/sensor_name`` for a sensor's request), so
+the Dagster UI lists it on its job page, in the Overview timeline and as launched by its
+sensor, exactly like a run the daemon launched.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from pathlib import Path
+
+from dagster import DagsterInstance, DagsterRun, RunRequest
+
+LOCATION = "aerie"
+REPOSITORY = "__repository__"  # the repository every Definitions object is served as
+WORKSPACE_YAML = f"""load_from:
+  - python_module:
+      module_name: definitions
+      attribute: defs
+      location_name: {LOCATION}
+"""
+
+
+def in_process(verbose: bool = False) -> dict:
+    """Run config of a run the CLI executes itself: every step in this process (one import
+    of torch, not one per step; a daemon-launched run keeps the job's own executor), and
+    Dagster's console log at WARNING unless ``verbose`` (the event log keeps every line)."""
+    level = "DEBUG" if verbose else "WARNING"
+    return {"execution": {"config": {"in_process": {}}},
+            "loggers": {"console": {"config": {"log_level": level}}}}
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    """``base`` with ``over`` merged in, recursively for nested dicts (run configs)."""
+    out = dict(base)
+    for k, v in over.items():
+        both = isinstance(v, dict) and isinstance(out.get(k), dict)
+        out[k] = deep_merge(out[k], v) if both else v
+    return out
+
+
+class RunFailed(RuntimeError):
+    """A run the CLI executed failed; the message names the run, its partition and the error
+    of the step that failed."""
+
+
+def workspace_file(dagster_home: Path) -> Path:
+    """``$DAGSTER_HOME/workspace.yaml``: the code location ``aerie`` from the installed
+    ``definitions`` module, so ``aerie ui`` works from any directory."""
+    path = dagster_home / "workspace.yaml"
+    if not path.exists() or path.read_text() != WORKSPACE_YAML:
+        path.write_text(WORKSPACE_YAML)
+    return path
+
+
+@cache
+def _repository():
+    from dagster._core.definitions.reconstruct import ReconstructableRepository
+
+    import definitions
+
+    return ReconstructableRepository.for_module(
+        "definitions", "defs", working_directory=os.path.dirname(definitions.__file__))
+
+
+def _remote_origin(job_name: str):
+    from dagster._core.remote_origin import RemoteJobOrigin, RemoteRepositoryOrigin
+    from dagster._core.workspace.load import location_origins_from_yaml_paths
+
+    home = Path(os.environ["DAGSTER_HOME"])
+    (location,) = location_origins_from_yaml_paths([str(workspace_file(home))])
+    return RemoteJobOrigin(RemoteRepositoryOrigin(location, REPOSITORY), job_name)
+
+
+def execute(instance: DagsterInstance, job_name: str, request: RunRequest,
+            run_config: dict, launched_by: dict[str, str]) -> DagsterRun:
+    """Create the run of ``request`` on ``instance`` with the code location's origin and
+    execute it here; raise :class:`RunFailed` if it fails.
+
+    ``run_config`` is the full run config (the request's merged with any override);
+    ``launched_by`` the tags that say who asked (e.g. ``{"dagster/sensor_name": ...}``).
+    """
+    from dagster._core.execution.api import execute_run
+
+    recon = _repository().get_reconstructable_job(job_name)
+    job = recon.get_definition()
+    tags = {**job.run_tags, **(request.tags or {}), **launched_by}
+    if request.partition_key is not None:
+        tags["dagster/partition"] = request.partition_key
+    if request.run_key:
+        tags["dagster/run_key"] = request.run_key
+    run = instance.create_run_for_job(
+        job_def=job, run_config=run_config, tags=tags,
+        remote_job_origin=_remote_origin(job_name), job_code_origin=recon.get_python_origin())
+    result = execute_run(recon, run, instance)
+    if not result.success:
+        where = f" {request.partition_key}" if request.partition_key else ""
+        raise RunFailed(f"{job_name}{where} failed (run {run.run_id}): {_failure(result)}")
+    return instance.get_run_by_id(run.run_id)
+
+
+def _failure(result) -> str:
+    """The error message of the first failed step (or of the run)."""
+    for event in result.all_events:
+        if event.is_step_failure or event.is_run_failure:
+            error = getattr(event.event_specific_data, "error", None)
+            where = f"step {event.step_key}: " if event.step_key else ""
+            if error is not None:
+                cause = error.cause.message.strip() if error.cause else ""
+                return where + (error.message.strip() + (f" ({cause})" if cause else ""))
+            return where + (event.message or "failed")
+    return "failed"

@@ -1,0 +1,109 @@
+"""What ``aerie status`` and the end of ``aerie demo`` print: the drafter serving now, the
+refreshes and their decisions, read back from the serving record, the Dagster instance and
+the acceptance reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dagster import DagsterInstance, RunsFilter
+
+from jobs.demo import RefreshOutcome
+from pipeline.checks import serving_staleness
+from pipeline.serving_now import read_serving
+from pipeline.storage import Storage
+
+
+def short(fingerprint: str) -> str:
+    return fingerprint[:8] if fingerprint else "?"
+
+
+def drafter_name(version: str | None, fingerprint: str | None) -> str:
+    """Aerie's one way of naming a drafter: registry version and short fingerprint."""
+    if version is None or version == "none":
+        return "no drafter"
+    return f"v{version} ({short(fingerprint or '')})"
+
+
+def _tau(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def _steps(window: list[int]) -> str:
+    return f"{window[0]}–{window[-1]}" if len(window) > 1 else str(window[0])
+
+
+def refresh_table(outcomes: list[RefreshOutcome]) -> str:
+    """One line per refresh: window, drafter, τ of each contestant, the decision."""
+    head = (f"{'refresh':<8} {'RL steps':<9} {'drafter':<16} {'τ':>5} {'champion τ':>10} "
+            f"{'no drafter τ':>12}  decision")
+    lines = [head, "-" * len(head)]
+    for o in outcomes:
+        step = int(o.partition.rsplit("-", 1)[1])
+        lines.append(f"{step:<8} {_steps(o.window):<9} "
+                     f"{drafter_name(o.version, o.fingerprint):<16} "
+                     f"{o.candidate_tau:>5.2f} {_tau(o.champion_tau):>10} "
+                     f"{_tau(o.no_drafter_tau):>12}  {o.action}")
+        lines.append(f"{'':<8} {o.reasons[0] if o.reasons else ''}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ServingStatus:
+    model: str
+    drafter: str  # drafter_name(...) or "no drafter"
+    since: str
+    reason: str
+    staleness: str
+    stale: bool
+    last_refresh: str
+
+
+def serving_status(instance: DagsterInstance, storage: Storage, model: str, *,
+                   stale_after_steps: int, max_tau_drop: float) -> ServingStatus:
+    """The drafter serving ``model`` now and the newest refresh run."""
+    from assets.partitions import ingested_steps
+
+    record = read_serving(storage, model)
+    target = record.target if record else None
+    drafter = drafter_name(target.registry_version, target.fingerprint) if target \
+        else "no drafter"
+    newest = (ingested_steps(instance) or [None])[-1]
+    stale = serving_staleness(storage, model, newest, stale_after_steps=stale_after_steps,
+                              max_tau_drop=max_tau_drop) if target else None
+    return ServingStatus(
+        model=model, drafter=drafter, since=record.written_at if record else "never",
+        reason=record.reason if record else "",
+        staleness=stale.description if stale else f"newest ingested RL step: {newest}",
+        stale=bool(stale and not stale.passed), last_refresh=_last_refresh(instance))
+
+
+def _last_refresh(instance: DagsterInstance) -> str:
+    records = instance.get_run_records(RunsFilter(job_name="drafter_refresh"), limit=1)
+    if not records:
+        return "none yet"
+    run = records[0].dagster_run
+    partition = run.tags.get("dagster/partition", "?")
+    text = f"{partition}: run {run.run_id[:8]} {run.status.value.lower()}"
+    if records[0].end_time:
+        from datetime import UTC, datetime
+
+        text += f" at {datetime.fromtimestamp(records[0].end_time, UTC):%Y-%m-%d %H:%M} UTC"
+    from jobs.demo import gate_outcome
+
+    outcome = gate_outcome(instance, partition, run.run_id)
+    if outcome is not None:
+        text += f"; {outcome.action} {drafter_name(outcome.version, outcome.fingerprint)}"
+        if outcome.reasons:
+            text += f": {outcome.reasons[0]}"
+    return text
+
+
+def render(s: ServingStatus) -> str:
+    return "\n".join([
+        f"model:        {s.model}",
+        f"serving now:  {s.drafter}" + (f", since {s.since}" if s.since != "never" else ""),
+        *([f"why:          {s.reason}"] if s.reason else []),
+        f"staleness:    {'STALE: ' if s.stale else ''}{s.staleness}",
+        f"last refresh: {s.last_refresh}",
+    ])
