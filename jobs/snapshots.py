@@ -93,7 +93,7 @@ def _pending(cursor: str | None) -> list[int]:
 def snapshot_sensor(context: SensorEvaluationContext, storage: StorageResource):
     """Adds a partition and requests one ingest run per completed, not yet ingested snapshot
     step (see the module docstring); the run key is the partition key."""
-    keys = storage.build().list(ROLLOUTS)
+    keys = storage.checked().list(ROLLOUTS)
     completed = committed_steps(keys, ROLLOUTS)  # the completion markers of step dirs
     odd = odd_entries(keys, ROLLOUTS)
     if odd:

@@ -59,6 +59,16 @@ class StorageUnavailable(StorageError):
     """The store could not be reached or refused a transient request: worth retrying."""
 
 
+class StorageAccessError(StorageError):
+    """The root cannot be used as configured: no retry fixes it. ``cause`` is one of
+    ``local`` (a directory that cannot be created or written), ``credentials`` (none found,
+    or refused) or ``bucket`` (no such bucket)."""
+
+    def __init__(self, message: str, cause: str):
+        super().__init__(message)
+        self.cause = cause
+
+
 @dataclass(frozen=True)
 class WrittenObject:
     """What was written: the key, its size and the sha256 of its bytes."""
@@ -123,13 +133,43 @@ class Storage:
         self._root = root_path.rstrip("/")
         self.is_local = "file" in _protocols(self.fs)
         if self.is_local:
-            os.makedirs(self._root, exist_ok=True)
+            try:
+                os.makedirs(self._root, exist_ok=True)
+            except OSError as e:
+                raise StorageAccessError(f"cannot create the storage root {self.root_url}: "
+                                         f"{e.strerror or e}", "local") from e
         self.cache_dir = Path(cache_dir) if cache_dir else (
             Path(tempfile.gettempdir()) / f"aerie-cache-{os.getuid()}")
         self.cache_max_bytes = cache_max_bytes
 
     def __repr__(self) -> str:
         return f"Storage({self.root_url!r})"
+
+    def check_access(self) -> None:
+        """Fail with :class:`StorageAccessError` unless the root can be written: locally a
+        writable directory; on S3 a bucket the credentials reach (one HEAD request).
+        Credentials that are missing fail here, before any work is done."""
+        if self.is_local:
+            if not os.access(self._root, os.W_OK | os.X_OK):
+                raise StorageAccessError(f"the storage root {self.root_url} is not writable",
+                                         "local")
+            return
+        if "s3" not in _protocols(self.fs):
+            return
+        from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+
+        bucket = self._root.split("/", 1)[0]
+        try:
+            self.fs.call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError as e:
+            raise StorageAccessError(f"{self.root_url}: bucket {bucket!r} does not exist",
+                                     "bucket") from e
+        except PermissionError as e:
+            raise StorageAccessError(f"{self.root_url}: the S3 credentials were refused "
+                                     f"({e})", "credentials") from e
+        except (NoCredentialsError, PartialCredentialsError) as e:
+            raise StorageAccessError(f"{self.root_url}: no S3 credentials found ({e})",
+                                     "credentials") from e
 
     # -- naming -----------------------------------------------------------------------
     def path(self, key: str) -> str:

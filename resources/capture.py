@@ -4,7 +4,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from dagster import ConfigurableResource
+from dagster import ConfigurableResource, Failure, InitResourceContext
 from pydantic import Field
 
 from pipeline.storage import Storage
@@ -27,6 +27,36 @@ class CaptureResource(ConfigurableResource):
                                        description="sglang: aux-capture server URLs")
     sglang_final_urls: list[str] = Field(default_factory=list,
                                          description="sglang: final-state server URLs")
+
+    def setup_for_execution(self, context: InitResourceContext) -> None:
+        """Refuse a misconfigured backend before any step runs (no retries), naming the
+        fields to set."""
+        problem = self.problem()
+        if problem:
+            raise Failure(description=problem, allow_retries=False)
+
+    def problem(self) -> str | None:
+        """What is wrong with the configuration, with the fix; None when nothing is."""
+        where = "resources.capture.config"
+        if self.backend not in ("hf", "sglang"):
+            return (f"capture backend {self.backend!r} is unknown: set {where}.backend to "
+                    f"'hf' or 'sglang'")
+        if self.backend == "hf":
+            return None
+        missing = [name for name in ("sglang_aux_urls", "sglang_final_urls")
+                   if not getattr(self, name)]
+        bad = [u for u in self.sglang_aux_urls + self.sglang_final_urls
+               if not u.strip().startswith(("http://", "https://"))]
+        if missing:
+            return (f"capture backend 'sglang' needs {' and '.join(missing)}: set {where}."
+                    f"sglang_aux_urls to the aux-capture servers (--enable-return-aux-"
+                    f"hidden-states) and {where}.sglang_final_urls to the final-state servers "
+                    f"(--enable-return-hidden-states), e.g. [\"http://127.0.0.1:30001\"]; see "
+                    f"the README, Capturing hidden states with SGLang")
+        if bad:
+            return (f"{where}: sglang_aux_urls and sglang_final_urls must be http(s) URLs, "
+                    f"got {bad}")
+        return None
 
     @contextlib.contextmanager
     def open(self, storage: Storage, step: int, token_budget: int

@@ -3,10 +3,10 @@
 
 import os
 
-from dagster import ConfigurableResource, EnvVar
+from dagster import ConfigurableResource, EnvVar, Failure, InitResourceContext
 from pydantic import Field
 
-from pipeline.storage import Storage
+from pipeline.storage import Storage, StorageAccessError
 from resources.home import aerie_home, default_storage_url
 
 _ENV = {
@@ -16,6 +16,17 @@ _ENV = {
     "secret_access_key": "AWS_SECRET_ACCESS_KEY",
     "cache_dir": "AERIE_CACHE_DIR",
     "cache_max_gb": "AERIE_CACHE_MAX_GB",
+}
+
+# what to change, per StorageAccessError.cause (the variables, and the resource's fields)
+_FIX = {
+    "local": "Set AERIE_STORAGE_URL (the storage resource's url) to a directory this user "
+             "can write (file:///...) or to an s3:// URL",
+    "credentials": "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (the storage resource's "
+                   "access_key_id and secret_access_key), and AWS_ENDPOINT_URL for a store "
+                   "other than AWS",
+    "bucket": "Create the bucket, or point AERIE_STORAGE_URL (the storage resource's url) at "
+              "an existing one",
 }
 
 
@@ -34,6 +45,23 @@ class StorageResource(ConfigurableResource):
     cache_max_gb: str | None = Field(
         default=None, description="size bound of the cache (least recently used entries go "
                                   "first); unset: 64")
+
+    def setup_for_execution(self, context: InitResourceContext) -> None:
+        """Fail the run before any step (and without retries) if the root is unusable."""
+        try:
+            self.checked()
+        except StorageAccessError as e:
+            raise Failure(description=str(e), allow_retries=False) from e
+
+    def checked(self) -> Storage:
+        """:meth:`build`, then :meth:`Storage.check_access`; an unusable root is a
+        :class:`StorageAccessError` that names the settings to change."""
+        try:
+            storage = self.build()
+            storage.check_access()
+        except StorageAccessError as e:
+            raise StorageAccessError(f"{e}. {_FIX[e.cause]}", e.cause) from e
+        return storage
 
     def build(self) -> Storage:
         url = self.url or default_storage_url()
@@ -60,9 +88,10 @@ def storage_from_env() -> StorageResource:
 
 
 def storage_from_environment() -> Storage:
-    """The same storage, built outside Dagster (the CLI): values read from the environment."""
+    """The same storage, built outside Dagster (the CLI): values read from the environment;
+    an unusable root is a :class:`StorageAccessError` naming the variables to set."""
     return StorageResource(**{f: os.environ[v] for f, v in _ENV.items()
-                              if v in os.environ}).build()
+                              if v in os.environ}).checked()
 
 
 def _gigabytes(text: str) -> int:

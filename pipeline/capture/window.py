@@ -57,7 +57,10 @@ def read_window(storage: Storage, steps: Sequence[int],
             missing.append(s)
     if missing:
         raise WindowError(f"the window {list(steps)} lacks committed {what} for step(s) "
-                          f"{missing} under {storage.url()}")
+                          f"{missing} under {storage.url()}: ingest them first (job "
+                          f"ingest_step, one run per RL-step partition; snapshot_sensor runs "
+                          f"it for every step the trainer finished), or refresh a step whose "
+                          f"window is ingested")
     return found
 
 

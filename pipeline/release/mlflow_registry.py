@@ -294,9 +294,12 @@ class DrafterRegistry:
 
     def versions(self) -> list[DrafterVersion]:
         """All versions, oldest first."""
+        return [self.get_version(v) for v in self.version_numbers()]
+
+    def version_numbers(self) -> list[str]:
+        """The numbers of all versions, oldest first (one search request)."""
         found = self.client.search_model_versions(f"name = '{self.model_name}'")
-        return [self.get_version(str(v.version))
-                for v in sorted(found, key=lambda v: int(v.version))]
+        return [str(n) for n in sorted(int(v.version) for v in found)]
 
     def set_tags(self, version: str, tags: Mapping[str, Any]) -> None:
         for key, value in tags.items():

@@ -142,6 +142,7 @@ def force_promote(registry: DrafterRegistry, serving: ServingBackend, candidate_
     if not actor.strip() or not reason.strip():
         raise ValueError("force_promote needs a non-empty actor and reason")
     with lock if lock is not None else registry.promotion_lock():
+        _require_version(registry, candidate_version)
         current = serving_champion(registry, serving, reconcile=True)
         if current == candidate_version:  # served already: at most the alias lags behind
             alias = registry.alias(CHAMPION)
@@ -169,6 +170,16 @@ def force_promote(registry: DrafterRegistry, serving: ServingBackend, candidate_
                                manifest, (f"forced by {actor}: {reason}",))
 
 
+def _require_version(registry: DrafterRegistry, version: str) -> None:
+    """Refuse a version that was never registered, listing the ones that were."""
+    known = registry.version_numbers()
+    if version not in known:
+        listed = ", ".join(known) if known else ("none yet (a refresh registers one: aerie "
+                                                  "demo, or the drafter_refresh job)")
+        raise PromotionError(f"{registry.model_name} has no version {version}; registered "
+                             f"versions: {listed}")
+
+
 def rollback(registry: DrafterRegistry, serving: ServingBackend, *, actor: str = "aerie",
              reason: str = "rollback", dagster_run_id: str | None = None,
              lock: AbstractContextManager[Any] | None = None) -> PromotionResult:
@@ -176,7 +187,10 @@ def rollback(registry: DrafterRegistry, serving: ServingBackend, *, actor: str =
     with lock if lock is not None else registry.promotion_lock():
         serving_version = serving_champion(registry, serving)
         if serving_version is None:
-            raise PromotionError(f"{registry.model_name} has no champion to roll back")
+            raise PromotionError(f"{registry.model_name} has no champion to roll back: no "
+                                 f"drafter was promoted yet (a refresh promotes the first one "
+                                 f"that beats no drafter: aerie demo, or the drafter_refresh "
+                                 f"job)")
         current = registry.get_version(serving_version)
         previous = current.tags.get(PREVIOUS_CHAMPION)
         if previous is None:

@@ -1,0 +1,106 @@
+"""The classic configuration mistakes fail at once, without retries, and the message names
+the setting or variable that fixes them: S3 without credentials, a storage root that cannot
+be written, the SGLang backend without its URLs, a refresh of a step never ingested, and
+promoting or rolling back before any drafter exists."""
+
+from __future__ import annotations
+
+import pytest
+from dagster import DagsterEventType, DagsterInstance, materialize
+
+from assets.drafter import vocab_mapping
+from assets.partitions import refresh_steps, rl_steps
+from assets.shards import hidden_state_shards
+from assets.snapshots import rollout_snapshot
+from assets.tokenized import tokenized_rollouts
+from jobs import cli
+from resources.capture import CaptureResource
+from resources.refresh import RefreshPolicyResource
+from resources.storage import StorageResource
+
+DATA = [rollout_snapshot, tokenized_rollouts, hidden_state_shards]
+
+
+@pytest.fixture
+def instance(tmp_path, monkeypatch):
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    cli.prepare_dagster_home()
+    instance = DagsterInstance.get()
+    instance.add_dynamic_partitions(rl_steps.name, ["step-000003"])
+    instance.add_dynamic_partitions(refresh_steps.name, ["step-000003"])
+    return instance
+
+
+def _fails_once(result) -> str:
+    """The run failed, no step was retried; returns every failure message of the run."""
+    assert not result.success
+    events = result.all_events
+    assert not [e for e in events if e.event_type == DagsterEventType.STEP_RESTARTED]
+    assert not [e for e in events if e.event_type == DagsterEventType.STEP_UP_FOR_RETRY]
+    return "\n".join(str(e.event_specific_data) for e in events if e.is_failure)
+
+
+def _materialize(assets, instance, resources, partition="step-000003"):
+    return materialize(assets, instance=instance, partition_key=partition,
+                       resources=resources, raise_on_error=False)
+
+
+def test_s3_without_credentials_names_the_variables(instance, monkeypatch, tmp_path):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    # nowhere else to find credentials, and no instance metadata lookup off the machine
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    storage = StorageResource(url="s3://aerie-no-credentials/root",
+                              endpoint_url="http://127.0.0.1:9")  # never contacted
+    message = _fails_once(_materialize(DATA, instance, {
+        "storage": storage, "capture": CaptureResource()}))
+    assert "no S3 credentials found" in message
+    assert "AWS_ACCESS_KEY_ID" in message and "AWS_SECRET_ACCESS_KEY" in message
+
+
+def test_an_unwritable_storage_root_names_aerie_storage_url(instance, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    storage = StorageResource(url=(blocker / "storage").as_uri())
+    message = _fails_once(_materialize(DATA, instance, {
+        "storage": storage, "capture": CaptureResource()}))
+    assert f"cannot create the storage root {(blocker / 'storage').as_uri()}" in message
+    assert "AERIE_STORAGE_URL" in message
+
+
+def test_sglang_without_urls_names_the_fields(instance, tmp_path):
+    capture = CaptureResource(backend="sglang", sglang_aux_urls=["http://127.0.0.1:30001"])
+    message = _fails_once(_materialize(DATA, instance, {
+        "storage": StorageResource(url=(tmp_path / "storage").as_uri()),
+        "capture": capture}))
+    assert "resources.capture.config.sglang_final_urls" in message
+    assert "aux_urls must be" not in message  # the field's name, not the client's
+    assert CaptureResource(backend="sglng").problem().startswith(
+        "capture backend 'sglng' is unknown: set resources.capture.config.backend")
+
+
+def test_a_refresh_of_a_step_never_ingested_says_to_ingest_it(instance, tmp_path):
+    message = _fails_once(_materialize([vocab_mapping], instance, {
+        "storage": StorageResource(url=(tmp_path / "storage").as_uri()),
+        "refresh": RefreshPolicyResource(every=4, window=2)}))
+    assert "lacks committed hidden-state shards for step(s) [2, 3]" in message
+    assert "ingest them first (job ingest_step" in message
+
+
+def test_promote_or_roll_back_before_any_drafter(tmp_path, monkeypatch, capsys):
+    for var in ("AERIE_STORAGE_URL", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AERIE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home" / "dagster"))
+    assert cli.main(["rollback", "--actor", "ci"]) == 1
+    error = capsys.readouterr().err
+    assert "has no champion to roll back: no drafter was promoted yet" in error
+    assert "aerie demo, or the drafter_refresh job" in error
+    assert cli.main(["promote", "3", "--actor", "ci", "--reason", "test"]) == 1
+    error = capsys.readouterr().err
+    assert "has no version 3; registered versions: none yet" in error
+    assert cli.main(["status"]) == 0
+    assert "serving now:  no drafter" in capsys.readouterr().out
