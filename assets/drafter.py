@@ -20,7 +20,6 @@ from assets.checks import result, spec
 from assets.partitions import refresh_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.checks import MIN_VOCAB_COVERAGE, training_loss, vocab_coverage
-from pipeline.release.mlflow_registry import model_name
 from pipeline.training.config import TrainConfig
 from pipeline.vocab.config import DEFAULT_DRAFT_VOCAB_SIZE
 from resources.mlflow import MlflowResource
@@ -140,14 +139,16 @@ def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
     """EAGLE-3 drafter trained on the window (DeepSpeed, resumable), in SGLang's format;
     warm-started from the drafter serving now (the registered model's serving ledger)."""
     from pipeline.evaluation.charts import publish_chart, training_curve
+    from pipeline.training.curve import CURVE_FILE, display_points
     from pipeline.training.metrics import depth_table
 
     store, step = storage.build(), step_of(context.partition_key)
+    registry = mlflow.build()
+    run = training_run(context, mlflow, registry, step)
     with fail_fast_on_permanent_errors():
-        r = trainer.refresh(store, step, config.to_core(),
-                            warm_start=config.warm_start,
-                            serving_name=model_name(mlflow.target_family),
-                            on_line=context.log.info)
+        r = trainer.refresh(store, step, config.to_core(), warm_start=config.warm_start,
+                            serving_name=registry.model_name, on_line=context.log.info,
+                            observer=run)
     res, meta = r.result, r.manifest.meta
     context.log.info(f"{r.uri}: {res.steps} steps, loss {res.final['loss']:.4f}, simulated "
                      f"acceptance {res.final['sim_accept_length']:.3f}"
@@ -169,16 +170,37 @@ def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
         "world_size": res.world_size, "zero_stage": res.zero_stage, "dtype": res.dtype,
         "samples": res.samples, "tokens_trained": res.tokens_trained,
         "tokens_per_s": round(res.tokens_per_s, 1), "seconds": round(res.seconds, 3),
-        "fingerprint": meta["fingerprint"],
+        "fingerprint": meta["fingerprint"], "logged_steps": len(r.curve),
         "training_curve": MetadataValue.path(publish_chart(
-            store, step, "training_curve", training_curve(res.history))),
-    }, check_results=[_loss_check(res)])
+            store, step, "training_curve", training_curve(display_points(r.curve, 1000)))),
+        "training_curve_data": MetadataValue.path(f"{r.uri}/{CURVE_FILE}"),
+        **({"mlflow_run": MetadataValue.url(mlflow.run_link(
+            registry.runs.experiment_id(), run.run_id))} if run.run_id else {}),
+    }, check_results=[_loss_check(res, r.curve)])
 
 
-def _loss_check(res):
-    """ERROR (blocks evaluation) on a non-finite loss; only a WARN when it merely did not fall:
-    a warm-started drafter on familiar data may plateau and the gate still judges it."""
-    outcome = training_loss(res.first["loss"], res.final["loss"],
-                            [h["loss"] for h in res.history])
+def training_run(context: AssetExecutionContext, mlflow: MlflowResource, registry, step: int):
+    """The MLflow run that lasts as long as this training, linked to the Dagster run."""
+    import getpass
+
+    from pipeline.evaluation.charts import training_curve
+    from pipeline.release.training_run import MlflowTrainingRun
+    from pipeline.training.curve import display_points
+
+    run_id = context.run.run_id
+    return MlflowTrainingRun(
+        registry.runs, run_name=f"drafter-step-{step:06d}",
+        chart=lambda curve: training_curve(display_points(curve, 1000)),
+        tags={"mlflow.source.name": f"dagster {context.job_name} / {context.asset_key.path[-1]}",
+              "mlflow.source.type": "JOB", "mlflow.user": getpass.getuser(),
+              "dagster.run_id": run_id, "dagster.partition": context.partition_key,
+              "dagster.run_url": mlflow.dagster_run_link(run_id)})
+
+
+def _loss_check(res, curve):
+    """ERROR (blocks evaluation) on a non-finite loss anywhere on the curve; only a WARN
+    when it merely did not fall: a warm-started drafter on familiar data may plateau and the
+    gate still judges it."""
+    outcome = training_loss(res.first["loss"], res.final["loss"], [h["loss"] for h in curve])
     return result("training_loss", outcome, AssetCheckSeverity.WARN
                   if outcome.metadata["finite"] else AssetCheckSeverity.ERROR)

@@ -141,7 +141,7 @@ def _print_drift(report: dict) -> None:
     for row in steps:
         metrics = row.get("metrics", row)
         print(f"{row.get('step', '?'):>4}  " + "  ".join(
-            f"{metrics.get(c, float('nan')):>15.3f}" for c in cols))
+            f"{metrics.get(c, float('nan')):>15.4f}" for c in cols))
 
 
 # The demo's one deliberately bad refresh: two optimizer steps from scratch, so that the gate
@@ -191,7 +191,7 @@ def run_demo(world_config, policy, *, regenerate: bool = False, verbose: bool = 
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from jobs.status import refresh_table
+    from jobs.status import refresh_table, staleness_lines
     from pipeline.demo.config import DemoConfig
     from resources.refresh import refresh_policy_from_environment
 
@@ -208,6 +208,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"\nRefreshes (every {policy.every} RL steps, each trained on the last "
           f"{policy.window}; τ = tokens per draft-verify cycle on held-out prompts):")
     print(refresh_table(outcomes))
+    stale = staleness_lines(outcomes)
+    if stale:
+        print("\nThe serving drafter goes stale as the policy drifts (its τ on each later "
+              "window):")
+        print("\n".join(f"  {line}" for line in stale))
     bad = bad_refresh_index(world_config.num_steps, policy.every)
     if bad is not None:
         print(f"(refresh {bad} is the demo's deliberately bad one: 2 training steps from "
@@ -332,6 +337,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if not args.verbose:  # MLflow's INFO logs and transformers' loading bars
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # quiet by default: Aerie's own progress and results; libraries only when they warn
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")

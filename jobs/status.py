@@ -44,8 +44,30 @@ def refresh_table(outcomes: list[RefreshOutcome]) -> str:
                      f"{drafter_name(o.version, o.fingerprint):<16} "
                      f"{o.candidate_tau:>5.2f} {_tau(o.champion_tau):>10} "
                      f"{_tau(o.no_drafter_tau):>12}  {o.action}")
-        lines.append(f"{'':<8} {o.reasons[0] if o.reasons else ''}")
+        lines.append(f"{'':<8} {_main_reason(o.reasons)}")
     return "\n".join(lines)
+
+
+def _main_reason(reasons: list[str]) -> str:
+    """The reason that decided: the τ comparison when there is one."""
+    gain = [r for r in reasons if r.startswith("gain:")]
+    return (gain or reasons or [""])[0]
+
+
+def staleness_lines(outcomes: list[RefreshOutcome]) -> list[str]:
+    """How each champion's τ fell on the windows after its promotion (the drift that makes
+    refreshes worth it): one line per champion measured on a later window."""
+    promoted: dict[str, tuple[RefreshOutcome, list[str]]] = {}
+    serving = None
+    for o in outcomes:
+        if serving is not None and o.champion_tau is not None:
+            promoted[serving][1].append(f"{o.champion_tau:.2f} on steps {_steps(o.window)}")
+        if o.action == "promoted":
+            serving = o.version
+            promoted[serving] = (o, [])
+    return [f"v{version}: τ {first.candidate_tau:.2f} at promotion (steps "
+            f"{_steps(first.window)}), then " + ", ".join(later)
+            for version, (first, later) in promoted.items() if later]
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ _ENV = {
     "artifact_location": "AERIE_MLFLOW_ARTIFACT_LOCATION",
     "s3_endpoint_url": "MLFLOW_S3_ENDPOINT_URL",
     "target_family": "AERIE_TARGET_FAMILY",
+    "ui_url": "AERIE_MLFLOW_UI_URL",
+    "dagster_ui_url": "AERIE_DAGSTER_UI_URL",
 }
 
 
@@ -57,6 +59,30 @@ class MlflowResource(ConfigurableResource):
         default=None, description="directory of the promotion lock files; unset: "
                                   "$AERIE_HOME/mlflow")
     lock_timeout_s: float = Field(default=120.0, description="wait for the promotion lock")
+    ui_url: str | None = Field(
+        default=None, description="where users open MLflow, for the links in Dagster's "
+                                  "metadata; unset: the tracking URI when it is http(s), else "
+                                  "http://127.0.0.1:5000 (mlflow ui)")
+    dagster_ui_url: str = Field(
+        default="http://127.0.0.1:3000", description="where users open Dagster, for the "
+                                                     "links on MLflow runs")
+
+    def mlflow_ui(self) -> str:
+        if self.ui_url:
+            return self.ui_url.rstrip("/")
+        tracking = self.resolved_tracking_uri()
+        return tracking.rstrip("/") if tracking.startswith(("http://", "https://")) \
+            else "http://127.0.0.1:5000"
+
+    def run_link(self, experiment_id: str, run_id: str) -> str:
+        """The MLflow UI page of a run (the model-training view of its experiment)."""
+        return f"{self.mlflow_ui()}/#/experiments/{experiment_id}/runs/{run_id}"
+
+    def version_link(self, model: str, version: str) -> str:
+        return f"{self.mlflow_ui()}/#/models/{model}/versions/{version}"
+
+    def dagster_run_link(self, run_id: str) -> str:
+        return f"{self.dagster_ui_url.rstrip('/')}/runs/{run_id}"
 
     def resolved_tracking_uri(self) -> str:
         if self.tracking_uri:

@@ -19,6 +19,7 @@ from pipeline.training.config import TrainConfig
 from resources.home import aerie_home
 
 if TYPE_CHECKING:  # torch and the training stage load when a drafter is trained
+    from pipeline.training.curve import TrainingObserver
     from pipeline.training.stage import DrafterRefresh
 
 EXECUTION_FIELDS = ("world_size", "zero_stage", "dtype", "device", "threads")
@@ -57,7 +58,8 @@ class TrainerResource(ConfigurableResource):
 
     def refresh(self, storage: Storage, step: int, config: TrainConfig, *,
                 warm_start: str = "serving", serving_name: str | None = None,
-                on_line: Callable[[str], None] | None = None) -> "DrafterRefresh":
+                on_line: Callable[[str], None] | None = None,
+                observer: "TrainingObserver | None" = None) -> "DrafterRefresh":
         """Train, export and publish the drafter of refresh step ``step``."""
         from pipeline.training import stage as training_stage
 
@@ -65,4 +67,4 @@ class TrainerResource(ConfigurableResource):
                                warm_start=warm_start, serving_name=serving_name,
                                launcher=self.launcher,
                                storage_options=dict(storage.fs.storage_options),
-                               on_line=on_line)
+                               on_line=on_line, observer=observer)

@@ -260,9 +260,11 @@ class DrafterRegistry:
                 metrics: Mapping[str, float] | None = None,
                 charts: Sequence[str | Path] = (), run_name: str | None = None,
                 run_tags: Mapping[str, Any] | None = None) -> Registration:
-        """Log a training run (params, per-step history, evaluation metrics, charts, the
-        drafter directory) and register its drafter; idempotent by ``lineage['fingerprint']``.
-        """
+        """Register the drafter of ``lineage['fingerprint']`` from its training run (the run
+        ``drafter_checkpoint`` kept open while it trained), adding the evaluation: lineage
+        tags, ``metrics`` and ``charts``. A drafter without such a run (trained before runs
+        were kept while training) gets one logged now from ``history`` and ``drafter_dir``.
+        Idempotent by fingerprint."""
         tags = lineage_tags(lineage)
         fingerprint = tags[FINGERPRINT]
         existing = self.find_version(fingerprint)
@@ -270,20 +272,16 @@ class DrafterRegistry:
             return self.register(existing.run_id, existing.source, lineage)
         run_id = self.runs.find_run(fingerprint)
         if run_id is None:
-            run_id = self.runs.start_run(fingerprint, params=params, run_name=run_name,
-                                         tags={**tags, **(run_tags or {})})
+            run_id = self.runs.start_run(fingerprint, params=params, run_name=run_name)
             try:
                 self.runs.log_history(run_id, history)
-                if metrics:
-                    self.runs.log_metrics(run_id, metrics, step=_step_of(lineage))
-                self.runs.log_charts(run_id, charts)
                 self.runs.log_drafter(run_id, drafter_dir)
             except BaseException:
                 self.runs.finish_run(run_id, failed=True)
                 raise
             self.runs.finish_run(run_id)
-        else:
-            log.info("reusing finished run %s for drafter %s", run_id, fingerprint[:12])
+        self.runs.add_evaluation(run_id, {**tags, **(run_tags or {})}, metrics or {}, charts,
+                                 step=_step_of(lineage))
         return self.register(run_id, self.runs.drafter_source(run_id), lineage)
 
     def get_version(self, version: str | int) -> DrafterVersion:

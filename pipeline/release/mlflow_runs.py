@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 DRAFTER_ARTIFACT_PATH = "drafter"
 CHARTS_ARTIFACT_PATH = "charts"
 DRAFTER_LOGGED = "aerie.drafter_logged"
+EVALUATION_LOGGED = "aerie.evaluation_logged"  # the eval fingerprint whose metrics it holds
+# MLflow 3 opens an experiment in its GenAI view unless told it holds model training
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 _FINGERPRINT = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
 _BATCH = 100  # MLflow allows 1000 metrics / 100 params per log_batch
 
@@ -57,13 +60,16 @@ class TrainingRuns:
                 try:
                     self._experiment_id = self.client.create_experiment(
                         self.experiment_name, artifact_location=self.location(),
-                        tags={"aerie.family": self.family})
+                        tags={"aerie.family": self.family, EXPERIMENT_KIND[0]:
+                              EXPERIMENT_KIND[1]})
                 except Exception as e:  # a concurrent creator won
                     if error_code(e) != "RESOURCE_ALREADY_EXISTS":
                         raise
                     exp = self.client.get_experiment_by_name(self.experiment_name)
             if self._experiment_id is None:
                 self._experiment_id = exp.experiment_id
+                if exp.tags.get(EXPERIMENT_KIND[0]) is None:  # made by an older Aerie
+                    self.client.set_experiment_tag(self._experiment_id, *EXPERIMENT_KIND)
         return self._experiment_id
 
     def location(self) -> str | None:
@@ -96,6 +102,29 @@ class TrainingRuns:
             if run.data.tags.get(DRAFTER_LOGGED) == "true":
                 return run.info.run_id
         return None
+
+    def find_unfinished_run(self, fingerprint: str) -> str | None:
+        """The newest run tagged with ``fingerprint`` that did not finish (a training that
+        failed or was killed, to be resumed)."""
+        check_fingerprint(fingerprint)
+        runs = self.client.search_runs(
+            [self.experiment_id()],
+            f"tags.{FINGERPRINT} = '{fingerprint}' and attributes.status != 'FINISHED'",
+            max_results=1, order_by=["attributes.start_time DESC"])
+        return runs[0].info.run_id if runs else None
+
+    def reopen(self, run_id: str) -> None:
+        self.client.update_run(run_id, status="RUNNING")
+
+    def logged_steps(self, run_id: str, key: str = "train/loss") -> set[int]:
+        return {m.step for m in self.client.get_metric_history(run_id, key)}
+
+    def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(str(k), tag_value(v)) for k, v in sorted(tags.items())]
+        for i in range(0, len(items), _BATCH):
+            self.client.log_batch(run_id, tags=items[i:i + _BATCH])
 
     def start_run(self, fingerprint: str, *, params: Mapping[str, Any] | None = None,
                   tags: Mapping[str, Any] | None = None, run_name: str | None = None) -> str:
@@ -147,6 +176,20 @@ class TrainingRuns:
         for i in range(0, len(metrics), _BATCH * 10):
             self.client.log_batch(run_id, metrics=metrics[i:i + _BATCH * 10])
         return len(metrics)
+
+    def add_evaluation(self, run_id: str, tags: Mapping[str, Any],
+                       metrics: Mapping[str, float], charts: Sequence[str | Path], *,
+                       step: int) -> None:
+        """Tag a training run with its drafter's lineage and log its evaluation (metrics at
+        ``step``, charts), once per evaluation (tag ``aerie.evaluation_logged``)."""
+        key = tag_value(tags.get("eval_fingerprint") or tags.get("tau", ""))
+        if self.client.get_run(run_id).data.tags.get(EVALUATION_LOGGED) == key:
+            return
+        self.set_tags(run_id, tags)
+        if metrics:
+            self.log_metrics(run_id, metrics, step=step)
+        self.log_charts(run_id, charts)
+        self.client.set_tag(run_id, EVALUATION_LOGGED, key)
 
     def log_charts(self, run_id: str, paths: Sequence[str | Path]) -> list[str]:
         """Upload PNG charts under ``charts/``; returns their artifact paths."""

@@ -20,6 +20,7 @@ from pipeline.manifest import read_manifest
 from pipeline.release.lineage import lineage_from_manifest
 from pipeline.release.mlflow_registry import DrafterRegistry, Registration
 from pipeline.storage import Storage
+from pipeline.training.curve import read_curve
 from pipeline.training.stage import DRAFTER_KIND
 from pipeline.verified import fetch
 
@@ -64,7 +65,7 @@ def run(storage: Storage, registry: DrafterRegistry, step: int, dagster_run_id: 
     local = fetch(storage, prefix, kind=DRAFTER_KIND, label="drafter")  # verified copy
     registration = registry.publish(
         drafter_dir=local, lineage=lineage, params=manifest.meta.get("config"),
-        history=manifest.meta["result"]["history"], metrics=_eval_metrics(report),
+        history=read_curve(storage, prefix, manifest), metrics=_eval_metrics(report),
         charts=charts, run_name=f"drafter-step-{step:06d}")
     return Registered(registration, stats.tau)
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.records import from_json, to_json
+from pipeline.training.curve import parse_metrics_line
 from pipeline.training.distributed import free_port
 from pipeline.training.loop import RESULT_NAME
 from pipeline.training.spec import TrainResult, TrainSpec
@@ -90,7 +91,8 @@ class TrainingProcess:
     def __init__(self, spec: TrainSpec, *, launcher: str = "auto",
                  storage_options: Mapping[str, Any] | None = None,
                  cache: Mapping[str, Any] | None = None,
-                 on_line: Callable[[str], None] | None = None):
+                 on_line: Callable[[str], None] | None = None,
+                 on_metrics: Callable[[dict[str, Any]], None] | None = None):
         self.spec = spec
         self.work_dir = Path(spec.work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -99,6 +101,7 @@ class TrainingProcess:
         (self.work_dir / RESULT_NAME).unlink(missing_ok=True)
         self.command = training_command(spec_path, spec.config.world_size, launcher)
         self.on_line = on_line
+        self.on_metrics = on_metrics
         self.log_path = self.work_dir / LOG_NAME
         self.tail: deque[str] = deque(maxlen=60)
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -127,10 +130,15 @@ class TrainingProcess:
         self._lines.put(None)
 
     def wait(self) -> TrainResult:
-        """Forward Aerie's log lines (on this thread) until the run ends; its result."""
+        """Forward Aerie's log lines (on this thread) until the run ends, each logged step's
+        metrics to ``on_metrics``; the run's result."""
         try:
             while (line := self._lines.get()) is not None:
-                (self.on_line or log.info)(line)
+                entry = parse_metrics_line(line)
+                if entry is None:
+                    (self.on_line or log.info)(line)
+                elif self.on_metrics is not None:
+                    self.on_metrics(entry)
             code = self.proc.wait()
             self._pump.join()
         except BaseException:
@@ -154,8 +162,9 @@ class TrainingProcess:
 def launch(spec: TrainSpec, *, launcher: str = "auto",
            storage_options: Mapping[str, Any] | None = None,
            cache: Mapping[str, Any] | None = None,
-           on_line: Callable[[str], None] | None = None) -> TrainResult:
+           on_line: Callable[[str], None] | None = None,
+           on_metrics: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
     """Run ``spec`` to completion in child process(es); resumes from its work dir.
     ``cache``: ``{"dir", "max_bytes"}`` of the dataset cache the children share."""
     return TrainingProcess(spec, launcher=launcher, storage_options=storage_options,
-                           cache=cache, on_line=on_line).wait()
+                           cache=cache, on_line=on_line, on_metrics=on_metrics).wait()

@@ -39,6 +39,7 @@ from pipeline.records import from_dict, to_dict, to_json
 from pipeline.storage import Storage
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.config import deepspeed_config, lr_factor, total_steps, warmup_steps
+from pipeline.training.curve import metrics_line
 from pipeline.training.data import Position, WindowReader
 from pipeline.training.distributed import barrier, init_distributed
 from pipeline.training.engine_state import capture, full_fp32_params, restore
@@ -160,6 +161,7 @@ def train(spec: TrainSpec, storage: Storage) -> TrainResult:
                          total, history[-1]["lr"], s["loss"],
                          " ".join(f"{a:.3f}" for a in s["depth_accuracy"]),
                          s["sim_accept_length"])
+                log.info("%s", metrics_line(_brief(history[-1], cfg.ttt_depth)))
             if step % cfg.checkpoint_every == 0 or step == total:
                 _checkpoint(root, engine, named, scheduler, step, position, history, warm,
                             identity, ctx.rank, cfg.keep_checkpoints)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from pipeline.serving_now import serving_history
 from pipeline.snapshot.policy import load_policy_ref
 from pipeline.storage import Storage, StorageError
 from pipeline.training.config import TrainConfig
+from pipeline.training.curve import TrainingObserver, display_points, read_curve, write_curve
 from pipeline.training.launch import launch
 from pipeline.training.spec import TrainResult, TrainSpec
 from pipeline.verified import fetch
@@ -66,8 +67,9 @@ class DrafterRefresh:
     step: int
     uri: str
     manifest: Manifest
-    result: TrainResult
+    result: TrainResult  # its history: at most DISPLAY_POINTS points (the manifest's)
     reused: bool  # an identical drafter was already committed
+    curve: list[dict[str, Any]] = field(default_factory=list)  # every step (training_curve)
 
 
 def previous_drafter(storage: Storage, step: int) -> int | None:
@@ -153,28 +155,56 @@ def plan(storage: Storage, step: int, config: TrainConfig, work_root: Path,
 def run(storage: Storage, step: int, config: TrainConfig, *, work_root: Path,
         warm_start: str = "previous", serving_name: str | None = None,
         launcher: str = "auto", storage_options: Mapping[str, Any] | None = None,
-        on_line: Callable[[str], None] | None = None) -> DrafterRefresh:
-    """Train, export and publish the drafter of refresh step ``step``."""
+        on_line: Callable[[str], None] | None = None,
+        observer: TrainingObserver | None = None) -> DrafterRefresh:
+    """Train, export and publish the drafter of refresh step ``step``; ``observer`` follows
+    the training (started, each logged step, failed or committed)."""
     spec = plan(storage, step, config, Path(work_root), warm_start, serving_name)
     prefix = drafter_prefix(step)
     existing = read_manifest(storage, prefix)
     if existing is not None and existing.meta.get("fingerprint") == spec.fingerprint():
         log.info("step %d: drafter %s already committed", step, spec.fingerprint()[:12])
+        curve = read_curve(storage, prefix, existing)
+        if observer is not None:
+            observer.committed(spec.fingerprint(), curve, lambda: fetch(
+                storage, prefix, kind=DRAFTER_KIND, label="drafter"))
         return DrafterRefresh(step, storage.url(prefix), existing,
-                              TrainResult(**existing.meta["result"]), reused=True)
+                              TrainResult(**existing.meta["result"]), reused=True, curve=curve)
     verify_window(storage, read_window(storage, spec.window_steps))
-    result = launch(spec, launcher=launcher, storage_options=storage_options,
-                    cache={"dir": str(storage.cache_dir), "max_bytes": storage.cache_max_bytes},
-                    on_line=on_line)
+    if observer is not None:
+        observer.started(spec)
+    try:
+        result = launch(spec, launcher=launcher, storage_options=storage_options,
+                        cache={"dir": str(storage.cache_dir),
+                               "max_bytes": storage.cache_max_bytes},
+                        on_line=on_line, on_metrics=observer.logged if observer else None)
+        manifest = _publish(storage, step, spec, config, result, existing)
+    except BaseException:
+        if observer is not None:
+            observer.failed()
+        raise
+    if observer is not None:
+        observer.committed(spec.fingerprint(), result.history, lambda: Path(spec.out_dir))
+    return DrafterRefresh(step, storage.url(prefix), manifest,
+                          TrainResult(**manifest.meta["result"]), reused=False,
+                          curve=result.history)
+
+
+def _publish(storage: Storage, step: int, spec: TrainSpec, config: TrainConfig,
+             result: TrainResult, existing: Manifest | None) -> Manifest:
+    """Upload the export and the whole training curve; the manifest (written last) keeps
+    the lineage and at most DISPLAY_POINTS points of the curve."""
+    prefix = drafter_prefix(step)
     if existing is not None:
         log.warning("step %d: replacing a drafter trained from other inputs", step)
     withdraw_manifest(storage, prefix)
     written = storage.upload_dir(spec.out_dir, prefix)
+    written.append(write_curve(storage, prefix, result.history))
     manifests = read_window(storage, spec.window_steps)
     _, aux_ids = shard_geometry(manifests)
     _, mapping = load_window_vocab(storage, step)
     # the record keeps no path of this host: the manifest lists the files themselves
-    compact = replace(result, history=result.history[-50:], out_dir="")
+    compact = replace(result, history=display_points(result.history), out_dir="")
     manifest = Manifest(kind=DRAFTER_KIND, kind_version=1,
                         files=tuple(entry_for(prefix, w) for w in written), meta={
                             "step": step, "fingerprint": spec.fingerprint(),
@@ -187,4 +217,4 @@ def run(storage: Storage, step: int, config: TrainConfig, *, work_root: Path,
                             "warm_start": result.warm_start,
                             "config": to_dict(config), "result": asdict(compact)})
     write_manifest(storage, prefix, manifest)
-    return DrafterRefresh(step, storage.url(prefix), manifest, compact, reused=False)
+    return manifest

@@ -20,3 +20,12 @@ def finished_loop(tmp_path_factory) -> Loop:
 def loop(finished_loop):
     with home_env(finished_loop.home):
         yield finished_loop
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item (the UI tests save a screenshot when their
+    call phase failed)."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report

@@ -25,8 +25,9 @@ from dagster import (
 
 from assets.groups import DATA_ASSETS, REFRESH_ASSETS
 from jobs.demo import DEMO_INGEST_CONFIG
+from jobs.launch import LOCATION
 from pipeline.capture.window import WindowError
-from pipeline.evaluation.stage import read_report
+from pipeline.evaluation.stage import read_report, tau_history
 from pipeline.layout import chart_key
 from pipeline.serving_now import read_serving
 from pipeline.storage import Storage
@@ -151,6 +152,9 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 def test_metadata_links_stored_charts_and_the_event_log_stays_small(loop):
     evaluation = _meta(loop, "acceptance_eval", "step-000005")
+    # the τ chart of the last refresh draws a point per refresh
+    history = tau_history(loop.storage)
+    assert sorted(history["candidate"]) == [1, 3, 5] and sorted(history["champion"]) == [3, 5]
     for chart, name in (("acceptance_per_position", "alpha"), ("tau_over_rl_steps", "tau")):
         assert evaluation[chart] == loop.storage.url(chart_key(5, name))
         assert _png_size(loop.storage.local_path(chart_key(5, name))) == (600, 320)
@@ -283,6 +287,20 @@ def _wait_text(driver, text: str, timeout: float = 120):
         (By.XPATH, f"//*[normalize-space()={json.dumps(text)}]")))
 
 
+@pytest.fixture
+def looked_at(browser, tmp_path_factory, request):
+    """The browser; if the test fails, a screenshot of the page it was on is saved (path in
+    the failure report and under $AERIE_UI_SCREENSHOTS when set)."""
+    yield browser
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        folder = Path(os.environ.get("AERIE_UI_SCREENSHOTS") or tmp_path_factory.mktemp("ui"))
+        folder.mkdir(parents=True, exist_ok=True)
+        shot = folder / f"{request.node.name}.png"
+        browser.save_screenshot(str(shot))
+        report.sections.append(("screenshot", f"{shot} ({browser.current_url})"))
+
+
 def _dismiss_welcome(driver) -> None:
     from selenium.webdriver.common.by import By
 
@@ -290,9 +308,31 @@ def _dismiss_welcome(driver) -> None:
         button.click()  # Dagster's first-visit community dialog
 
 
+def test_ui_job_pages_list_the_runs(loop, webserver, looked_at):
+    """Runs created by the sensors' ticks are listed on their job pages (the code location's
+    runs), each refresh run by its id."""
+    from dagster import RunsFilter
+
+    for job in ("ingest_step", "drafter_refresh"):
+        runs = loop.instance.get_runs(RunsFilter(job_name=job))
+        assert len(runs) == (6 if job == "ingest_step" else 3)
+        looked_at.get(f"{webserver}/locations/{LOCATION}/jobs/{job}/runs")
+        _dismiss_welcome(looked_at)
+        for run in runs:
+            _wait_text(looked_at, run.run_id[:8])
+
+
+def test_ui_serving_page_shows_the_last_decision(loop, webserver, looked_at):
+    looked_at.get(f"{webserver}/assets/serving_drafter?partition={REFRESHES[-1]}")
+    _dismiss_welcome(looked_at)
+    _wait_text(looked_at, "action")
+    _wait_text(looked_at, "refused")  # the third refresh, built to be worse
+    _wait_contains(looked_at, "candidate τ")  # its reasons
+
+
 def test_ui_shows_the_asset_graph(loop, webserver, browser, tmp_path):
     for group, assets in GROUPS.items():
-        browser.get(f"{webserver}/locations/definitions:defs/asset-groups/{group}")
+        browser.get(f"{webserver}/locations/{LOCATION}/asset-groups/{group}")
         for name in assets:
             _wait_text(browser, name)  # a node of the group's lineage graph
         _dismiss_welcome(browser)

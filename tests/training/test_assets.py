@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from dagster import AssetKey, instance_for_test, materialize
 
@@ -14,7 +16,9 @@ from pipeline.layout import drafter_prefix
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.records import to_dict
 from pipeline.release.ledger import ServingLedger
+from pipeline.release.lineage import FINGERPRINT
 from pipeline.serving_now import ServingTarget
+from pipeline.training.curve import CURVE_FILE, read_curve
 from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
@@ -26,7 +30,7 @@ TRAIN = {k: v for k, v in to_dict(FAST).items()
          if k not in ("world_size", "zero_stage", "dtype", "device", "threads")}
 
 
-def run(instance, storage, tmp_path, step: int, assets, **vocab):
+def run(instance, storage, tmp_path, step: int, assets, family: str = "demo", **vocab):
     key = f"step-{step:06d}"
     instance.add_dynamic_partitions("refresh_steps", [key])
     config = {"vocab_mapping": {"config": {"window": 2, "draft_vocab_size": 64, **vocab}},
@@ -36,7 +40,7 @@ def run(instance, storage, tmp_path, step: int, assets, **vocab):
         resources={"storage": StorageResource(url=storage.root_url),
                    "trainer": TrainerResource(work_dir=str(tmp_path / "work"), threads=1,
                                               zero_stage=0),
-                   "mlflow": MlflowResource(target_family="demo"),
+                   "mlflow": MlflowResource(target_family=family),
                    "refresh": RefreshPolicyResource(window=9)},  # the run config's wins
         run_config={"ops": {a.key.path[-1]: config[a.key.path[-1]] for a in assets}})
 
@@ -75,11 +79,42 @@ def test_two_refreshes_train_publish_and_warm_start_with_lineage(storage, tmp_pa
     assert "| 2 |" in d3["per_depth"] and "accept length" in d3["per_depth"]
     manifest = read_manifest(storage, drafter_prefix(3))
     assert not verify_manifest(storage, drafter_prefix(3), manifest)
-    assert {f.path for f in manifest.files} == {"config.json", "model.safetensors"}
+    assert {f.path for f in manifest.files} == {"config.json", "model.safetensors", CURVE_FILE}
+    assert [e["step"] for e in read_curve(storage, drafter_prefix(3), manifest)] == list(
+        range(1, 7))  # every step, not the manifest's display points
+    assert d3["logged_steps"] == 6
+    assert d3["training_curve_data"] == f"{d3['uri']}/{CURVE_FILE}"
     assert manifest.meta["warm_start"]["mode"] == "warm"
     assert set(manifest.meta["shard_manifest_sha256"]) == {"2", "3"}
     local = storage.local_path(drafter_prefix(3))
     assert read_drafter_config(local).draft_vocab_size == 64
+
+
+def test_the_mlflow_run_lasts_as_long_as_the_training(storage, tmp_path):
+    """Opened before training, every step's metrics, closed after the drafter is committed
+    with the curve chart and the drafter; linked both ways with the Dagster run."""
+    family = f"runs-{uuid.uuid4().hex[:8]}"  # its own experiment: no run of this drafter yet
+    with instance_for_test() as instance:
+        result = run(instance, storage, tmp_path, 2, [vocab_mapping, drafter_checkpoint],
+                     family)
+        assert result.success
+    meta = metadata(result, "drafter_checkpoint")
+    registry = MlflowResource(target_family=family).build()
+    (found,) = registry.client.search_runs(
+        [registry.runs.experiment_id()], f"tags.{FINGERPRINT} = '{meta['fingerprint']}'")
+    info, tags = found.info, found.data.tags
+    assert info.status == "FINISHED"
+    assert (info.end_time - info.start_time) / 1000 >= meta["seconds"]  # the whole training
+    losses = registry.client.get_metric_history(info.run_id, "train/loss")
+    assert sorted(m.step for m in losses) == list(range(1, 7))
+    assert tags["dagster.run_id"] == result.run_id
+    assert tags["dagster.run_url"] == f"http://127.0.0.1:3000/runs/{result.run_id}"
+    assert tags["mlflow.source.name"].startswith("dagster ") and tags["mlflow.user"]
+    charts = [a.path for a in registry.client.list_artifacts(info.run_id, "charts")]
+    assert charts == ["charts/training_curve.png"]
+    assert meta["mlflow_run"].endswith(f"/runs/{info.run_id}")
+    experiment = registry.client.get_experiment(info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_the_window_defaults_to_the_refresh_resources_k(storage):

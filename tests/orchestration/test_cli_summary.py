@@ -1,0 +1,46 @@
+"""What ``aerie demo`` prints at the end, from the gate's outcomes: the refresh table (the
+deciding reason of each), how each champion went stale, and which refresh is the bad one."""
+
+from jobs import cli
+from jobs.demo import RefreshOutcome
+from jobs.status import drafter_name, refresh_table, staleness_lines
+
+
+def outcome(step: int, version: str, tau: float, champion: float | None, action: str,
+            *reasons: str) -> RefreshOutcome:
+    return RefreshOutcome(f"step-{step:06d}", [step - 3, step - 2, step - 1, step], version,
+                          f"{version}f00dcafe1234", tau, champion, 1.0, action, version,
+                          list(reasons))
+
+
+OUTCOMES = [
+    outcome(3, "1", 2.2, None, "promoted", "format: passed", "gain: beats no drafter"),
+    outcome(7, "2", 2.4, 2.13, "promoted", "format: passed", "gain: beats v1"),
+    outcome(11, "3", 1.1, 2.2, "refused", "gain: worse than v2"),
+    outcome(15, "4", 2.9, 2.05, "promoted", "gain: beats v2"),
+]
+
+
+def test_the_table_has_a_row_and_the_deciding_reason_per_refresh():
+    lines = refresh_table(OUTCOMES).splitlines()
+    assert len(lines) == 2 + 2 * len(OUTCOMES)
+    assert lines[2].split()[:5] == ["3", "0–3", "v1", "(1f00dcaf)", "2.20"]
+    assert lines[3].strip() == "gain: beats no drafter"  # not the format check's line
+    assert lines[6].split()[-1] == "refused" and lines[7].strip() == "gain: worse than v2"
+
+
+def test_staleness_follows_each_champion_until_the_next_promotion():
+    assert staleness_lines(OUTCOMES) == [
+        "v1: τ 2.20 at promotion (steps 0–3), then 2.13 on steps 4–7",
+        "v2: τ 2.40 at promotion (steps 4–7), then 2.20 on steps 8–11, 2.05 on steps 12–15"]
+
+
+def test_the_bad_refresh_is_the_second_to_last_of_three_or_more():
+    assert cli.bad_refresh_index(20, 4) == 4
+    assert cli.bad_refresh_index(6, 2) == 2
+    assert cli.bad_refresh_index(20, 10) is None  # two refreshes: nothing to show it against
+
+
+def test_one_way_of_naming_a_drafter():
+    assert drafter_name("3", "0123456789abcdef") == "v3 (01234567)"
+    assert drafter_name(None, None) == drafter_name("none", "") == "no drafter"
