@@ -324,10 +324,10 @@ def test_ui_job_pages_list_the_runs(loop, webserver, looked_at):
 
 def test_ui_serving_page_shows_the_last_decision(loop, webserver, looked_at):
     looked_at.get(f"{webserver}/assets/serving_drafter?partition={REFRESHES[-1]}")
-    _dismiss_welcome(looked_at)
     _wait_text(looked_at, "action")
+    _dismiss_welcome(looked_at)
     _wait_text(looked_at, "refused")  # the third refresh, built to be worse
-    _wait_contains(looked_at, "candidate τ")  # its reasons
+    _wait_xpath(looked_at, "//li[contains(., 'is worse than champion v1')]")  # its reason
 
 
 def test_ui_shows_the_asset_graph(loop, webserver, browser, tmp_path):
@@ -369,6 +369,15 @@ def test_ui_links_the_stored_charts_of_a_materialization(loop, webserver, browse
         (img,) = browser.find_elements(By.CSS_SELECTOR, "img")
         assert browser.execute_script(
             "return arguments[0].complete && arguments[0].naturalWidth", img) == 600
+
+
+def _wait_xpath(driver, xpath: str, timeout: float = 120):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout).until(ec.presence_of_element_located(
+        (By.XPATH, xpath)))
 
 
 def _wait_contains(driver, text: str, timeout: float = 120):
