@@ -4,6 +4,7 @@ from dagster import Definitions
 
 from assets.drafter import drafter_checkpoint, vocab_mapping
 from assets.evaluation import acceptance_eval
+from assets.groups import DATA_ASSETS, REFRESH_ASSETS
 from assets.release import registered_drafter, serving_drafter
 from assets.shards import hidden_state_shards
 from assets.snapshots import rollout_snapshot
@@ -19,9 +20,21 @@ from resources.serving import ServingResource
 from resources.storage import storage_from_env
 from resources.trainer import TrainerResource
 
+FLOW = (rollout_snapshot, tokenized_rollouts, hidden_state_shards, vocab_mapping,
+        drafter_checkpoint, acceptance_eval, registered_drafter, serving_drafter)
+OWNERS = ["team:aerie"]
+
+
+def _conventions(spec):
+    """Owner and flow position of every asset (the catalog filters and sorts by them)."""
+    stage = f"{(DATA_ASSETS + REFRESH_ASSETS).index(spec.key.path[-1]) + 1}"
+    return spec.replace_attributes(owners=OWNERS, tags={**spec.tags, "aerie/stage": stage,
+                                                        "aerie/partitioned_by": (
+        "rl_step" if spec.key.path[-1] in DATA_ASSETS else "refresh_step")})
+
+
 defs = Definitions(
-    assets=[rollout_snapshot, tokenized_rollouts, hidden_state_shards, vocab_mapping,
-            drafter_checkpoint, acceptance_eval, registered_drafter, serving_drafter],
+    assets=[a.map_asset_specs(_conventions) for a in FLOW],
     jobs=[ingest_step, drafter_refresh, promote_drafter_manually, rollback_drafter],
     sensors=[snapshot_sensor, refresh_sensor],
     schedules=[drafter_refresh_schedule],

@@ -84,8 +84,9 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
     tau_png = tau_curve(evaluation_stage.tau_history(store),
                         "τ of the candidate and champion at each refresh")
     return MaterializeResult(metadata={
-        **{k: (MetadataValue.json(v) if isinstance(v, list) else v) for k, v in s.items()},
-        "champion": champion or "none", "settings": MetadataValue.json(r.settings),
+        **{k: _readable(v) for k, v in s.items()},
+        "champion": champion_name(store, mlflow, champion),
+        "settings": MetadataValue.json(r.settings),
         "window_steps": MetadataValue.json(list(r.heldout["window_steps"])),
         "heldout_key": r.heldout_key, "settings_key": r.settings_key,
         "acceptance_per_position": MetadataValue.path(publish_chart(store, step, "alpha",
@@ -93,3 +94,24 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
         "tau_over_rl_steps": MetadataValue.path(publish_chart(store, step, "tau", tau_png)),
         "seconds": round(r.seconds, 2)},
         check_results=[result("acceptance_lossless", evaluation_sound(r))])
+
+
+def _readable(value):
+    """τ to 3 decimals, α lists to 3 (the report keeps every digit)."""
+    if isinstance(value, list):
+        return MetadataValue.json([round(v, 3) if isinstance(v, float) else v for v in value])
+    return round(value, 3) if isinstance(value, float) else value
+
+
+def champion_name(store, mlflow: MlflowResource, champion: str | None) -> str:
+    """The champion measured, named as everywhere (``v<version> (<fingerprint>)``) when it
+    is the drafter serving now, else its storage prefix."""
+    from pipeline.serving_now import read_serving
+
+    if champion is None:
+        return "none"
+    serving = read_serving(store, model_name(mlflow.target_family))
+    target = serving.target if serving else None
+    if target is not None and store.key_of(target.drafter_uri) == champion:
+        return target.name
+    return champion

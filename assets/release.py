@@ -46,6 +46,7 @@ from pipeline.release.gate import GatePolicy
 from pipeline.release.lineage import parse_tag
 from pipeline.release.mlflow_registry import DrafterRegistry
 from pipeline.release.promotion import PromotionResult
+from pipeline.serving_now import drafter_name
 from pipeline.storage import Storage
 from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
@@ -81,18 +82,26 @@ def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
     from pipeline.release import register as register_stage
 
     step = step_of(context.partition_key)
+    registry = mlflow.build()
     with fail_fast_on_permanent_errors(), \
             tempfile.TemporaryDirectory(prefix="aerie-register-") as tmp:
-        r = register_stage.run(storage.build(), mlflow.build(), step, context.run.run_id,
-                             chart_dir=Path(tmp), chart=alpha_chart)
+        r = register_stage.run(storage.build(), registry, step, context.run.run_id,
+                               chart_dir=Path(tmp), chart=alpha_chart,
+                               run_tags={"dagster.run_url": mlflow.dagster_run_link(
+                                   context.run.run_id)})
     v = r.registration.version
-    context.log.info(f"step {step}: {v.model} version {v.version}"
+    name = drafter_name(v.version, v.fingerprint)
+    context.log.info(f"step {step}: {v.model} {name}"
                      + (" (already registered)" if r.registration.reused else ""))
+    links = {"mlflow_version": MetadataValue.url(mlflow.version_link(v.model, v.version))}
+    if v.run_id:
+        links["mlflow_run"] = MetadataValue.url(mlflow.run_link(
+            registry.runs.experiment_id(), v.run_id))
     return MaterializeResult(metadata={
-        "model": v.model, "version": v.version, "run_id": v.run_id or "",
+        "drafter": name, "model": v.model, "version": v.version, "run_id": v.run_id or "",
         "source": v.source, "reused": r.registration.reused,
         "window_steps": MetadataValue.json(parse_tag(v.tags.get("rl_step_window", "[]"))),
-        "candidate_tau": r.tau, "fingerprint": v.fingerprint or ""})
+        "candidate_tau": round(r.tau, 3), "fingerprint": v.fingerprint or "", **links})
 
 
 @asset(partitions_def=refresh_steps, group_name="release", kinds={"sglang"},
@@ -122,17 +131,25 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
     context.log.info(f"step {step}: {p.action} ({'; '.join(p.reasons)})")
     stale = staleness_now(context.instance, store, registry.model_name, refresh)
     return MaterializeResult(metadata={
-        **champion_metadata(p, actor=GATE_ACTOR, reason=f"refresh at step {step}"),
+        **champion_metadata(p, registry, actor=GATE_ACTOR, reason=f"refresh at step {step}"),
         "decision": MetadataValue.json(json.loads(to_json(r.decision))),
         "refresh_summary": MetadataValue.md(refresh_summary(context.instance, step))},
         check_results=[result("serving_staleness", stale, AssetCheckSeverity.WARN)])
 
 
-def champion_metadata(p: PromotionResult, *, actor: str, reason: str) -> dict:
-    """What every ``serving_drafter`` event says, whoever changed (or kept) the champion."""
+def champion_metadata(p: PromotionResult, registry: DrafterRegistry, *, actor: str,
+                      reason: str) -> dict:
+    """What every ``serving_drafter`` event says, whoever changed (or kept) the champion;
+    drafters named ``v<version> (<fingerprint>)`` (:func:`drafter_name`)."""
+    champion = (p.version if p.moved else p.previous_champion) or None
+
+    def name(version: str | None) -> str:
+        return drafter_name(version, registry.get_version(version).fingerprint if version
+                            else None)
+
     return {"action": p.action, "promoted": p.moved,
-            "champion": (p.version if p.moved else p.previous_champion) or "none",
-            "previous_champion": p.previous_champion or "none",
+            "champion": name(champion), "previous_champion": name(p.previous_champion),
+            "champion_version": champion or "none",
             "actor": actor, "reason": reason,
             "reasons": MetadataValue.md("\n".join(f"- {x}" for x in p.reasons)),
             "serving_sequence": p.serving.sequence if p.serving else -1}
@@ -162,7 +179,7 @@ def record_champion_change(context: OpExecutionContext, registry: DrafterRegistr
     ensure_partition(context.instance, refresh_steps, key)
     context.log_event(AssetMaterialization(
         "serving_drafter", partition=key,
-        metadata=champion_metadata(p, actor=actor, reason=reason)))
+        metadata=champion_metadata(p, registry, actor=actor, reason=reason)))
     stale = staleness_now(context.instance, store, registry.model_name, refresh)
     context.log_event(AssetCheckEvaluation(
         asset_key=AssetKey("serving_drafter"), check_name="serving_staleness",

@@ -168,7 +168,7 @@ def run_demo(world_config, policy, *, regenerate: bool = False, verbose: bool = 
     from assets.partitions import refresh_steps
     from jobs.demo import RefreshLoop, refresh_outcomes
     from jobs.launch import deep_merge
-    from jobs.status import drafter_name
+    from pipeline.serving_now import drafter_name
 
     bad = bad_refresh_index(world_config.num_steps, policy.every)
     loop = RefreshLoop(DagsterInstance.get(), verbose=verbose, policy=policy,

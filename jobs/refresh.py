@@ -80,7 +80,10 @@ def refresh_in_flight(instance) -> bool:
 
 
 @sensor(job=drafter_refresh, minimum_interval_seconds=60,
-        default_status=DefaultSensorStatus.STOPPED)
+        default_status=DefaultSensorStatus.STOPPED,
+        description="Every 60 s: once another N RL steps are ingested (AERIE_REFRESH_EVERY), "
+                    "runs one drafter_refresh on the last K (AERIE_REFRESH_WINDOW); never two "
+                    "at once, never twice for a step.")
 def refresh_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResource):
     """Requests one drafter refresh per completed block of N ingested steps."""
     last = max(json.loads(context.cursor)["last"] if context.cursor else -1,
@@ -97,7 +100,9 @@ def refresh_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResou
 
 
 @schedule(job=drafter_refresh, cron_schedule="0 * * * *",
-          default_status=DefaultScheduleStatus.STOPPED)
+          default_status=DefaultScheduleStatus.STOPPED,
+          description="Hourly alternative to refresh_sensor: refreshes the newest ingested "
+                      "RL step unless a refresh was already launched for it.")
 def drafter_refresh_schedule(context: ScheduleEvaluationContext,
                              refresh: RefreshPolicyResource):
     """The alternative trigger: hourly, refresh the newest ingested step unless a refresh

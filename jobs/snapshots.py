@@ -89,7 +89,9 @@ def _pending(cursor: str | None) -> list[int]:
 
 
 @sensor(job=ingest_step, minimum_interval_seconds=30,
-        default_status=DefaultSensorStatus.STOPPED)
+        default_status=DefaultSensorStatus.STOPPED,
+        description="Every 30 s: finds the RL steps whose snapshot the trainer finished "
+                    "(its manifest) and runs ingest_step for each one not ingested yet.")
 def snapshot_sensor(context: SensorEvaluationContext, storage: StorageResource):
     """Adds a partition and requests one ingest run per completed, not yet ingested snapshot
     step (see the module docstring); the run key is the partition key."""

@@ -10,19 +10,8 @@ from dagster import DagsterInstance, RunsFilter
 
 from jobs.demo import RefreshOutcome
 from pipeline.checks import serving_staleness
-from pipeline.serving_now import read_serving
+from pipeline.serving_now import drafter_name, read_serving
 from pipeline.storage import Storage
-
-
-def short(fingerprint: str) -> str:
-    return fingerprint[:8] if fingerprint else "?"
-
-
-def drafter_name(version: str | None, fingerprint: str | None) -> str:
-    """Aerie's one way of naming a drafter: registry version and short fingerprint."""
-    if version is None or version == "none":
-        return "no drafter"
-    return f"v{version} ({short(fingerprint or '')})"
 
 
 def _tau(value: float | None) -> str:
@@ -88,8 +77,7 @@ def serving_status(instance: DagsterInstance, storage: Storage, model: str, *,
 
     record = read_serving(storage, model)
     target = record.target if record else None
-    drafter = drafter_name(target.registry_version, target.fingerprint) if target \
-        else "no drafter"
+    drafter = target.name if target else "no drafter"
     newest = (ingested_steps(instance) or [None])[-1]
     stale = serving_staleness(storage, model, newest, stale_after_steps=stale_after_steps,
                               max_tau_drop=max_tau_drop) if target else None

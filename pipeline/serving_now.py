@@ -42,6 +42,14 @@ def serving_args(settings: SpecParams, drafter_dir: str = DRAFTER_DIR) -> tuple[
             *settings.sglang_args())
 
 
+def drafter_name(version: str | None, fingerprint: str | None) -> str:
+    """Aerie's one way of naming a drafter: registry version and short fingerprint,
+    ``v3 (0123abcd)``; "none" for no drafter."""
+    if version is None or version == "none":
+        return "none"
+    return f"v{version} ({(fingerprint or '?')[:8]})"
+
+
 @dataclass(frozen=True)
 class ServingTarget:
     """A drafter to serve: where its files are and which registry version it is."""
@@ -53,6 +61,10 @@ class ServingTarget:
     registry_version: str
     registry_source: str | None = None  # the same files in MLflow: models:/<model>/<version>
     # (older records: the artifact URI of that time)
+
+    @property
+    def name(self) -> str:
+        return drafter_name(self.registry_version, self.fingerprint)
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,38 @@ class Registration:
     reused: bool  # the fingerprint was already registered; nothing new was written
 
 
+def model_card(model: str, family: str) -> str:
+    """The registered model's description: what its versions are and how to serve one."""
+    return (f"EAGLE-3 speculative-decoding drafters for the {family} policy, one version per "
+            f"Aerie refresh, each trained on the RL steps of its window with the policy's own "
+            f"hidden states and evaluated on held-out prompts. Alias `champion`: the drafter "
+            f"serving now; `challenger`: the newest registered. A version's files are an "
+            f"SGLang draft-model directory (config.json, model.safetensors with d2t/t2d): "
+            f"`python -m sglang.launch_server --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path <dir>`. Tags hold the lineage (RL-step window, "
+            f"policy, shards, vocab mapping, aux layers), τ and α, the Dagster run, and every "
+            f"gate decision (gate.<n>.*). Model: {model}.")
+
+
+def describe_version(model: str, tags: Mapping[str, str],
+                     standing: DecisionRecord | None = None) -> str:
+    """A version's description: what the drafter is, its τ, and the gate's standing."""
+    window = parse_tag(tags.get("rl_step_window", "[]")) or ["?"]
+    settings = parse_tag(tags.get("settings", "{}")) or {}
+    spec = ", ".join(f"{k} {v}" for k, v in settings.items() if k in (
+        "num_steps", "eagle_topk", "num_draft_tokens"))
+    tau = tags.get("tau")
+    lines = [f"EAGLE-3 drafter of {model} for the policy of RL step {tags.get('rl_step', '?')}"
+             f", trained on RL steps {window[0]}–{window[-1]} (fingerprint "
+             f"{tags.get(FINGERPRINT, '?')[:12]})."]
+    if tau is not None:
+        lines.append(f"τ {float(tau):.2f} on held-out prompts" + (f" ({spec})." if spec
+                                                                   else "."))
+    lines.append(f"Gate: {standing.decision}, {standing.reasons[0]}" if standing and
+                 standing.reasons else "Gate: not decided yet.")
+    return " ".join(lines)
+
+
 @dataclass(frozen=True)
 class DecisionRecord:
     """One decision about a registered version: what, why, by whom, against which champion.
@@ -210,7 +242,7 @@ class DrafterRegistry:
         try:
             self.client.create_registered_model(
                 self.model_name, tags={"aerie.family": self.family},
-                description=f"EAGLE-3 drafters for target family {self.family} (Aerie)")
+                description=model_card(self.model_name, self.family))
         except Exception as e:
             if error_code(e) != "RESOURCE_ALREADY_EXISTS":
                 raise
@@ -247,7 +279,7 @@ class DrafterRegistry:
             self.ensure_model()
             created = self.client.create_model_version(
                 self.model_name, source, run_id=run_id, tags=tags,
-                description=f"drafter {fingerprint[:12]}")
+                description=describe_version(self.model_name, tags))
             version = str(created.version)
             self.set_alias(CHALLENGER, version)
             log.info("registered %s version %s (%s)", self.model_name, version,
@@ -326,6 +358,8 @@ class DrafterRegistry:
         self.set_tags(version, {**{f"gate.{k}": standing[k] for k in (
             "decision", "reasons", "decided_at", "baseline", "relative_gain")},
             "gate.decision_id": n})
+        self.client.update_model_version(self.model_name, str(version),
+                                         describe_version(self.model_name, tags, record))
         return True
 
     def decisions(self, version: str) -> dict[int, DecisionRecord]:

@@ -37,8 +37,8 @@ class Registered:
 
 def run(storage: Storage, registry: DrafterRegistry, step: int, dagster_run_id: str,
         *, chart_dir: Path,
-        chart: Callable[[Mapping[str, Sequence[float]], str], bytes] | None = None
-        ) -> Registered:
+        chart: Callable[[Mapping[str, Sequence[float]], str], bytes] | None = None,
+        run_tags: Mapping[str, str] | None = None) -> Registered:
     """Log and register the drafter of ``step`` with its lineage and evaluation."""
     prefix = drafter_prefix(step)
     manifest = read_manifest(storage, prefix)
@@ -66,7 +66,7 @@ def run(storage: Storage, registry: DrafterRegistry, step: int, dagster_run_id: 
     registration = registry.publish(
         drafter_dir=local, lineage=lineage, params=manifest.meta.get("config"),
         history=read_curve(storage, prefix, manifest), metrics=_eval_metrics(report),
-        charts=charts, run_name=f"drafter-step-{step:06d}")
+        charts=charts, run_name=f"drafter-step-{step:06d}", run_tags=run_tags)
     return Registered(registration, stats.tau)
 
 

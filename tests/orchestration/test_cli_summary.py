@@ -3,7 +3,8 @@ deciding reason of each), how each champion went stale, and which refresh is the
 
 from jobs import cli
 from jobs.demo import RefreshOutcome
-from jobs.status import drafter_name, refresh_table, staleness_lines
+from jobs.status import refresh_table, staleness_lines
+from pipeline.serving_now import drafter_name
 
 
 def outcome(step: int, version: str, tau: float, champion: float | None, action: str,
@@ -43,4 +44,4 @@ def test_the_bad_refresh_is_the_second_to_last_of_three_or_more():
 
 def test_one_way_of_naming_a_drafter():
     assert drafter_name("3", "0123456789abcdef") == "v3 (01234567)"
-    assert drafter_name(None, None) == drafter_name("none", "") == "no drafter"
+    assert drafter_name(None, None) == drafter_name("none", "") == "none"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dagster import AssetKey
 
+from assets.groups import DATA_ASSETS, REFRESH_ASSETS
 from definitions import defs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,3 +81,15 @@ def test_run_config_defaults_mirror_the_stage_configs():
     assert (core.max_prompts, core.max_new_tokens) == (EvalConfig().max_prompts,
                                                        EvalConfig().max_new_tokens)
     assert VocabRunConfig().draft_vocab_size == DEFAULT_DRAFT_VOCAB_SIZE
+
+
+def test_every_asset_has_an_owner_a_stage_and_every_trigger_a_description():
+    specs = {spec.key.path[-1]: spec for spec in defs.resolve_all_asset_specs()}
+    stages = [specs[name].tags["aerie/stage"] for name in (*DATA_ASSETS, *REFRESH_ASSETS)]
+    assert stages == [str(n) for n in range(1, 9)]
+    assert all(spec.owners == ["team:aerie"] for spec in specs.values())
+    for sensor in defs.sensors:
+        assert sensor.description and "runs" in sensor.description
+    assert all(s.description for s in defs.schedules)
+    assert all(defs.resolve_job_def(j).description for j in (
+        "ingest_step", "drafter_refresh", "promote_drafter_manually", "rollback_drafter"))

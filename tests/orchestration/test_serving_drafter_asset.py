@@ -38,6 +38,11 @@ DRAFTER_STATS = AcceptanceStats(  # τ = 600 / 300 = 2
 BASELINE_STATS = AcceptanceStats(num_steps=0, prompts=4, cycles=300, emitted_tokens=300,
                                  bonus_tokens=300, prefill_tokens=4)
 
+def ver(name: str) -> str:
+    """The registry version in a drafter's name (``v2 (0123abcd)`` → ``2``)."""
+    return name if name == "none" else name.split()[0].removeprefix("v")
+
+
 
 @pytest.fixture
 def world(instance, local_storage, tmp_path):
@@ -91,7 +96,7 @@ def test_a_rerun_of_the_served_drafter_changes_nothing_and_says_so(world, rerun)
     instance, storage, registry, resources, drafter = world
     write_report(storage, drafter, with_champion=False)
     first = serve(instance, resources)
-    assert (first["action"], first["champion"], first["previous_champion"]) == (
+    assert (first["action"], ver(first["champion"]), ver(first["previous_champion"])) == (
         "promoted", "1", "none")
     champion_tags = registry.get_version("1").tags
     ledger = serving_history(storage, registry.model_name)
@@ -101,7 +106,7 @@ def test_a_rerun_of_the_served_drafter_changes_nothing_and_says_so(world, rerun)
         write_report(storage, drafter, with_champion=True)
     again = serve(instance, resources)
     assert (again["action"], again["promoted"]) == ("already_champion", False)
-    assert (again["champion"], again["previous_champion"]) == ("1", "1")
+    assert (ver(again["champion"]), ver(again["previous_champion"])) == ("1", "1")
     assert "the drafter serving now" in again["reasons"]
     assert again["serving_sequence"] == ledger[-1].sequence
     expected = "already_champion" if rerun == "re-evaluated-against-itself" else "promote"

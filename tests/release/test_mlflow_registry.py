@@ -68,6 +68,12 @@ def test_publish_logs_a_run_and_registers_a_tagged_version(registry, drafter_dir
     assert all(isinstance(x, str) for x in v.tags.values())
     assert registry.alias(CHALLENGER) == "1" and registry.alias(CHAMPION) is None
     assert registry.champion() is None
+    described = registry.client.get_model_version(registry.model_name, "1").description
+    assert described == (f"EAGLE-3 drafter of {registry.model_name} for the policy of RL step "
+                         f"10, trained on RL steps 8–10 (fingerprint {f[:12]}). τ 2.50 on "
+                         f"held-out prompts. Gate: not decided yet.")
+    card = registry.client.get_registered_model(registry.model_name).description
+    assert "--speculative-draft-model-path" in card and "`champion`" in card
 
     run = registry.client.get_run(reg.run_id)
     assert run.data.params["window"] == "[8,9,10]" and run.info.status == "FINISHED"

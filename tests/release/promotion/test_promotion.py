@@ -95,6 +95,8 @@ def test_a_worse_candidate_is_refused_and_nothing_moves(sqlite_registry, serving
     tags = registry.get_version(v2).tags
     assert tags["gate.decision"] == "refused" and "worse" in tags["gate.reasons"]
     assert "previous_champion" not in tags
+    described = registry.client.get_model_version(registry.model_name, v2).description
+    assert "Gate: refused, gain: candidate τ 1.9000 is worse than champion" in described
 
 
 def test_a_failed_serving_update_leaves_the_old_drafter_and_alias(sqlite_registry, storage,
