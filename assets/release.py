@@ -132,9 +132,18 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
     stale = staleness_now(context.instance, store, registry.model_name, refresh)
     return MaterializeResult(metadata={
         **champion_metadata(p, registry, actor=GATE_ACTOR, reason=f"refresh at step {step}"),
-        "decision": MetadataValue.json(json.loads(to_json(r.decision))),
+        "decision": MetadataValue.json(_rounded(json.loads(to_json(r.decision)))),
         "refresh_summary": MetadataValue.md(refresh_summary(context.instance, step))},
         check_results=[result("serving_staleness", stale, AssetCheckSeverity.WARN)])
+
+
+def _rounded(value, digits: int = 4):
+    """``value`` with every float rounded (the registry's tags keep every digit)."""
+    if isinstance(value, dict):
+        return {k: _rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v, digits) for v in value]
+    return round(value, digits) if isinstance(value, float) else value
 
 
 def champion_metadata(p: PromotionResult, registry: DrafterRegistry, *, actor: str,
