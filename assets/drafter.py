@@ -194,7 +194,11 @@ def training_run(context: AssetExecutionContext, mlflow: MlflowResource, registr
         tags={"mlflow.source.name": f"dagster {context.job_name} / {context.asset_key.path[-1]}",
               "mlflow.source.type": "JOB", "mlflow.user": getpass.getuser(),
               "dagster.run_id": run_id, "dagster.partition": context.partition_key,
-              "dagster.run_url": mlflow.dagster_run_link(run_id)})
+              "dagster.run_url": mlflow.dagster_run_link(run_id),
+              # the run's description, which MLflow renders as Markdown: a link back
+              "mlflow.note.content": f"Trained by Dagster run [{run_id[:8]}]"
+                                     f"({mlflow.dagster_run_link(run_id)}), partition "
+                                     f"{context.partition_key}."})
 
 
 def _loss_check(res, curve):

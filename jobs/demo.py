@@ -11,18 +11,20 @@ use it; :func:`refresh_outcomes` reads back what each refresh decided.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dagster import AssetKey, DagsterInstance, RunRequest, build_sensor_context
+from dagster import AssetKey, DagsterInstance, DagsterRun, RunRequest, build_sensor_context
 
 from assets.release import GATE_ACTOR
 from jobs import launch
-from jobs.launch import deep_merge
+from jobs.launch import deep_merge, record_tick
 from resources.refresh import RefreshPolicyResource
 
 log = logging.getLogger("aerie")
 SENSOR_TAG = "dagster/sensor_name"  # what the daemon tags a sensor's runs with
+SCHEDULE_TAG = "dagster/schedule_name"
 
 # The demo world has 16 prompts per RL step: hold out a fifth of them (not the library's 5%)
 # so that evaluation has a few dozen prompts no drafter ever trained on.
@@ -30,34 +32,42 @@ DEMO_INGEST_CONFIG = {"ops": {"hidden_state_shards": {"config": {"heldout_fracti
 
 
 def apply_tick(instance: DagsterInstance, job_name: str, result, run_config: dict | None,
-               launched_by: dict[str, str], verbose: bool = False) -> list[str]:
-    """Apply a tick's partition requests and execute its run requests, as the daemon does
-    with a sensor's or a schedule's result (a SensorResult, a SkipReason or a lone
-    RunRequest); ``launched_by`` names the sensor or schedule (run tags)."""
+               launched_by: dict[str, str], verbose: bool = False) -> list[DagsterRun]:
+    """Apply a tick's partition requests, execute its run requests and record the tick, as
+    the daemon does with a sensor's or a schedule's result (a SensorResult, a SkipReason or
+    a lone RunRequest); ``launched_by`` names the sensor or schedule (run tags)."""
+    started = time.time()
     for add in getattr(result, "dynamic_partitions_requests", None) or []:
         instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys))
     requests = [result] if isinstance(result, RunRequest) else \
         getattr(result, "run_requests", None)
-    return execute_requests(instance, job_name, requests, run_config, launched_by, verbose)
+    runs = execute_requests(instance, job_name, requests, run_config, launched_by, verbose)
+    kind, name = ("sensor", launched_by[SENSOR_TAG]) if SENSOR_TAG in launched_by else \
+        ("schedule", launched_by[SCHEDULE_TAG])
+    skip = getattr(result, "skip_message", None) or getattr(
+        getattr(result, "skip_reason", None), "skip_message", None)
+    record_tick(instance, name, kind, started, runs, skip or "nothing new",
+                getattr(result, "cursor", None))
+    return runs
 
 
 def execute_requests(instance: DagsterInstance, job_name: str, requests,
                      run_config: dict | None = None,
                      launched_by: dict[str, str] | None = None, verbose: bool = False
-                     ) -> list[str]:
+                     ) -> list[DagsterRun]:
     """Execute run requests in this process, as the daemon would launch them.
 
     ``run_config`` is deep-merged over each request's own. The request's partition is added
     to the job's dynamic partitions if missing (a daemon refuses a request for an unknown
     partition). Partitions whose job assets are all materialized already are skipped (what
-    the daemon's run-key dedup does across restarts). Returns the partitions that ran.
+    the daemon's run-key dedup does across restarts). Returns the runs.
     """
     from assets.partitions import complete_partitions, ensure_partition
     from definitions import defs
 
     job = defs.resolve_job_def(job_name)
     done = complete_partitions(instance, job.asset_layer.executable_asset_keys)
-    ran = []
+    runs = []
     for request in requests or []:
         if request.partition_key in done:
             log.info("%s %s: already materialized", job_name, request.partition_key)
@@ -67,8 +77,8 @@ def execute_requests(instance: DagsterInstance, job_name: str, requests,
                             launch.in_process(verbose))
         run = launch.execute(instance, job_name, request, config, launched_by or {})
         log.info("%s %s: run %s succeeded", job_name, request.partition_key, run.run_id)
-        ran.append(request.partition_key)
-    return ran
+        runs.append(run)
+    return runs
 
 
 @dataclass
@@ -96,8 +106,9 @@ class RefreshLoop:
             instance=self.instance, cursor=self.snapshot_cursor,
             resources={"storage": defs.resources["storage"]}))
         self.snapshot_cursor = tick.cursor or self.snapshot_cursor
-        ran = apply_tick(self.instance, "ingest_step", tick, DEMO_INGEST_CONFIG,
-                         {SENSOR_TAG: snapshot_sensor.name}, self.verbose)
+        runs = apply_tick(self.instance, "ingest_step", tick, DEMO_INGEST_CONFIG,
+                          {SENSOR_TAG: snapshot_sensor.name}, self.verbose)
+        ran = [r.tags["dagster/partition"] for r in runs]
         self.ingested += ran
         return ran
 
@@ -111,9 +122,8 @@ class RefreshLoop:
             resources={"refresh": self.policy or defs.resources["refresh"]}))
         requests = getattr(tick, "run_requests", None) or []
         self.refresh_ticks.append("run" if requests else "skip")
-        if not requests:
-            return []
-        self.refresh_cursor = tick.cursor
+        if requests:
+            self.refresh_cursor = tick.cursor
         return self._refresh(tick, {SENSOR_TAG: refresh_sensor.name})
 
     def refresh_newest(self) -> list[str]:
@@ -127,12 +137,13 @@ class RefreshLoop:
         tick = drafter_refresh_schedule(build_schedule_context(
             instance=self.instance,
             resources={"refresh": self.policy or defs.resources["refresh"]}))
-        return self._refresh(tick, {"dagster/schedule_name": drafter_refresh_schedule.name})
+        return self._refresh(tick, {SCHEDULE_TAG: drafter_refresh_schedule.name})
 
     def _refresh(self, tick, launched_by: dict[str, str]) -> list[str]:
-        ran = apply_tick(self.instance, "drafter_refresh", tick,
-                         self.refresh_config(len(self.refreshed) + 1), launched_by,
-                         self.verbose)
+        runs = apply_tick(self.instance, "drafter_refresh", tick,
+                          self.refresh_config(len(self.refreshed) + 1), launched_by,
+                          self.verbose)
+        ran = [r.tags["dagster/partition"] for r in runs]
         self.refreshed += ran
         return ran
 

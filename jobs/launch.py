@@ -68,13 +68,49 @@ def _repository():
         "definitions", "defs", working_directory=os.path.dirname(definitions.__file__))
 
 
-def _remote_origin(job_name: str):
-    from dagster._core.remote_origin import RemoteJobOrigin, RemoteRepositoryOrigin
+def _repository_origin():
+    from dagster._core.remote_origin import RemoteRepositoryOrigin
     from dagster._core.workspace.load import location_origins_from_yaml_paths
 
     home = Path(os.environ["DAGSTER_HOME"])
     (location,) = location_origins_from_yaml_paths([str(workspace_file(home))])
-    return RemoteJobOrigin(RemoteRepositoryOrigin(location, REPOSITORY), job_name)
+    return RemoteRepositoryOrigin(location, REPOSITORY)
+
+
+def _remote_origin(job_name: str):
+    from dagster._core.remote_origin import RemoteJobOrigin
+
+    return RemoteJobOrigin(_repository_origin(), job_name)
+
+
+def record_tick(instance: DagsterInstance, name: str, kind: str, started: float,
+                runs: list[DagsterRun], skip_reason: str | None = None,
+                cursor: str | None = None) -> None:
+    """Keep the tick of sensor or schedule ``name`` (``kind``: "sensor" | "schedule") in the
+    instance's tick history, as the daemon does, so its *Automation* page shows the ticks
+    that launched the runs."""
+    import time
+
+    from dagster._core.definitions.selector import InstigatorSelector
+    from dagster._core.remote_origin import RemoteInstigatorOrigin
+    from dagster._core.scheduler.instigation import (
+        InstigatorType,
+        TickData,
+        TickStatus,
+    )
+
+    instance.create_tick(TickData(
+        instigator_origin_id=RemoteInstigatorOrigin(
+            repository_origin=_repository_origin(), instigator_name=name).get_id(),
+        instigator_name=name,
+        instigator_type=InstigatorType.SENSOR if kind == "sensor" else InstigatorType.SCHEDULE,
+        status=TickStatus.SUCCESS if runs else TickStatus.SKIPPED, timestamp=started,
+        selector_id=InstigatorSelector(location_name=LOCATION, repository_name=REPOSITORY,
+                                       name=name).get_id(),
+        run_ids=[r.run_id for r in runs],
+        run_keys=[r.tags["dagster/run_key"] for r in runs if "dagster/run_key" in r.tags],
+        skip_reason=None if runs else skip_reason, cursor=cursor,
+        end_timestamp=time.time()))
 
 
 def execute(instance: DagsterInstance, job_name: str, request: RunRequest,

@@ -89,6 +89,29 @@ def test_runs_are_created_as_the_daemon_creates_them(demo):
             assert run.job_code_origin is not None
 
 
+def test_every_tick_is_in_the_sensors_tick_history(demo):
+    """The Automation page of each sensor lists its ticks: one per RL step, the ones that
+    launched runs naming them."""
+    from dagster._core.definitions.selector import InstigatorSelector
+    from dagster._core.remote_origin import RemoteInstigatorOrigin
+
+    from jobs.launch import _repository_origin
+
+    instance = DagsterInstance.get()
+    for sensor, job, launching in (("snapshot_sensor", "ingest_step", 6),
+                                   ("refresh_sensor", "drafter_refresh", 3)):
+        ticks = instance.get_ticks(
+            RemoteInstigatorOrigin(repository_origin=_repository_origin(),
+                                   instigator_name=sensor).get_id(),
+            InstigatorSelector(location_name=LOCATION, repository_name=REPOSITORY,
+                               name=sensor).get_id())
+        assert len(ticks) >= 6, sensor  # a tick after every step (a second demo adds more)
+        ran = [run_id for t in ticks for run_id in t.run_ids]
+        assert sorted(ran) == sorted(r.run_id for r in instance.get_runs(
+            RunsFilter(job_name=job)))
+        assert len([t for t in ticks if t.run_ids]) == launching
+
+
 def test_refreshes_train_with_the_demo_familys_preset(demo):
     """The sensor's requests carry the job's default run config (what the Launchpad shows);
     the test's TRAIN and the bad refresh's settings are merged over it."""

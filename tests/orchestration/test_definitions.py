@@ -93,3 +93,21 @@ def test_every_asset_has_an_owner_a_stage_and_every_trigger_a_description():
     assert all(s.description for s in defs.schedules)
     assert all(defs.resolve_job_def(j).description for j in (
         "ingest_step", "drafter_refresh", "promote_drafter_manually", "rollback_drafter"))
+
+
+def test_the_embedded_workspace_loads_from_any_directory(tmp_path, monkeypatch):
+    """``aerie ui`` serves ``$DAGSTER_HOME/workspace.yaml``: the code location ``aerie`` from
+    the installed ``definitions`` module, whatever the working directory."""
+    from jobs import cli
+
+    monkeypatch.setenv("AERIE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home" / "dagster"))
+    home = cli.prepare_dagster_home()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("dagster")), "definitions", "validate", "-w",
+         str(home / "workspace.yaml")], cwd=elsewhere, capture_output=True, text=True,
+        timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Validation successful for code location aerie" in done.stderr + done.stdout

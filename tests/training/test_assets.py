@@ -110,6 +110,8 @@ def test_the_mlflow_run_lasts_as_long_as_the_training(storage, tmp_path):
     assert tags["dagster.run_id"] == result.run_id
     assert tags["dagster.run_url"] == f"http://127.0.0.1:3000/runs/{result.run_id}"
     assert tags["mlflow.source.name"].startswith("dagster ") and tags["mlflow.user"]
+    assert f"[{result.run_id[:8]}](http://127.0.0.1:3000/runs/{result.run_id})" in tags[
+        "mlflow.note.content"]  # the run's description links back
     charts = [a.path for a in registry.client.list_artifacts(info.run_id, "charts")]
     assert charts == ["charts/training_curve.png"]
     assert meta["mlflow_run"].endswith(f"/runs/{info.run_id}")
