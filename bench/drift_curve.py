@@ -59,10 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def train_config(epochs_factor: int = 1, max_steps: int = 0):
-    from jobs.cli import DEMO_TRAIN_CONFIG
-    from pipeline.training.config import TrainConfig
+    from pipeline.training.config import FAMILY_PRESETS, TrainConfig
 
-    demo = DEMO_TRAIN_CONFIG["ops"]["drafter_checkpoint"]["config"]
+    demo = FAMILY_PRESETS["demo"]
     base = TrainConfig(lr=demo["lr"], epochs=demo["epochs"],
                        micro_batch_size=demo["micro_batch_size"], export_dtype="float32")
     return replace(base, epochs=base.epochs * epochs_factor, max_steps=max_steps)

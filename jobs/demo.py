@@ -41,26 +41,31 @@ def apply_tick(instance: DagsterInstance, job_name: str, result, run_config: dic
         instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys))
     requests = [result] if isinstance(result, RunRequest) else \
         getattr(result, "run_requests", None)
-    runs = execute_requests(instance, job_name, requests, run_config, launched_by, verbose)
     kind, name = ("sensor", launched_by[SENSOR_TAG]) if SENSOR_TAG in launched_by else \
         ("schedule", launched_by[SCHEDULE_TAG])
     skip = getattr(result, "skip_message", None) or getattr(
         getattr(result, "skip_reason", None), "skip_message", None)
-    record_tick(instance, name, kind, started, runs, skip or "nothing new",
-                getattr(result, "cursor", None))
-    return runs
+    created: list[DagsterRun] = []
+    try:  # the tick launched the runs it created, whether they succeed or not
+        execute_requests(instance, job_name, requests, run_config, launched_by, verbose,
+                         created)
+    finally:
+        record_tick(instance, name, kind, started, created, skip or "nothing new",
+                    getattr(result, "cursor", None))
+    return created
 
 
 def execute_requests(instance: DagsterInstance, job_name: str, requests,
                      run_config: dict | None = None,
-                     launched_by: dict[str, str] | None = None, verbose: bool = False
-                     ) -> list[DagsterRun]:
+                     launched_by: dict[str, str] | None = None, verbose: bool = False,
+                     created: list[DagsterRun] | None = None) -> list[DagsterRun]:
     """Execute run requests in this process, as the daemon would launch them.
 
     ``run_config`` is deep-merged over each request's own. The request's partition is added
     to the job's dynamic partitions if missing (a daemon refuses a request for an unknown
     partition). Partitions whose job assets are all materialized already are skipped (what
-    the daemon's run-key dedup does across restarts). Returns the runs.
+    the daemon's run-key dedup does across restarts). Returns the runs; ``created`` also
+    collects each run as soon as it exists (a failed run raises :class:`RunFailed`).
     """
     from assets.partitions import complete_partitions, ensure_partition
     from definitions import defs
@@ -75,7 +80,7 @@ def execute_requests(instance: DagsterInstance, job_name: str, requests,
         ensure_partition(instance, job.partitions_def, request.partition_key)
         config = deep_merge(deep_merge(request.run_config or {}, run_config or {}),
                             launch.in_process(verbose))
-        run = launch.execute(instance, job_name, request, config, launched_by or {})
+        run = launch.execute(instance, job_name, request, config, launched_by or {}, created)
         log.info("%s %s: run %s succeeded", job_name, request.partition_key, run.run_id)
         runs.append(run)
     return runs

@@ -114,12 +114,14 @@ def record_tick(instance: DagsterInstance, name: str, kind: str, started: float,
 
 
 def execute(instance: DagsterInstance, job_name: str, request: RunRequest,
-            run_config: dict, launched_by: dict[str, str]) -> DagsterRun:
+            run_config: dict, launched_by: dict[str, str],
+            created: list[DagsterRun] | None = None) -> DagsterRun:
     """Create the run of ``request`` on ``instance`` with the code location's origin and
     execute it here; raise :class:`RunFailed` if it fails.
 
     ``run_config`` is the full run config (the request's merged with any override);
-    ``launched_by`` the tags that say who asked (e.g. ``{"dagster/sensor_name": ...}``).
+    ``launched_by`` the tags that say who asked (e.g. ``{"dagster/sensor_name": ...}``);
+    ``created`` collects the run as soon as it exists (before it executes).
     """
     from dagster._core.execution.api import execute_run
 
@@ -133,6 +135,8 @@ def execute(instance: DagsterInstance, job_name: str, request: RunRequest,
     run = instance.create_run_for_job(
         job_def=job, run_config=run_config, tags=tags,
         remote_job_origin=_remote_origin(job_name), job_code_origin=recon.get_python_origin())
+    if created is not None:
+        created.append(run)
     result = execute_run(recon, run, instance)
     if not result.success:
         where = f" {request.partition_key}" if request.partition_key else ""
