@@ -181,8 +181,6 @@ def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
 
 def training_run(context: AssetExecutionContext, mlflow: MlflowResource, registry, step: int):
     """The MLflow run that lasts as long as this training, linked to the Dagster run."""
-    import getpass
-
     from pipeline.evaluation.charts import training_curve
     from pipeline.release.training_run import MlflowTrainingRun
     from pipeline.training.curve import display_points
@@ -192,7 +190,7 @@ def training_run(context: AssetExecutionContext, mlflow: MlflowResource, registr
         registry.runs, run_name=f"drafter-step-{step:06d}",
         chart=lambda curve: training_curve(display_points(curve, 1000)),
         tags={"mlflow.source.name": f"dagster {context.job_name} / {context.asset_key.path[-1]}",
-              "mlflow.source.type": "JOB", "mlflow.user": getpass.getuser(),
+              "mlflow.source.type": "JOB", "mlflow.user": mlflow.user(),
               "dagster.run_id": run_id, "dagster.partition": context.partition_key,
               "dagster.run_url": mlflow.dagster_run_link(run_id),
               # the run's description, which MLflow renders as Markdown: a link back

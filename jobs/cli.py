@@ -119,21 +119,6 @@ def _print_drift(report: dict) -> None:
     steps = report.get("steps") or []
     if not steps:
         return
-    cols = ["accuracy", "mean_response_tokens", "mean_reward", "kl_to_step0",
-            "top1_agreement_with_step0"]
-    print("step  " + "  ".join(f"{c:>24}" for c in cols))
-    for row in steps:
-        metrics = row.get("metrics", row)
-        print(f"{row.get('step', '?'):>4}  " + "  ".join(
-            f"{metrics.get(c, float('nan')):>24.4f}" for c in cols))
-
-
-
-
-def _print_drift(report: dict) -> None:
-    steps = report.get("steps") or []
-    if not steps:
-        return
     cols = {"accuracy": "accuracy", "mean_response_tokens": "response tokens",
             "kl_to_step0": "KL to step 0", "top1_agreement_with_step0": "top-1 = step 0"}
     print("\nThe policy drifts under RL (the demo trainer's own metrics):")
@@ -150,30 +135,35 @@ BAD_REFRESH = {"ops": {"drafter_checkpoint": {"config": {"warm_start": "none",
                                                           "max_steps": 2}}}}
 
 
-def bad_refresh_index(num_steps: int, every: int) -> int | None:
-    """Which refresh of the demo (1-based) is the bad one: the second to last, when there
-    are at least three (a promotion before it and a refresh after it)."""
+def bad_refresh_step(num_steps: int, every: int) -> int | None:
+    """The RL step of the demo's bad refresh: the second to last refresh, when there are at
+    least three (a promotion before it and a refresh after it). Refreshes land on steps
+    every-1, 2·every-1, …"""
     refreshes = num_steps // every
-    return refreshes - 1 if refreshes >= 3 else None
+    return (refreshes - 1) * every - 1 if refreshes >= 3 else None
 
 
 def run_demo(world_config, policy, *, regenerate: bool = False, verbose: bool = False,
              progress: bool = True, refresh_config: dict | None = None) -> tuple[dict, list]:
     """The demo: the world's RL steps, each followed by the refresh loop's ticks. Returns the
     world's report and the gate's outcome of every refresh on the instance.
-    ``refresh_config`` is merged into every refresh's run config (the bad one's on top)."""
+    Every refresh trains with the demo family's preset whatever ``AERIE_TARGET_FAMILY``
+    says (the library defaults learn nothing on the demo world); ``refresh_config`` is
+    merged over it (the bad refresh's settings on top)."""
     from dagster import DagsterInstance
     from tqdm import tqdm
 
     from assets.partitions import refresh_steps
     from jobs.demo import RefreshLoop, refresh_outcomes
+    from jobs.drafter import default_run_config
     from jobs.launch import deep_merge
     from pipeline.serving_now import drafter_name
 
-    bad = bad_refresh_index(world_config.num_steps, policy.every)
+    bad = bad_refresh_step(world_config.num_steps, policy.every)
+    base = deep_merge(default_run_config("demo"), refresh_config or {})
     loop = RefreshLoop(DagsterInstance.get(), verbose=verbose, policy=policy,
-                       refresh_config=lambda n: deep_merge(refresh_config or {},
-                                                           BAD_REFRESH if n == bad else {}))
+                       refresh_config=lambda step: deep_merge(
+                           base, BAD_REFRESH if step == bad else {}))
 
     def after_step(out) -> None:
         ran = loop.after_step()
@@ -207,15 +197,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _print_drift(report)
     print(f"\nRefreshes (every {policy.every} RL steps, each trained on the last "
           f"{policy.window}; τ = tokens per draft-verify cycle on held-out prompts):")
-    print(refresh_table(outcomes))
+    bad = bad_refresh_step(world_config.num_steps, policy.every)
+    notes = {f"step-{bad:06d}": "(the demo's deliberately bad refresh)"} if bad else {}
+    print(refresh_table(outcomes, notes))
     stale = staleness_lines(outcomes)
     if stale:
         print("\nThe serving drafter goes stale as the policy drifts (its τ on each later "
               "window):")
         print("\n".join(f"  {line}" for line in stale))
-    bad = bad_refresh_index(world_config.num_steps, policy.every)
     if bad is not None:
-        print(f"(refresh {bad} is the demo's deliberately bad one: 2 training steps from "
+        print(f"(the refresh at step {bad} is deliberately bad: 2 training steps from "
               "scratch, to show the gate refusing a worse drafter)")
     _print_where_to_look(outcomes)
     print(f"\ndemo: {seconds:.0f} s")
@@ -259,13 +250,17 @@ def _registry_and_storage():
 def cmd_status(args: argparse.Namespace) -> int:
     from dagster import DagsterInstance
 
+    from jobs.launch import fail_orphaned_runs
     from jobs.status import render, serving_status
     from resources.refresh import refresh_policy_from_environment
 
     prepare_dagster_home()
     registry, storage = _registry_and_storage()
     policy = refresh_policy_from_environment()
-    status = serving_status(DagsterInstance.get(), storage, registry.model_name,
+    instance = DagsterInstance.get()
+    for run_id in fail_orphaned_runs(instance):
+        print(f"run {run_id} was left in flight by an aerie process that died: marked failed")
+    status = serving_status(instance, storage, registry.model_name,
                             stale_after_steps=policy.stale_after_steps,
                             max_tau_drop=policy.max_tau_drop_percent / 100)
     print(render(status))
@@ -280,8 +275,10 @@ def _run_release_job(job_name: str, op: str, config: dict, args) -> int:
     from jobs import launch
 
     prepare_dagster_home()
+    instance = DagsterInstance.get()
+    launch.fail_orphaned_runs(instance)
     run_config = {"ops": {op: {"config": config}}, **launch.in_process(args.verbose)}
-    run = launch.execute(DagsterInstance.get(), job_name, RunRequest(run_config=run_config),
+    run = launch.execute(instance, job_name, RunRequest(run_config=run_config),
                          run_config, {VERSION_TAG: f"aerie {args.command}"})
     print(f"{job_name}: run {run.run_id} succeeded")
     return cmd_status(args)
@@ -298,17 +295,25 @@ def cmd_rollback(args: argparse.Namespace) -> int:
                             {"actor": args.actor, "reason": args.reason}, args)
 
 
-def _version() -> str:
-    from importlib.metadata import version
+class _Version(argparse.Action):
+    """``--version``: the installed distribution's version, looked up when asked."""
 
-    return version("aerie")
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"aerie {version('aerie')}")
+        except PackageNotFoundError:
+            print("aerie (not installed: pip install -e . in the checkout)")
+        parser.exit()
 
 
 def parser() -> argparse.ArgumentParser:
-    import getpass
-
     p = argparse.ArgumentParser(prog="aerie", description=__doc__.splitlines()[0])
-    p.add_argument("--version", action="version", version=f"aerie {_version()}")
+    p.add_argument("--version", action=_Version)
     p.add_argument("-v", "--verbose", action="store_true",
                    help="show Dagster's run logs and every library's INFO logs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -321,10 +326,13 @@ def parser() -> argparse.ArgumentParser:
     ui.set_defaults(func=cmd_ui)
     sub.add_parser("status", help="what serves now, since when, its τ and staleness, and the "
                                   "last refresh").set_defaults(func=cmd_status)
-    who = getpass.getuser()
+    from resources.mlflow import MlflowResource
+
+    who = MlflowResource.user()
     promote = sub.add_parser("promote", help="make a registered drafter version the champion, "
                                              "overriding the gate (recorded)")
-    promote.add_argument("version", help="registered model version, e.g. 3")
+    promote.add_argument("version", type=lambda v: v.removeprefix("v"),
+                         help="registered model version, e.g. 3 (or v3, as Aerie names it)")
     promote.add_argument("--reason", required=True, help="why the gate is overridden")
     promote.add_argument("--actor", default=who, help=f"who decides (default: {who})")
     promote.set_defaults(func=cmd_promote)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from dagster import AssetKey, DagsterInstance, DagsterRun, RunRequest, build_sensor_context
 
+from assets.partitions import step_of
 from assets.release import GATE_ACTOR
 from jobs import launch
 from jobs.launch import deep_merge, record_tick
@@ -88,8 +89,8 @@ def execute_requests(instance: DagsterInstance, job_name: str, requests,
 
 @dataclass
 class RefreshLoop:
-    """The sensors' cursors and what they launched. ``refresh_config(n)`` is the run config
-    merged into the n-th refresh (1-based) of this loop, if any; ``policy`` the refresh
+    """The sensors' cursors and what they launched. ``refresh_config(step)`` is the run
+    config merged into the refresh at RL step ``step``, if any; ``policy`` the refresh
     resource the sensors see (default: the definitions', from the environment)."""
 
     instance: DagsterInstance
@@ -101,6 +102,11 @@ class RefreshLoop:
     ingested: list[str] = field(default_factory=list)
     refreshed: list[str] = field(default_factory=list)
     refresh_ticks: list[str] = field(default_factory=list)  # "run" / "skip" per tick
+
+    def __post_init__(self) -> None:
+        for run_id in launch.fail_orphaned_runs(self.instance):
+            log.warning("run %s was left in flight by a process that died: marked failed",
+                        run_id)
 
     def ingest(self) -> list[str]:
         """Tick ``snapshot_sensor`` and run the ``ingest_step`` runs it requests."""
@@ -145,8 +151,10 @@ class RefreshLoop:
         return self._refresh(tick, {SCHEDULE_TAG: drafter_refresh_schedule.name})
 
     def _refresh(self, tick, launched_by: dict[str, str]) -> list[str]:
-        runs = apply_tick(self.instance, "drafter_refresh", tick,
-                          self.refresh_config(len(self.refreshed) + 1), launched_by,
+        requests = [tick] if isinstance(tick, RunRequest) else \
+            getattr(tick, "run_requests", None) or []
+        config = self.refresh_config(step_of(requests[0].partition_key)) if requests else None
+        runs = apply_tick(self.instance, "drafter_refresh", tick, config, launched_by,
                           self.verbose)
         ran = [r.tags["dagster/partition"] for r in runs]
         self.refreshed += ran

@@ -127,7 +127,7 @@ def execute(instance: DagsterInstance, job_name: str, request: RunRequest,
 
     recon = _repository().get_reconstructable_job(job_name)
     job = recon.get_definition()
-    tags = {**job.run_tags, **(request.tags or {}), **launched_by}
+    tags = {**job.run_tags, **(request.tags or {}), **launched_by, **_executor_tags()}
     if request.partition_key is not None:
         tags["dagster/partition"] = request.partition_key
     if request.run_key:
@@ -142,6 +142,48 @@ def execute(instance: DagsterInstance, job_name: str, request: RunRequest,
         where = f" {request.partition_key}" if request.partition_key else ""
         raise RunFailed(f"{job_name}{where} failed (run {run.run_id}): {_failure(result)}")
     return instance.get_run_by_id(run.run_id)
+
+
+HOST_TAG, PID_TAG = "aerie/executed_on", "aerie/executed_by_pid"
+IN_FLIGHT = ("NOT_STARTED", "STARTING", "STARTED")
+
+
+def _executor_tags() -> dict[str, str]:
+    """Which process executes a run the CLI created (see :func:`fail_orphaned_runs`)."""
+    import socket
+
+    return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}
+
+
+def fail_orphaned_runs(instance: DagsterInstance) -> list[str]:
+    """Mark as failed the runs an ``aerie`` process on this host created and never finished
+    because it died (killed, out of memory): no daemon watches them, and a refresh left
+    "in flight" would stop the refresh sensor and the schedule for good. Returns their ids."""
+    import socket
+
+    from dagster import DagsterRunStatus, RunsFilter
+
+    orphans = []
+    for run in instance.get_runs(RunsFilter(
+            statuses=[DagsterRunStatus(s) for s in IN_FLIGHT],
+            tags={HOST_TAG: socket.gethostname()})):
+        pid = int(run.tags[PID_TAG])
+        if pid == os.getpid() or _alive(pid):
+            continue
+        instance.report_run_failed(run, f"the aerie process that executed it (pid {pid}) "
+                                        "is gone")
+        orphans.append(run.run_id)
+    return orphans
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def _failure(result) -> str:

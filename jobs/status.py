@@ -22,8 +22,10 @@ def _steps(window: list[int]) -> str:
     return f"{window[0]}–{window[-1]}" if len(window) > 1 else str(window[0])
 
 
-def refresh_table(outcomes: list[RefreshOutcome]) -> str:
-    """One line per refresh: window, drafter, τ of each contestant, the decision."""
+def refresh_table(outcomes: list[RefreshOutcome], notes: dict[str, str] | None = None
+                  ) -> str:
+    """Two lines per refresh: window, drafter, τ of each contestant, the decision (and the
+    note for its partition, if any); then the reason that decided."""
     head = (f"{'refresh':<8} {'RL steps':<9} {'drafter':<16} {'τ':>5} {'champion τ':>10} "
             f"{'no drafter τ':>12}  decision")
     lines = [head, "-" * len(head)]
@@ -32,7 +34,8 @@ def refresh_table(outcomes: list[RefreshOutcome]) -> str:
         lines.append(f"{step:<8} {_steps(o.window):<9} "
                      f"{drafter_name(o.version, o.fingerprint):<16} "
                      f"{o.candidate_tau:>5.2f} {_tau(o.champion_tau):>10} "
-                     f"{_tau(o.no_drafter_tau):>12}  {o.action}")
+                     f"{_tau(o.no_drafter_tau):>12}  {o.action}"
+                     + (f" {notes[o.partition]}" if notes and o.partition in notes else ""))
         lines.append(f"{'':<8} {_main_reason(o.reasons)}")
     return "\n".join(lines)
 

@@ -146,9 +146,10 @@ class Storage:
         return f"Storage({self.root_url!r})"
 
     def check_access(self) -> None:
-        """Fail with :class:`StorageAccessError` unless the root can be written: locally a
-        writable directory; on S3 a bucket the credentials reach (one HEAD request).
-        Credentials that are missing fail here, before any work is done."""
+        """Fail with :class:`StorageAccessError` unless the root can be used: locally a
+        writable directory; on S3 a listing of the root's prefix (one request, at most one
+        key; credentials scoped to the prefix pass). Credentials that are missing fail
+        here, before any work is done."""
         if self.is_local:
             if not os.access(self._root, os.W_OK | os.X_OK):
                 raise StorageAccessError(f"the storage root {self.root_url} is not writable",
@@ -158,9 +159,10 @@ class Storage:
             return
         from botocore.exceptions import NoCredentialsError, PartialCredentialsError
 
-        bucket = self._root.split("/", 1)[0]
+        bucket, _, key = self._root.partition("/")
         try:
-            self.fs.call_s3("head_bucket", Bucket=bucket)
+            self.fs.call_s3("list_objects_v2", Bucket=bucket, MaxKeys=1,
+                            Prefix=f"{key}/" if key else "")
         except FileNotFoundError as e:
             raise StorageAccessError(f"{self.root_url}: bucket {bucket!r} does not exist",
                                      "bucket") from e

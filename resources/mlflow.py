@@ -81,6 +81,17 @@ class MlflowResource(ConfigurableResource):
     def version_link(self, model: str, version: str) -> str:
         return f"{self.mlflow_ui()}/#/models/{model}/versions/{version}"
 
+    @staticmethod
+    def user() -> str:
+        """Who runs the training (MLflow's ``mlflow.user``): the login name, or the uid in a
+        container that has none."""
+        import getpass
+
+        try:
+            return getpass.getuser()
+        except (KeyError, OSError):
+            return f"uid-{os.getuid()}"
+
     def dagster_run_link(self, run_id: str) -> str:
         return f"{self.dagster_ui_url.rstrip('/')}/runs/{run_id}"
 

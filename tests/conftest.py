@@ -84,3 +84,8 @@ def world_root(tmp_path_factory) -> Path:
 
 
 
+
+
+def ver(name: str) -> str:
+    """The registry version in a drafter's name (``v2 (0123abcd)`` → ``2``)."""
+    return name if name == "none" else name.split()[0].removeprefix("v")

@@ -104,12 +104,13 @@ class TrainingRuns:
         return None
 
     def find_unfinished_run(self, fingerprint: str) -> str | None:
-        """The newest run tagged with ``fingerprint`` that did not finish (a training that
-        failed or was killed, to be resumed)."""
+        """The newest run tagged with ``fingerprint`` that failed or was killed (a training
+        to resume). A RUNNING one is left alone: another process may be training it."""
         check_fingerprint(fingerprint)
         runs = self.client.search_runs(
             [self.experiment_id()],
-            f"tags.{FINGERPRINT} = '{fingerprint}' and attributes.status != 'FINISHED'",
+            f"tags.{FINGERPRINT} = '{fingerprint}' and attributes.status != 'FINISHED' "
+            f"and attributes.status != 'RUNNING'",
             max_results=1, order_by=["attributes.start_time DESC"])
         return runs[0].info.run_id if runs else None
 

@@ -58,15 +58,17 @@ class MlflowTrainingRun:
         if self.run_id is not None:
             self.runs.finish_run(self.run_id, failed=True)
 
-    def committed(self, fingerprint: str, curve: Sequence[Mapping[str, Any]],
+    def committed(self, spec: TrainSpec, curve: Sequence[Mapping[str, Any]],
                   drafter_dir: Callable[[], Path]) -> None:
+        fingerprint = spec.fingerprint()
         done = self.runs.find_run(fingerprint)
         if done is not None:
             self.run_id = done
             return
         if self.run_id is None:  # committed by a process whose run was lost
             self.run_id = self.runs.find_unfinished_run(fingerprint) or self.runs.start_run(
-                fingerprint, tags=self.tags, run_name=self.run_name)
+                fingerprint, params=to_dict(spec.config), tags=self.tags,
+                run_name=self.run_name)
             self._logged = self.runs.logged_steps(self.run_id)
         try:
             self.runs.log_history(self.run_id, [e for e in curve

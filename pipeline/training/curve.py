@@ -80,7 +80,7 @@ class TrainingObserver(Protocol):
     def failed(self) -> None:
         """Training or publishing failed."""
 
-    def committed(self, fingerprint: str, curve: Sequence[Mapping[str, Any]],
+    def committed(self, spec: TrainSpec, curve: Sequence[Mapping[str, Any]],
                   drafter_dir: Callable[[], Path]) -> None:
-        """The drafter is committed (now, or by an earlier run): the whole curve and a
-        local copy of its directory (made on demand)."""
+        """The drafter of ``spec`` is committed (now, or by an earlier run): the whole
+        curve and a local copy of its directory (made on demand)."""

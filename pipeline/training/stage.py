@@ -162,32 +162,48 @@ def run(storage: Storage, step: int, config: TrainConfig, *, work_root: Path,
     spec = plan(storage, step, config, Path(work_root), warm_start, serving_name)
     prefix = drafter_prefix(step)
     existing = read_manifest(storage, prefix)
+    follow = _Follow(observer)
     if existing is not None and existing.meta.get("fingerprint") == spec.fingerprint():
         log.info("step %d: drafter %s already committed", step, spec.fingerprint()[:12])
         curve = read_curve(storage, prefix, existing)
-        if observer is not None:
-            observer.committed(spec.fingerprint(), curve, lambda: fetch(
-                storage, prefix, kind=DRAFTER_KIND, label="drafter"))
+        follow("committed", spec, curve, lambda: fetch(storage, prefix, kind=DRAFTER_KIND,
+                                                       label="drafter"))
         return DrafterRefresh(step, storage.url(prefix), existing,
                               TrainResult(**existing.meta["result"]), reused=True, curve=curve)
     verify_window(storage, read_window(storage, spec.window_steps))
-    if observer is not None:
-        observer.started(spec)
+    follow("started", spec)
     try:
         result = launch(spec, launcher=launcher, storage_options=storage_options,
                         cache={"dir": str(storage.cache_dir),
                                "max_bytes": storage.cache_max_bytes},
-                        on_line=on_line, on_metrics=observer.logged if observer else None)
+                        on_line=on_line, on_metrics=lambda e: follow("logged", e))
         manifest = _publish(storage, step, spec, config, result, existing)
     except BaseException:
-        if observer is not None:
-            observer.failed()
+        follow("failed")
         raise
-    if observer is not None:
-        observer.committed(spec.fingerprint(), result.history, lambda: Path(spec.out_dir))
+    follow("committed", spec, result.history, lambda: Path(spec.out_dir))
     return DrafterRefresh(step, storage.url(prefix), manifest,
                           TrainResult(**manifest.meta["result"]), reused=False,
                           curve=result.history)
+
+
+class _Follow:
+    """Calls to the observer, best effort: tracking (an MLflow server) going away never
+    stops or fails a training, nor hides its error. A call that fails is logged, and the
+    observer is not called again in this run; registration logs whatever it missed."""
+
+    def __init__(self, observer: TrainingObserver | None):
+        self.observer = observer
+
+    def __call__(self, method: str, *args: Any) -> None:
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, method)(*args)
+        except Exception as e:  # noqa: BLE001 - tracking is best effort, see the docstring
+            log.warning("training tracking failed in %s (%s: %s); training goes on without "
+                        "it", method, type(e).__name__, e)
+            self.observer = None
 
 
 def _publish(storage: Storage, step: int, spec: TrainSpec, config: TrainConfig,

@@ -38,7 +38,8 @@ TRAIN = {"ops": {
 UNREACHABLE = {"ops": {"serving_drafter": {"config": {"min_relative_gain": 10.0}}}}
 WORSE = {"ops": {"drafter_checkpoint": {"config": {
     "warm_start": "none", "max_steps": 1, "lr": 1e-6}}}}  # an untrained drafter
-CYCLE_CONFIG = {1: TRAIN, 2: deep_merge(TRAIN, UNREACHABLE), 3: deep_merge(TRAIN, WORSE)}
+# by refresh step: cycles 1, 2 and 3 refresh at RL steps 1, 3 and 5
+CYCLE_CONFIG = {1: TRAIN, 3: deep_merge(TRAIN, UNREACHABLE), 5: deep_merge(TRAIN, WORSE)}
 REFRESHES = ["step-000001", "step-000003", "step-000005"]
 PENDING = "demo-world/pending-step.json"
 # the variables that would point Aerie somewhere other than the home under test

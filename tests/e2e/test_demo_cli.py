@@ -68,7 +68,7 @@ def test_every_step_is_ingested_and_refreshed_as_it_lands(demo):
 
 def test_the_bad_refresh_is_refused(demo):
     _, _, outcomes = demo
-    assert cli.bad_refresh_index(WORLD.num_steps, POLICY.every) == 2
+    assert cli.bad_refresh_step(WORLD.num_steps, POLICY.every) == 3
     bad = outcomes[1]
     assert bad.action == "refused"
     assert bad.candidate_tau <= (bad.champion_tau or bad.no_drafter_tau)

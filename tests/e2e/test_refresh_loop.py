@@ -34,15 +34,10 @@ from pipeline.storage import Storage
 from pipeline.training import stage as training_stage
 from pipeline.training.config import TrainConfig
 from resources.mlflow import mlflow_from_environment
-from tests.conftest import free_port, wait_for_port
+from tests.conftest import free_port, ver, wait_for_port
 from tests.e2e.loop import REFRESHES, Loop
 
 pytestmark = pytest.mark.slow
-
-def ver(name: str) -> str:
-    """The registry version in a drafter's name (``v2 (0123abcd)`` → ``2``)."""
-    return name if name == "none" else name.split()[0].removeprefix("v")
-
 
 
 def _meta(loop: Loop, asset: str, partition: str) -> dict:

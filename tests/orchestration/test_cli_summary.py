@@ -37,9 +37,14 @@ def test_staleness_follows_each_champion_until_the_next_promotion():
 
 
 def test_the_bad_refresh_is_the_second_to_last_of_three_or_more():
-    assert cli.bad_refresh_index(20, 4) == 4
-    assert cli.bad_refresh_index(6, 2) == 2
-    assert cli.bad_refresh_index(20, 10) is None  # two refreshes: nothing to show it against
+    assert cli.bad_refresh_step(20, 4) == 15  # refreshes at 3, 7, 11, 15, 19
+    assert cli.bad_refresh_step(6, 2) == 3  # 1, 3, 5
+    assert cli.bad_refresh_step(20, 10) is None  # two refreshes: nothing to show it against
+
+
+def test_a_note_marks_its_refresh():
+    lines = refresh_table(OUTCOMES, {"step-000011": "(bad)"}).splitlines()
+    assert lines[6].endswith("refused (bad)") and not lines[4].endswith("(bad)")
 
 
 def test_one_way_of_naming_a_drafter():

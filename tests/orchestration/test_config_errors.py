@@ -104,3 +104,52 @@ def test_promote_or_roll_back_before_any_drafter(tmp_path, monkeypatch, capsys):
     assert "has no version 3; registered versions: none yet" in error
     assert cli.main(["status"]) == 0
     assert "serving now:  no drafter" in capsys.readouterr().out
+
+
+def test_the_s3_check_passes_a_usable_root_and_names_a_missing_bucket(moto_endpoint):
+    """Against a real S3 API (moto_server): an existing bucket passes (an empty prefix
+    included); a bucket that does not exist fails naming it and the setting."""
+    import uuid
+
+    from pipeline.storage import Storage, StorageAccessError
+    from tests.conftest import s3_options
+
+    options = s3_options(moto_endpoint)
+    bucket = f"aerie-{uuid.uuid4().hex[:12]}"
+    Storage(f"s3://{bucket}", options).fs.mkdir(bucket)
+    resource = StorageResource(url=f"s3://{bucket}/root", endpoint_url=moto_endpoint,
+                               access_key_id=options["key"],
+                               secret_access_key=options["secret"])
+    assert resource.checked().root_url == f"s3://{bucket}/root"
+    missing = resource.model_copy(update={"url": "s3://aerie-no-such-bucket/root"})
+    with pytest.raises(StorageAccessError, match="bucket 'aerie-no-such-bucket' does not "
+                                                 "exist. Create the bucket, or point "
+                                                 "AERIE_STORAGE_URL"):
+        missing.checked()
+
+
+def test_a_run_left_in_flight_by_a_dead_aerie_process_is_marked_failed(instance):
+    """A killed ``aerie`` process leaves its run STARTED; the next command marks it failed,
+    so the refresh sensor is not stopped for good by a refresh "still running"."""
+    import os
+    import subprocess
+
+    from dagster import DagsterRunStatus
+
+    from definitions import defs
+    from jobs.launch import _executor_tags, fail_orphaned_runs
+    from jobs.refresh import refresh_in_flight
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    job = defs.resolve_job_def("drafter_refresh")
+    tags = {**_executor_tags(), "dagster/partition": "step-000003"}
+    orphan = instance.create_run_for_job(job, tags={**tags, "aerie/executed_by_pid":
+                                                    str(dead.pid)},
+                                         status=DagsterRunStatus.STARTED)
+    ours = instance.create_run_for_job(job, tags=tags, status=DagsterRunStatus.STARTED)
+    assert ours.tags["aerie/executed_by_pid"] == str(os.getpid())
+    assert refresh_in_flight(instance)
+    assert fail_orphaned_runs(instance) == [orphan.run_id]  # this process's run is alive
+    assert instance.get_run_by_id(orphan.run_id).status == DagsterRunStatus.FAILURE
+    assert instance.get_run_by_id(ours.run_id).status == DagsterRunStatus.STARTED

@@ -24,14 +24,10 @@ from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
 from resources.serving import ServingResource
 from resources.storage import StorageResource
+from tests.conftest import ver
 from tests.release.helpers import lineage, make_drafter_dir, publish_drafter
 
 STEPS = (10, 20, 30)  # the refresh steps of versions 1, 2, 3
-
-def ver(name: str) -> str:
-    """The registry version in a drafter's name (``v2 (0123abcd)`` → ``2``)."""
-    return name if name == "none" else name.split()[0].removeprefix("v")
-
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from pipeline.serving_now import read_serving, serving_history
 from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
 from resources.serving import ServingResource
+from tests.conftest import ver
 from tests.release.helpers import lineage, make_drafter_dir, publish_drafter
 
 STEP, PARTITION = 10, "step-000010"
@@ -37,11 +38,6 @@ DRAFTER_STATS = AcceptanceStats(  # τ = 600 / 300 = 2
     position_accepts=[200, 100, 0])
 BASELINE_STATS = AcceptanceStats(num_steps=0, prompts=4, cycles=300, emitted_tokens=300,
                                  bonus_tokens=300, prefill_tokens=4)
-
-def ver(name: str) -> str:
-    """The registry version in a drafter's name (``v2 (0123abcd)`` → ``2``)."""
-    return name if name == "none" else name.split()[0].removeprefix("v")
-
 
 
 @pytest.fixture
