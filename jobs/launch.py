@@ -68,19 +68,15 @@ def _repository():
         "definitions", "defs", working_directory=os.path.dirname(definitions.__file__))
 
 
-def _repository_origin():
+def repository_origin(instance: DagsterInstance):
+    """The origin of the code location ``aerie`` as the workspace beside ``instance``
+    declares it (``<instance home>/workspace.yaml``)."""
     from dagster._core.remote_origin import RemoteRepositoryOrigin
     from dagster._core.workspace.load import location_origins_from_yaml_paths
 
-    home = Path(os.environ["DAGSTER_HOME"])
+    home = Path(instance.root_directory)
     (location,) = location_origins_from_yaml_paths([str(workspace_file(home))])
     return RemoteRepositoryOrigin(location, REPOSITORY)
-
-
-def _remote_origin(job_name: str):
-    from dagster._core.remote_origin import RemoteJobOrigin
-
-    return RemoteJobOrigin(_repository_origin(), job_name)
 
 
 def record_tick(instance: DagsterInstance, name: str, kind: str, started: float,
@@ -101,7 +97,7 @@ def record_tick(instance: DagsterInstance, name: str, kind: str, started: float,
 
     instance.create_tick(TickData(
         instigator_origin_id=RemoteInstigatorOrigin(
-            repository_origin=_repository_origin(), instigator_name=name).get_id(),
+            repository_origin=repository_origin(instance), instigator_name=name).get_id(),
         instigator_name=name,
         instigator_type=InstigatorType.SENSOR if kind == "sensor" else InstigatorType.SCHEDULE,
         status=TickStatus.SUCCESS if runs else TickStatus.SKIPPED, timestamp=started,
@@ -124,6 +120,7 @@ def execute(instance: DagsterInstance, job_name: str, request: RunRequest,
     ``created`` collects the run as soon as it exists (before it executes).
     """
     from dagster._core.execution.api import execute_run
+    from dagster._core.remote_origin import RemoteJobOrigin
 
     recon = _repository().get_reconstructable_job(job_name)
     job = recon.get_definition()
@@ -134,7 +131,8 @@ def execute(instance: DagsterInstance, job_name: str, request: RunRequest,
         tags["dagster/run_key"] = request.run_key
     run = instance.create_run_for_job(
         job_def=job, run_config=run_config, tags=tags,
-        remote_job_origin=_remote_origin(job_name), job_code_origin=recon.get_python_origin())
+        remote_job_origin=RemoteJobOrigin(repository_origin(instance), job_name),
+        job_code_origin=recon.get_python_origin())
     if created is not None:
         created.append(run)
     result = execute_run(recon, run, instance)

@@ -95,13 +95,13 @@ def test_every_tick_is_in_the_sensors_tick_history(demo):
     from dagster._core.definitions.selector import InstigatorSelector
     from dagster._core.remote_origin import RemoteInstigatorOrigin
 
-    from jobs.launch import _repository_origin
+    from jobs.launch import repository_origin
 
     instance = DagsterInstance.get()
     for sensor, job, launching in (("snapshot_sensor", "ingest_step", 6),
                                    ("refresh_sensor", "drafter_refresh", 3)):
         ticks = instance.get_ticks(
-            RemoteInstigatorOrigin(repository_origin=_repository_origin(),
+            RemoteInstigatorOrigin(repository_origin=repository_origin(instance),
                                    instigator_name=sensor).get_id(),
             InstigatorSelector(location_name=LOCATION, repository_name=REPOSITORY,
                                name=sensor).get_id())
