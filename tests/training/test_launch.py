@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.records import to_json
+from pipeline.training.curve import METRICS_MARKER
 from pipeline.training.launch import (
     TrainingFailed,
     child_environment,
@@ -57,3 +58,16 @@ def test_a_failing_run_raises_with_its_log(vocab_storage, tmp_path):
         launch(spec)
     assert "vocab/" + "0" * 64 in str(info.value)  # the child's error, from its log
     assert (Path(spec.work_dir) / "train.log").is_file()
+
+
+def test_each_logged_step_reaches_on_metrics_while_the_run_trains(vocab_storage, tmp_path):
+    """The worker's metric lines go to ``on_metrics`` (the MLflow run's live curve), one
+    per logged step and equal to the run's own history; never to the log."""
+    spec = plan(vocab_storage, STEP, replace(FAST, max_steps=6), tmp_path, "none")
+    lines, metrics = [], []
+    result = launch(spec, on_line=lines.append, on_metrics=metrics.append)
+    assert [m["step"] for m in metrics] == [4, 6]  # log_every 4, and the last step
+    by_step = {h["step"]: h for h in result.history}
+    for m in metrics:
+        assert m == by_step[m["step"]]  # JSON keeps every float digit
+    assert lines and not [line for line in lines if METRICS_MARKER in line]
