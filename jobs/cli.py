@@ -104,7 +104,8 @@ def generate_demo_world(force: bool = False, config=None, after_step=None,
     writer = SnapshotWriter(storage_from_environment())
 
     def publish(out) -> None:
-        writer.write_step(out.step, out.records, out.policy_dir, out.policy_version)
+        writer.write_step(out.step, out.records, out.policy_dir, out.policy_version,
+                          sampling=out.sampling)
         if after_step is not None:
             after_step(out)
 

@@ -48,6 +48,7 @@ class StepOutput:
     policy_dir: Path
     records: list[dict[str, Any]]
     metrics: dict[str, float]
+    sampling: dict[str, Any]  # how the rollouts were sampled (SGLang's names)
 
 
 @dataclass
@@ -153,7 +154,8 @@ def run_rl(config: DemoConfig, tok: PreTrainedTokenizerBase, model: PreTrainedMo
         steps.append({"step": step, **metrics})
         logger.info("step %d: %s", step, {k: round(v, 4) for k, v in metrics.items()})
         on_step(StepOutput(step=step, policy_version=step, policy_dir=policy_dir,
-                           records=to_records(rollouts, step), metrics=metrics))
+                           records=to_records(rollouts, step), metrics=metrics,
+                           sampling={"temperature": config.temperature}))
         rl.reinforce_step(model, optimizer, rollouts, config.samples_per_prompt,
                           tok.pad_token_id)
     return steps

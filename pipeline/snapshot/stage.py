@@ -27,6 +27,7 @@ import pyarrow as pa
 from pipeline.contracts import FileEntry, Manifest
 from pipeline.layout import ROLLOUTS, committed_steps, raw_prefix, snapshot_prefix
 from pipeline.manifest import manifest_key, verify_manifest, withdraw_manifest, write_manifest
+from pipeline.sampling import SamplingError, SamplingParams
 from pipeline.snapshot.policy import PolicyRef, load_policy_ref
 from pipeline.snapshot.reader import (
     checked_manifest,
@@ -112,12 +113,36 @@ def run(storage: Storage, step: int, *, limits: Limits = DEFAULT_LIMITS,
 
 
 def _lineage(storage: Storage, prefix: str, manifest: Manifest, step: int) -> dict[str, Any]:
-    """The meta a snapshot carries from the policy that generated it, type-checked."""
-    return {"policy_version": meta_int(storage, prefix, manifest, "policy_version",
-                                       maximum=step),
-            "policy_sha256": meta_str(storage, prefix, manifest, "policy_sha256"),
-            "tokenizer_fingerprint": meta_str(storage, prefix, manifest,
-                                              "tokenizer_fingerprint")}
+    """The meta a snapshot carries from the policy (and the sampler) that generated it,
+    type-checked."""
+    lineage = {"policy_version": meta_int(storage, prefix, manifest, "policy_version",
+                                          maximum=step),
+               "policy_sha256": meta_str(storage, prefix, manifest, "policy_sha256"),
+               "tokenizer_fingerprint": meta_str(storage, prefix, manifest,
+                                                 "tokenizer_fingerprint")}
+    sampler = sampling_meta(storage, prefix, manifest)
+    return lineage | ({"sampling": sampler.to_dict()} if sampler is not None else {})
+
+
+def sampling_meta(storage: Storage, prefix: str, manifest: Manifest) -> SamplingParams | None:
+    """The sampler a snapshot manifest records (None: the trainer recorded none)."""
+    value = manifest.meta.get("sampling")
+    if value is None:
+        return None
+    try:
+        return SamplingParams.from_mapping(value)
+    except SamplingError as e:
+        url = storage.url(manifest_key(prefix))
+        raise SnapshotError(f"{url}: meta.{e}", url=url, field=f"meta.sampling.{e.field}"
+                            ) from e
+
+
+def recorded_sampling(storage: Storage, step: int) -> SamplingParams | None:
+    """The sampler step ``step``'s validated snapshot records, or None (none recorded or
+    no committed snapshot)."""
+    prefix = snapshot_prefix(step)
+    manifest = checked_manifest(storage, prefix, VALIDATED_KIND, READABLE_SCHEMA_VERSIONS)
+    return None if manifest is None else sampling_meta(storage, prefix, manifest)
 
 
 def _same_policy(storage: Storage, prefix: str, lineage: dict[str, Any],

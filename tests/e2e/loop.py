@@ -86,6 +86,7 @@ def run_loop(home: Path) -> Loop:
     writer = SnapshotWriter(storage)
     driver = RefreshLoop(DagsterInstance.get(), refresh_config=CYCLE_CONFIG.get, policy=POLICY)
     for out in outputs:
-        writer.write_step(out.step, out.records, out.policy_dir, out.policy_version)
+        writer.write_step(out.step, out.records, out.policy_dir, out.policy_version,
+                          sampling=out.sampling)
         driver.after_step()  # snapshot sensor tick + ingest runs, refresh sensor tick + run
     return Loop(home, driver.instance, storage, driver.refreshed, driver.refresh_ticks)

@@ -1,0 +1,110 @@
+"""The sampler an RL engine decodes rollouts with: :class:`SamplingParams` (torch-free).
+
+An RL step's rollouts are sampled (temperature around 1, often top-p/top-k), and a draft
+token's acceptance depends on how the target samples, so the settings travel with the data:
+the snapshot writer records them per step (``sampling`` in the step's manifest meta), the
+evaluation measures τ at the newest step's settings, and every acceptance report names them.
+
+Conventions are SGLang's ``sampling_params``:
+
+- ``temperature`` >= 0; 0 is greedy (argmax), whatever the other fields say;
+- ``top_p`` in (0, 1], 1 keeps every token;
+- ``top_k`` >= 1, or -1 for every token (0 and None are read as -1, as vLLM writes it);
+- ``min_p`` in [0, 1], 0 keeps every token.
+
+:meth:`SamplingParams.from_mapping` is the contract check: unknown keys and bad values raise
+:class:`SamplingError` naming the field. :meth:`canonical` folds every greedy setting into
+one, so that two greedy runs compare equal whatever top-p they listed.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+FIELDS = ("temperature", "top_p", "top_k", "min_p")
+
+
+class SamplingError(ValueError):
+    """Sampling settings violate the contract; ``field`` names the offending one."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"sampling.{field}: {reason}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target samples: temperature, then top-k, top-p and min-p (module docstring)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not math.isfinite(value):
+                raise SamplingError(name, f"expected a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        top_k = -1 if self.top_k is None or self.top_k == 0 else self.top_k
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) \
+                or not (top_k == -1 or top_k >= 1):
+            raise SamplingError("top_k", f"expected an integer >= 1, or -1 (every token), "
+                                         f"got {self.top_k!r}")
+        object.__setattr__(self, "top_k", int(top_k))
+        if self.temperature < 0:
+            raise SamplingError("temperature", f"must be >= 0 (0 is greedy), got "
+                                               f"{self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise SamplingError("min_p", f"must be in [0, 1], got {self.min_p}")
+
+    @classmethod
+    def from_mapping(cls, value: Mapping[str, Any] | SamplingParams) -> SamplingParams:
+        """Settings from a trainer or a JSON record; unknown keys are refused (a typo would
+        otherwise measure another regime); missing ones take the defaults above."""
+        if isinstance(value, SamplingParams):
+            return value
+        if not isinstance(value, Mapping):
+            raise SamplingError("*", f"expected a mapping of {', '.join(FIELDS)}, got "
+                                     f"{type(value).__name__}")
+        unknown = sorted(str(k) for k in value if k not in FIELDS)
+        if unknown:
+            raise SamplingError(unknown[0], f"unknown setting (known: {', '.join(FIELDS)})")
+        given = {k: v for k, v in value.items() if v is not None}
+        return cls(**given)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def canonical(self) -> SamplingParams:
+        """The same sampler with every greedy setting folded into ``SamplingParams()``."""
+        return SamplingParams() if self.greedy else self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def label(self) -> str:
+        """Short and readable: ``greedy`` or ``T=1 top_p=0.9 top_k=50`` (defaults left out)."""
+        if self.greedy:
+            return "greedy"
+        parts = [f"T={self.temperature:g}"]
+        if self.top_p < 1:
+            parts.append(f"top_p={self.top_p:g}")
+        if self.top_k != -1:
+            parts.append(f"top_k={self.top_k}")
+        if self.min_p > 0:
+            parts.append(f"min_p={self.min_p:g}")
+        return " ".join(parts)
+
+
+GREEDY = SamplingParams()

@@ -1,0 +1,68 @@
+"""The step's sampler settings travel with its snapshot: written, checked, carried, read."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.layout import raw_prefix
+from pipeline.sampling import GREEDY, SamplingError, SamplingParams
+from pipeline.snapshot import stage as snapshot_stage
+from pipeline.snapshot.sieve import SnapshotError, StepArgumentError
+from pipeline.snapshot.stage import recorded_sampling
+from pipeline.snapshot.writer import SnapshotWriter
+
+from .conftest import edit_manifest, good_record
+
+
+def test_writer_records_the_sampler_and_the_stage_carries_it(storage, policy_dir):
+    SnapshotWriter(storage).write_step(3, [good_record(0)], policy_dir, 3,
+                                       sampling={"temperature": 0.8, "top_p": 0.95,
+                                                 "top_k": 0})
+    assert recorded_sampling(storage, 3) is None  # not validated yet
+    snapshot_stage.run(storage, 3)
+    assert recorded_sampling(storage, 3) == SamplingParams(0.8, top_p=0.95, top_k=-1)
+
+
+def test_a_step_without_settings_records_none(storage, policy_dir):
+    SnapshotWriter(storage).write_step(3, [good_record(0)], policy_dir, 3)
+    snapshot_stage.run(storage, 3)
+    assert recorded_sampling(storage, 3) is None
+
+
+@pytest.mark.parametrize(("sampling", "field"), [
+    ({"temperature": -1}, "sampling.temperature"),
+    ({"temperature": 1, "top_p": 0}, "sampling.top_p"),
+    ({"temperature": 1, "top_k": -5}, "sampling.top_k"),
+    ({"temperature": 1, "min_p": 1.5}, "sampling.min_p"),
+    ({"temperature": float("nan")}, "sampling.temperature"),
+    ({"temprature": 1.0}, "sampling.temprature"),
+    ({"temperature": True}, "sampling.temperature"),
+])
+def test_bad_settings_fail_the_step_before_anything_is_written(storage, policy_dir,
+                                                               sampling, field):
+    with pytest.raises(StepArgumentError, match=field) as raised:
+        SnapshotWriter(storage).write_step(3, [good_record(0)], policy_dir, 3,
+                                           sampling=sampling)
+    assert raised.value.field == field
+    assert storage.list(raw_prefix(3)) == []
+
+
+def test_a_tampered_manifest_setting_is_named_by_the_stage(storage, policy_dir):
+    SnapshotWriter(storage).write_step(3, [good_record(0)], policy_dir, 3,
+                                       sampling={"temperature": 1.0})
+    edit_manifest(storage, raw_prefix(3),
+                  lambda m: {**m, "meta": {**m["meta"], "sampling": {"temperature": "hot"}}})
+    with pytest.raises(SnapshotError, match=r"meta\.sampling\.temperature") as raised:
+        snapshot_stage.run(storage, 3)
+    assert raised.value.field == "meta.sampling.temperature"
+
+
+def test_greedy_settings_fold_into_one_and_labels_read_well():
+    assert SamplingParams(0.0, top_p=0.5).canonical() == GREEDY
+    assert SamplingParams(1.0, top_p=0.5).canonical() != GREEDY
+    assert SamplingParams(0.0).label == "greedy"
+    assert SamplingParams(0.7, top_p=0.9, top_k=50, min_p=0.05).label == \
+        "T=0.7 top_p=0.9 top_k=50 min_p=0.05"
+    assert SamplingParams.from_mapping({"temperature": 1, "top_k": None}).top_k == -1
+    with pytest.raises(SamplingError, match="expected a mapping"):
+        SamplingParams.from_mapping([1.0])
