@@ -7,10 +7,12 @@ evaluation measures τ at the newest step's settings, and every acceptance repor
 
 Conventions are SGLang's ``sampling_params``:
 
-- ``temperature`` >= 0; 0 is greedy (argmax), whatever the other fields say;
+- ``temperature`` >= 0; below 1e-6 is greedy (argmax), whatever the other fields say;
 - ``top_p`` in (0, 1], 1 keeps every token;
 - ``top_k`` >= 1, or -1 for every token (0 and None are read as -1, as vLLM writes it);
-- ``min_p`` in [0, 1], 0 keeps every token.
+  ``top_k`` 1 is greedy too (SGLang's ``is_all_greedy``);
+- ``min_p`` in [0, 1], 0 keeps every token. Recorded, but SGLang's EAGLE verification does
+  not apply it (``docs/speculative-sampling.md``), so neither does Aerie's measurement.
 
 :meth:`SamplingParams.from_mapping` is the contract check: unknown keys and bad values raise
 :class:`SamplingError` naming the field. :meth:`canonical` folds every greedy setting into
@@ -26,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 FIELDS = ("temperature", "top_p", "top_k", "min_p")
+GREEDY_BELOW = 1e-6  # SGLang rewrites a smaller temperature to greedy
 
 
 class SamplingError(ValueError):
@@ -83,7 +86,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     def canonical(self) -> SamplingParams:
         """The same sampler with every greedy setting folded into ``SamplingParams()``."""

@@ -1,32 +1,39 @@
-"""EAGLE-3 speculative decoding, SGLang-style, one sequence at a time, greedy and lossless.
+"""EAGLE-3 speculative decoding, SGLang-style, one sequence at a time, greedy or sampled.
 
 Per prompt:
 
-1. *Prefill*: the target runs the prompt into its KV cache; its greedy prediction is the
-   first generated token (the ROOT of the first cycle) and the drafter is *extended* with
-   the prompt's aux features paired with the next tokens (x_1..x_P, the last being the
-   root).
+1. *Prefill*: the target runs the prompt into its KV cache; its next token (the argmax, or
+   a draw from its sampling distribution) is the first generated token (the ROOT of the
+   first cycle) and the drafter is *extended* with the prompt's aux features paired with
+   the next tokens (x_1..x_P, the last being the root).
 2. *Cycles* until EOS or ``max_new_tokens``: draft a tree ``num_steps`` deep
    (:func:`~pipeline.evaluation.tree.draft_tree`); verify all its nodes in ONE target
-   forward pass with tree attention; accept greedily; emit the accepted tokens plus the
-   bonus token; prune the target cache to the accepted path; extend the drafter with the
-   real target features of the root and the accepted nodes (draft extend).
+   forward pass with tree attention; accept (:func:`~pipeline.evaluation.sampling.judge`:
+   the greedy walk at temperature 0, speculative sampling above); emit the accepted tokens
+   plus the bonus token; prune the target cache to the accepted path; extend the drafter
+   with the real target features of the root and the accepted nodes (draft extend).
 
-Without a drafter every cycle verifies only the root: plain greedy decoding with a KV cache,
-τ = 1 by definition.
+Without a drafter every cycle verifies only the root: plain decoding with a KV cache
+(greedy, or one draw per token), τ = 1 by definition.
 
 Invariants:
 
-- Lossless: the emitted tokens are the target's greedy decoding, token for token, whatever
-  the drafter proposes (tests compare against a cache-free greedy loop).
+- Lossless: at temperature 0 the emitted tokens are the target's greedy decoding, token for
+  token, whatever the drafter proposes (tests compare against a cache-free greedy loop); at
+  temperature > 0 every emitted token is a sample of the target's own distribution given
+  the tokens before it (tests compare the distributions).
 - Never more than ``max_new_tokens`` tokens; EOS (any of ``eos_token_id``) is emitted, then
   the prompt stops. A truncated cycle counts only what it emitted (see :mod:`.metrics`).
-- Deterministic: no randomness; everything runs under ``torch.inference_mode()``.
+- Reproducible: greedy decoding draws nothing; sampling draws every uniform from one
+  generator per prompt, seeded from ``seed`` and the prompt's index, so a fixed seed gives
+  identical tokens and counts, and every contestant sees the same seeds.
+  Everything runs under ``torch.inference_mode()``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -40,8 +47,10 @@ from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.drafter import Drafter, as_drafter
 from pipeline.evaluation.metrics import AcceptanceStats
+from pipeline.evaluation.sampling import first_token, judge
 from pipeline.evaluation.target import TargetRunner
-from pipeline.evaluation.tree import VerifyTree, accept_greedy, draft_tree
+from pipeline.evaluation.tree import VerifyTree, draft_tree
+from pipeline.sampling import GREEDY, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +76,16 @@ class CycleTrace:
 def evaluate(target: nn.Module, drafter: Eagle3Drafter | Drafter | None,
              prompts: Sequence[Sequence[int]], params: SpecParams | None = None, *,
              max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None,
+             sampler: SamplingParams = GREEDY, seed: int = 0,
              trace: list[CycleTrace] | None = None) -> EvalRun:
-    """Greedy speculative decoding of every prompt; summed stats and the outputs.
+    """Speculative decoding of every prompt; summed stats and the outputs.
 
     ``target``: a transformers Llama-style causal LM. ``drafter``: an
     :class:`Eagle3Drafter` (e.g. from ``load_drafter``), any :class:`Drafter`, or None for
     the no-drafter baseline. ``params`` default to SGLang's auto choice for the target's
     architecture (ignored without a drafter). ``eos_token_id``: None never stops early.
+    ``sampler``: how the target samples (greedy by default); ``seed`` seeds prompt i's
+    generator with ``prompt_seed(seed, i)``.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -87,21 +99,26 @@ def evaluate(target: nn.Module, drafter: Eagle3Drafter | Drafter | None,
     modules = [m for m in (target, drafter) if isinstance(m, nn.Module)]
     with torch.inference_mode(), _eval_mode(modules):
         for i, prompt in enumerate(prompts):
+            generator = torch.Generator().manual_seed(prompt_seed(seed, i))
             out, one = generate(runner, proposer, prompt, params, max_new_tokens, eos,
-                                trace=trace, prompt_index=i)
+                                sampler=sampler, generator=generator, trace=trace,
+                                prompt_index=i)
             stats = stats.merge(one)
             outputs.append(out)
-    logger.info("speculative decoding: %d prompts, %d cycles, tau=%.3f, alpha=%s, "
-                "draft %.2fs, verify %.2fs", stats.prompts, stats.cycles, stats.tau,
+    logger.info("speculative decoding (%s): %d prompts, %d cycles, tau=%.3f, alpha=%s, "
+                "draft %.2fs, verify %.2fs", sampler.label, stats.prompts, stats.cycles,
+                stats.tau,
                 [round(a, 3) for a in stats.alpha], stats.draft_seconds, stats.verify_seconds)
     return EvalRun(stats, outputs)
 
 
 def generate(runner: TargetRunner, drafter: Drafter | None, prompt: Sequence[int],
              params: SpecParams | None, max_new_tokens: int, eos: frozenset[int], *,
+             sampler: SamplingParams = GREEDY, generator: torch.Generator | None = None,
              trace: list[CycleTrace] | None = None, prompt_index: int = 0
              ) -> tuple[list[int], AcceptanceStats]:
-    """One prompt (call under ``torch.inference_mode()``): generated ids and its stats."""
+    """One prompt (call under ``torch.inference_mode()``): generated ids and its stats.
+    ``generator`` supplies every uniform a sampled decoding draws."""
     if not len(prompt):
         raise ValueError("cannot decode an empty prompt")
     if drafter is not None and params is None:
@@ -111,7 +128,8 @@ def generate(runner: TargetRunner, drafter: Drafter | None, prompt: Sequence[int
     stats = AcceptanceStats(params.num_steps if drafter is not None and params else 0,
                             prompts=1, prefill_tokens=1)
     clock = _Clock(runner.device)
-    root, aux = runner.prefill(torch.as_tensor(list(prompt), dtype=torch.long))
+    logits, aux = runner.prefill(torch.as_tensor(list(prompt), dtype=torch.long))
+    root = first_token(logits, sampler, generator)
     stats.prefill_seconds += clock.lap()
     out = [root]
     if root in eos or max_new_tokens == 1:
@@ -129,9 +147,10 @@ def generate(runner: TargetRunner, drafter: Drafter | None, prompt: Sequence[int
             tree = VerifyTree(torch.tensor([root]), torch.tensor([-1]), torch.tensor([0]))
         if drafter is not None:
             stats.draft_seconds += clock.lap()
-        preds, aux = runner.verify(tree.tokens, tree.depths, tree.ancestor_mask())
-        path, attempted = accept_greedy(tree, preds)
-        new = [*tree.tokens[path[1:]].tolist(), int(preds[path[-1]])]  # accepted + bonus
+        logits, aux = runner.verify(tree.tokens, tree.depths, tree.ancestor_mask())
+        verdict = judge(tree, logits, sampler, generator)
+        path = verdict.path
+        new = [*tree.tokens[path[1:]].tolist(), verdict.bonus]  # accepted + bonus
         emitted = _truncate(new, eos, max_new_tokens - len(out))
         out.extend(emitted)
         done = (len(emitted) < len(new) or emitted[-1] in eos
@@ -140,7 +159,7 @@ def generate(runner: TargetRunner, drafter: Drafter | None, prompt: Sequence[int
             runner.keep(prefix, path)
         stats.verify_seconds += clock.lap()
         if len(emitted) == len(new):
-            stats.add_cycle(len(path) - 1, attempted, bonus=True)
+            stats.add_cycle(len(path) - 1, verdict.attempted, bonus=True)
         else:
             stats.add_cycle(len(emitted), len(emitted), bonus=False)
         if trace is not None:
@@ -151,6 +170,12 @@ def generate(runner: TargetRunner, drafter: Drafter | None, prompt: Sequence[int
             drafter.extend(torch.tensor(new), None if aux is None else aux[path])
             stats.draft_seconds += clock.lap()
         root = new[-1]
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """Prompt ``index``'s generator seed: independent of how prompts are grouped."""
+    digest = hashlib.sha256(f"aerie-eval:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def _truncate(tokens: list[int], eos: frozenset[int], budget: int) -> list[int]:

@@ -3,7 +3,7 @@
 Wraps a transformers causal LM with ``model.model.layers``. Three operations:
 
 - :meth:`TargetRunner.prefill` runs the prompt (positions ``0..P-1``) into a fresh cache and
-  returns the greedy next token and the EAGLE-3 aux features of every prompt position;
+  returns the next-token logits and the EAGLE-3 aux features of every prompt position;
 - :meth:`TargetRunner.verify` runs a draft tree in ONE forward pass: node i at position
   ``L + depth_i`` (L = cached length), attending to the cache plus its own ancestors;
 - :meth:`TargetRunner.keep` drops the KV entries of rejected tree nodes (an index select on
@@ -135,8 +135,9 @@ class TargetRunner:
                 f"({'/'.join(LENGTH_DEPENDENT_ROPE)}) changes every position's rotation: no "
                 "cached decoder reproduces it there; shorten the prompts or max_new_tokens")
 
-    def prefill(self, prompt: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """``prompt`` (P,) -> (greedy next token, aux (P, A) or None). Resets the cache."""
+    def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``prompt`` (P,) -> (next-token logits (V,), aux (P, A) or None). Resets the
+        cache."""
         self.cache = DynamicCache()
         ids = prompt.to(self.device).view(1, -1)  # (1, P)
         p = ids.shape[1]
@@ -147,12 +148,12 @@ class TargetRunner:
                                                                        causal),
                              position_ids=positions.view(1, p), past_key_values=self.cache,
                              use_cache=True, logits_to_keep=1)
-        return int(out.logits[0, -1].argmax()), aux
+        return out.logits[0, -1], aux
 
     def verify(self, tokens: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tree nodes ``tokens`` (N,), ``depths`` (N,), ``ancestors`` (N, N) bool ->
-        (the target's argmax at every node (N,), aux (N, A) or None).
+        (the target's next-token logits at every node (N, V), aux (N, A) or None).
 
         Appends the N nodes' KV entries; call :meth:`keep` afterwards.
         """
@@ -166,7 +167,7 @@ class TargetRunner:
                              attention_mask=self._masks(positions, keys, allowed),
                              position_ids=positions.view(1, n), past_key_values=self.cache,
                              use_cache=True)
-        return out.logits[0].argmax(-1).cpu(), aux  # (N,)
+        return out.logits[0], aux  # (N, V)
 
     def keep(self, prefix: int, tree_nodes: Sequence[int]) -> None:
         """Keep cache entries ``0..prefix-1`` and the tree nodes ``tree_nodes`` (in order),

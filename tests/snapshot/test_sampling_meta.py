@@ -60,6 +60,7 @@ def test_a_tampered_manifest_setting_is_named_by_the_stage(storage, policy_dir):
 def test_greedy_settings_fold_into_one_and_labels_read_well():
     assert SamplingParams(0.0, top_p=0.5).canonical() == GREEDY
     assert SamplingParams(1.0, top_p=0.5).canonical() != GREEDY
+    assert SamplingParams(1.0, top_k=1).greedy and SamplingParams(1e-7).greedy  # as SGLang
     assert SamplingParams(0.0).label == "greedy"
     assert SamplingParams(0.7, top_p=0.9, top_k=50, min_p=0.05).label == \
         "T=0.7 top_p=0.9 top_k=50 min_p=0.05"
