@@ -74,12 +74,13 @@ def training_loss(first: float, final: float, history: Sequence[float]) -> Check
 
 
 def evaluation_sound(report: AcceptanceReport) -> CheckOutcome:
-    """Every drafter's outputs equal greedy decoding on every prompt (speculative decoding is
-    lossless), every contestant's equal the independent reference's on the sampled prompts
+    """Every drafter's greedy outputs equal no drafter's on every checked prompt (all of
+    them in a greedy evaluation, the reference sample in a sampled one: speculative decoding
+    is lossless), every contestant's equal the independent reference's on the sampled prompts
     (the engine is right), and each drafter was measured (cycles > 0, finite τ). A failure means the
     measurement cannot be trusted, so nothing may be promoted on it. (Whether there were
     enough cycles for a decision is the gate's question, not this check's.)"""
-    prompts, sampled = report.heldout["prompts"], report.reference.get("prompts", 0)
+    prompts, sampled = report.checked_prompts, report.reference.get("prompts", 0)
     problems = []
     for name, c in sorted(report.contestants.items()):
         if c.outputs_match_baseline != prompts:
@@ -94,7 +95,7 @@ def evaluation_sound(report: AcceptanceReport) -> CheckOutcome:
         if stats.cycles == 0 or not math.isfinite(stats.tau):
             problems.append(f"{name}: τ {stats.tau:.3f} over {stats.cycles} cycles")
     text = "; ".join(problems) or (f"all {len(report.contestants)} contestants lossless on "
-                                   f"{prompts} prompts")
+                                   f"{prompts} prompts (greedy, token for token)")
     if not sampled:
         text += " (no cache-free reference: a report from before schema 2)"
     return CheckOutcome(not problems, text, {"prompts": prompts, "problems": len(problems),

@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,11 +55,16 @@ from pipeline.sampling import GREEDY, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class EvalRun(NamedTuple):
+@dataclass(frozen=True)
+class EvalRun:
     """What :func:`evaluate` returns; unpacks as ``stats, outputs = evaluate(...)``."""
 
     stats: AcceptanceStats
     outputs: list[list[int]]  # generated token ids per prompt (prefill token first)
+    per_prompt: list[tuple[int, int]]  # (emitted_tokens, cycles) per prompt, for intervals
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.stats, self.outputs))
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,7 @@ def evaluate(target: nn.Module, drafter: Eagle3Drafter | Drafter | None,
     runner = TargetRunner(target, proposer.aux_layer_ids if proposer is not None else ())
     stats = AcceptanceStats(params.num_steps if proposer is not None and params else 0)
     outputs: list[list[int]] = []
+    per_prompt: list[tuple[int, int]] = []
     modules = [m for m in (target, drafter) if isinstance(m, nn.Module)]
     with torch.inference_mode(), _eval_mode(modules):
         for i, prompt in enumerate(prompts):
@@ -105,11 +111,12 @@ def evaluate(target: nn.Module, drafter: Eagle3Drafter | Drafter | None,
                                 prompt_index=i)
             stats = stats.merge(one)
             outputs.append(out)
+            per_prompt.append((one.emitted_tokens, one.cycles))
     logger.info("speculative decoding (%s): %d prompts, %d cycles, tau=%.3f, alpha=%s, "
                 "draft %.2fs, verify %.2fs", sampler.label, stats.prompts, stats.cycles,
                 stats.tau,
                 [round(a, 3) for a in stats.alpha], stats.draft_seconds, stats.verify_seconds)
-    return EvalRun(stats, outputs)
+    return EvalRun(stats, outputs, per_prompt)
 
 
 def generate(runner: TargetRunner, drafter: Drafter | None, prompt: Sequence[int],

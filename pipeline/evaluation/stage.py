@@ -3,24 +3,32 @@
 ``run(storage, step, candidate, champion, config)`` loads the policy of RL step
 ``step`` (the target whose rollouts the drafters will serve), picks the held-out prompts of
 the candidate's training window (:func:`pipeline.capture.heldout.heldout_prompts`: prompts no
-drafter trained on), runs greedy speculative decoding with each drafter on the same prompts
-and settings, and publishes an :class:`AcceptanceReport` at ``evals/step=NNNNNN/`` (JSON,
-manifest last).
+drafter trained on), runs speculative decoding with each drafter on the same prompts,
+settings and sampler, and publishes an :class:`AcceptanceReport` at ``evals/step=NNNNNN/``
+(JSON, manifest last).
+
+The sampler is the regime the rollouts were generated in: the settings the newest rollout
+snapshot up to ``step`` records (:func:`newest_recorded_sampling`), with the run config's
+overrides; greedy when no snapshot records any. Under sampling each prompt draws from a
+generator seeded by ``config.seed`` and the prompt's index, the same for every contestant,
+and every τ comes with a bootstrap interval over prompts (:mod:`.confidence`).
 
 Invariants:
 
-- Same prompts, same settings, same target for every contestant; the report's
-  ``heldout_key`` and ``settings_key`` say so, and the promotion gate compares only reports
-  whose keys agree.
-- Lossless, checked twice: greedy speculative decoding must emit the no-drafter tokens, so
-  every contestant's outputs are compared with the baseline's; and on a sample of the
-  prompts (``reference_prompts``, the longest) every contestant, the baseline included, is
-  compared with an independent reference, the target's plain cache-free greedy loop
-  (:mod:`.reference`), which catches a bug the engine shares with itself. Mismatches are
-  counted (fp32 ties can flip an argmax; more than that is a bug) and
-  :func:`pipeline.checks.evaluation_sound` blocks promotion on any.
+- Same prompts, same settings, same sampler, same target for every contestant; the
+  report's ``heldout_key``, ``settings_key`` and ``sampler_key`` say so, and the promotion
+  gate compares only reports whose keys agree.
+- Lossless, checked twice, token for token, with greedy decoding (sampled tokens are
+  checked in distribution by the tests, not per run): every contestant's greedy outputs must
+  equal the no-drafter greedy outputs (on every prompt when the regime is greedy, on the
+  reference sample when it is sampled: ``lossless_prompts``), and on the reference sample
+  (``reference_prompts``, the longest) every contestant, the baseline included, must equal an
+  independent reference, the target's plain cache-free greedy loop (:mod:`.reference`),
+  which catches a bug the engine shares with itself. Mismatches are counted (fp32 ties can
+  flip an argmax; more than that is a bug) and :func:`pipeline.checks.evaluation_sound`
+  blocks promotion on any.
 - Idempotent: a committed report with the same input fingerprint (policy, drafters,
-  prompts, settings) is returned as is.
+  prompts, settings, sampler) is returned as is.
 """
 
 from __future__ import annotations
@@ -37,15 +45,27 @@ import torch
 from pipeline.capture.heldout import heldout_prompts
 from pipeline.contracts import Manifest
 from pipeline.eagle3.export import load_drafter
+from pipeline.eagle3.model import Eagle3Drafter
+from pipeline.eagle3.spec import SpecParams
+from pipeline.evaluation.confidence import tau_interval
 from pipeline.evaluation.config import EvalConfig
-from pipeline.evaluation.engine import evaluate
+from pipeline.evaluation.engine import EvalRun, evaluate
 from pipeline.evaluation.metrics import AcceptanceStats
 from pipeline.evaluation.reference import greedy_reference, reference_sample
 from pipeline.evaluation.target import TargetRunner
-from pipeline.layout import EVALS, eval_prefix, policy_prefix, steps_of
+from pipeline.layout import (
+    EVALS,
+    SNAPSHOTS,
+    committed_steps,
+    eval_prefix,
+    policy_prefix,
+    steps_of,
+)
 from pipeline.manifest import entry_for, read_manifest, withdraw_manifest, write_manifest
 from pipeline.records import from_dict, from_json, to_dict, to_json
+from pipeline.sampling import GREEDY, SamplingParams
 from pipeline.snapshot.policy import POLICY_KIND, load_policy_ref
+from pipeline.snapshot.stage import recorded_sampling
 from pipeline.storage import Storage
 from pipeline.training.stage import DRAFTER_KIND
 from pipeline.verified import committed, fetch, read_verified
@@ -53,9 +73,10 @@ from pipeline.verified import committed, fetch, read_verified
 log = logging.getLogger(__name__)
 
 EVAL_KIND = "acceptance_eval"
-REPORT_SCHEMA_VERSION = 2  # 2: the cache-free reference sample (reference, *_reference)
+REPORT_SCHEMA_VERSION = 3  # 2: the cache-free reference sample; 3: sampler, intervals
 REPORT_FILE = "report.json"
 NO_DRAFTER = "no_drafter"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class Contestant:
@@ -65,8 +86,10 @@ class Contestant:
     uri: str | None  # storage key of the drafter (None: no drafter)
     fingerprint: str | None  # the drafter manifest's fingerprint (None: no drafter)
     stats: dict[str, Any]  # AcceptanceStats.to_dict()
-    outputs_match_baseline: int  # prompts whose tokens equal the no-drafter tokens
-    outputs_match_reference: int = 0  # sampled prompts whose tokens equal the reference's
+    outputs_match_baseline: int  # lossless_prompts whose greedy tokens equal no drafter's
+    outputs_match_reference: int = 0  # reference prompts whose tokens equal the reference's
+    per_prompt: list[list[int]] = field(default_factory=list)  # (emitted, cycles) per prompt
+    tau_interval: list[float] = field(default_factory=list)  # [lo, hi] at report.confidence
 
     @property
     def acceptance(self) -> AcceptanceStats:
@@ -94,14 +117,40 @@ class AcceptanceReport:
     schema_version: int = REPORT_SCHEMA_VERSION
     prompt_keys: list[str] = field(default_factory=list)
     reference: dict[str, Any] = field(default_factory=dict)  # prompts, indices (sample)
+    sampler: dict[str, Any] = field(default_factory=lambda: GREEDY.to_dict())
+    sampler_source: str = "greedy (a report from before schema 3)"
+    sampler_key: str = ""
+    seed: int = 0
+    lossless_prompts: int | None = None  # None: every held-out prompt (before schema 3)
+    confidence: float = 0.95
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams.from_mapping(self.sampler)
+
+    @property
+    def regime(self) -> str:
+        """``greedy`` or the sampler's label, e.g. ``T=1 top_p=0.9``."""
+        return self.sampling.label
+
+    @property
+    def checked_prompts(self) -> int:
+        """Prompts each drafter's greedy tokens were compared with no drafter's on."""
+        return self.heldout["prompts"] if self.lossless_prompts is None \
+            else self.lossless_prompts
 
     def summary(self) -> dict[str, Any]:
-        """Flat numbers for metadata and logs: τ, α and lossless matches per contestant."""
-        out: dict[str, Any] = {"prompts": self.heldout["prompts"]}
+        """Flat numbers for metadata and logs: the regime, then τ (and its interval), α and
+        lossless matches per contestant."""
+        out: dict[str, Any] = {"prompts": self.heldout["prompts"], "regime": self.regime}
         for name, c in self.contestants.items():
             s = c.acceptance
             out[f"{name}_tau"] = s.tau
-            out[f"{name}_match"] = f"{c.outputs_match_baseline}/{self.heldout['prompts']}"
+            if c.tau_interval:
+                out[f"{name}_tau_interval"] = [round(x, 4) for x in c.tau_interval]
+            out[f"{name}_match"] = f"{c.outputs_match_baseline}/{self.checked_prompts}"
             out[f"{name}_reference_match"] = (f"{c.outputs_match_reference}/"
                                               f"{self.reference.get('prompts', 0)}")
             if name != NO_DRAFTER:
@@ -122,58 +171,132 @@ def run(storage: Storage, step: int, candidate: str,
     window = drafters["candidate"].meta["window_steps"]
     split, prompts = heldout_prompts(storage, window, config.max_prompts)
     policy = load_policy_ref(storage, step)
+    sampler, source = resolve_sampler(storage, step, config)
     heldout = {**to_dict(split), "window_steps": window, "prompts": len(prompts),
                "keys_sha256": _sha256([p.key for p in prompts])}
     fingerprint = _sha256({"step": step, "policy": policy.sha256, "heldout": heldout,
-                           "config": asdict(config), "drafters": {
-                               k: [m.meta.get("fingerprint"), _files_digest(m)]
-                               for k, m in drafters.items()}})
+                           "config": asdict(config), "sampler": sampler.to_dict(),
+                           "drafters": {k: [m.meta.get("fingerprint"), _files_digest(m)]
+                                        for k, m in drafters.items()}})
     existing = _committed(storage, step, fingerprint)
     if existing is not None:
         log.info("step %d: acceptance report already committed", step)
         return existing
 
-    target = _load_target(storage, step)
+    device, dtype = resolve_device(config.device), DTYPES[config.dtype]
+    target = _load_target(storage, step, device, dtype)
     params = config.spec_params(target.config.architectures)
     settings = {**asdict(params), "max_new_tokens": config.max_new_tokens}
-    eos = stop_token_ids(target)
     ids = [list(p.prompt_ids) for p in prompts]
     TargetRunner(target).check_length(max(map(len, ids)) + config.max_new_tokens
                                       + params.num_steps)  # refuse before any work
-    sample = reference_sample([len(p) for p in ids], config.reference_prompts)
-    reference = {i: greedy_reference(target, ids[i], config.max_new_tokens, eos)
-                 for i in sample}
-    base = evaluate(target, None, ids, None, max_new_tokens=config.max_new_tokens,
-                    eos_token_id=eos)
-    results = {NO_DRAFTER: Contestant(NO_DRAFTER, None, None, to_dict(base.stats),
-                                      len(ids), _matches(base.outputs, reference))}
+    log.info("step %d: measuring at %s (%s) on %d prompts, %s %s", step, sampler.label,
+             source, len(ids), device, config.dtype)
+    bench = _Bench(target, ids, params, config, sampler)
+    base = bench.measure(None)
+    results = {NO_DRAFTER: bench.contestant(NO_DRAFTER, None, None, base, base)}
     embed = target.get_input_embeddings().weight.detach()
     for name, prefix in (("candidate", candidate), ("champion", champion)):
         if prefix is None:
             continue
         local = fetch(storage, prefix, kind=DRAFTER_KIND, label="drafter")  # verified
-        drafter = load_drafter(local, embed, dtype=torch.float32)
-        run = evaluate(target, drafter, ids, params, max_new_tokens=config.max_new_tokens,
-                       eos_token_id=eos)
-        match = sum(a == b for a, b in zip(run.outputs, base.outputs, strict=True))
-        if match < len(ids):
-            log.warning("step %d: %s emitted other tokens than greedy decoding on %d of %d "
-                        "prompts", step, name, len(ids) - match, len(ids))
-        results[name] = Contestant(name, prefix,
-                                   drafters[name].meta.get("fingerprint"),
-                                   to_dict(run.stats), match, _matches(run.outputs, reference))
+        drafter = load_drafter(local, embed, dtype=dtype, device=device)
+        results[name] = bench.contestant(name, prefix, drafters[name].meta.get("fingerprint"),
+                                         bench.measure(drafter), base)
+    canonical = sampler.canonical().to_dict()
     report = AcceptanceReport(
         step=step, policy_uri=policy.key, policy_sha256=policy.sha256, heldout=heldout,
         settings=settings, heldout_key=heldout["keys_sha256"], settings_key=_sha256(settings),
         contestants=results, fingerprint=fingerprint, seconds=time.perf_counter() - started,
         prompt_keys=[p.key for p in prompts],
-        reference={"prompts": len(sample), "indices": sample})
+        reference={"prompts": len(bench.sample), "indices": bench.sample},
+        sampler=canonical, sampler_source=source, sampler_key=_sha256(canonical),
+        seed=config.seed, lossless_prompts=len(bench.checked), confidence=config.confidence,
+        device=str(device), dtype=config.dtype)
     _publish(storage, report)
     return report
 
 
-def _matches(outputs: list[list[int]], reference: dict[int, list[int]]) -> int:
-    """Sampled prompts whose outputs equal the independent reference's."""
+@dataclass(frozen=True)
+class _Measured:
+    run: EvalRun  # at the report's sampler
+    greedy: dict[int, list[int]]  # greedy outputs of the checked prompts, by prompt index
+
+
+class _Bench:
+    """Decodes every contestant the same way: the prompts at the sampler (same seeds), and
+    greedily the prompts of the token-for-token lossless check."""
+
+    def __init__(self, target: torch.nn.Module, ids: list[list[int]], params: SpecParams,
+                 config: EvalConfig, sampler: SamplingParams):
+        self.target, self.ids, self.params, self.config = target, ids, params, config
+        self.sampler, self.eos = sampler, stop_token_ids(target)
+        self.sample = reference_sample([len(p) for p in ids], config.reference_prompts)
+        self.reference = {i: greedy_reference(target, ids[i], config.max_new_tokens, self.eos)
+                          for i in self.sample}
+        self.checked = list(range(len(ids))) if sampler.greedy else self.sample
+
+    def measure(self, drafter: Eagle3Drafter | None) -> _Measured:
+        run = self._decode(drafter, self.ids, self.sampler)
+        if self.sampler.greedy:
+            return _Measured(run, dict(enumerate(run.outputs)))
+        greedy = self._decode(drafter, [self.ids[i] for i in self.checked], GREEDY)
+        return _Measured(run, dict(zip(self.checked, greedy.outputs, strict=True)))
+
+    def _decode(self, drafter: Eagle3Drafter | None, ids: list[list[int]],
+                sampler: SamplingParams) -> EvalRun:
+        return evaluate(self.target, drafter, ids, self.params if drafter is not None else None,
+                        max_new_tokens=self.config.max_new_tokens, eos_token_id=self.eos,
+                        sampler=sampler, seed=self.config.seed)
+
+    def contestant(self, name: str, prefix: str | None, fingerprint: str | None,
+                   measured: _Measured, base: _Measured) -> Contestant:
+        match = sum(measured.greedy[i] == base.greedy[i] for i in self.checked)
+        if match < len(self.checked):
+            log.warning("%s emitted other tokens than greedy decoding on %d of %d prompts",
+                        name, len(self.checked) - match, len(self.checked))
+        per_prompt = [list(c) for c in measured.run.per_prompt]
+        return Contestant(name, prefix, fingerprint, to_dict(measured.run.stats), match,
+                          _matches(measured.greedy, self.reference), per_prompt,
+                          list(tau_interval(per_prompt, self.config.confidence)))
+
+
+def resolve_sampler(storage: Storage, step: int, config: EvalConfig
+                    ) -> tuple[SamplingParams, str]:
+    """The sampler to measure at, and where it came from (for the report and the log)."""
+    recorded = newest_recorded_sampling(storage, step)
+    sampler = config.sampler(recorded[1] if recorded else None)
+    if recorded is None:
+        source = "no rollout snapshot up to this step records sampler settings: greedy"
+    else:
+        source = f"recorded by the rollout snapshot of step {recorded[0]}"
+    if config.overrides_sampler:
+        source += "; overridden by the run config"
+    return sampler, source
+
+
+def newest_recorded_sampling(storage: Storage, step: int
+                             ) -> tuple[int, SamplingParams] | None:
+    """The newest committed snapshot step <= ``step`` that records sampler settings."""
+    for s in sorted((s for s in committed_steps(storage.list(SNAPSHOTS), SNAPSHOTS)
+                     if s <= step), reverse=True):
+        found = recorded_sampling(storage, s)
+        if found is not None:
+            return s, found
+    return None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("evaluation device 'cuda' was asked for, but torch sees no CUDA "
+                           "device; use device 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def _matches(outputs: dict[int, list[int]], reference: dict[int, list[int]]) -> int:
+    """Reference prompts whose outputs equal the independent reference's."""
     differ = [i for i, tokens in reference.items() if outputs[i] != tokens]
     if differ:
         i = differ[0]
@@ -248,11 +371,13 @@ def stop_token_ids(model: torch.nn.Module) -> frozenset[int]:
     return frozenset(found)
 
 
-def _load_target(storage: Storage, step: int) -> torch.nn.Module:
+def _load_target(storage: Storage, step: int, device: torch.device, dtype: torch.dtype
+                 ) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     local = fetch(storage, policy_prefix(step), kind=POLICY_KIND, label="policy")  # verified
-    return AutoModelForCausalLM.from_pretrained(str(local), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(local), dtype=dtype)
+    return model.to(device).eval()
 
 
 def _files_digest(manifest: Manifest) -> str:

@@ -184,3 +184,28 @@ def test_the_stage_decodes_every_contestant_and_the_reference_to_the_stop_tokens
                                                       reference_prompts=2, **SETTINGS))
     assert len(seen) == 2 + 2  # baseline + candidate, two reference prompts
     assert all(given == wanted and given for given, wanted in seen)
+
+
+def test_a_sampled_evaluation_reports_its_regime_intervals_and_greedy_check(world, tmp_path):
+    storage, target = world
+    candidate = publish_drafter(storage, target, 2, seed=3, tmp=tmp_path)
+    champion = publish_drafter(storage, target, 1, seed=4, tmp=tmp_path)
+    config = EvalConfig(max_prompts=6, max_new_tokens=12, temperature=1.0, top_k=20, seed=5,
+                        reference_prompts=2, **SETTINGS)
+    report = stage.run(storage, 2, candidate, champion, config)
+
+    assert report.regime == "T=1 top_k=20" and report.seed == 5
+    assert "overridden by the run config" in report.sampler_source
+    assert report.sampler_key and report.sampler_key != stage.run(
+        storage, 2, candidate, champion, replace(config, temperature=0.5)).sampler_key
+    # the token-for-token check runs greedily on the reference sample only
+    assert report.lossless_prompts == report.reference["prompts"] == 2
+    for c in report.contestants.values():
+        s = c.acceptance
+        assert c.outputs_match_baseline == 2 and c.outputs_match_reference == 2
+        assert [sum(col) for col in zip(*c.per_prompt, strict=True)] == \
+            [s.emitted_tokens, s.cycles]
+        lo, hi = c.tau_interval
+        assert lo <= s.tau <= hi
+    assert report.contestants[NO_DRAFTER].tau_interval == [1.0, 1.0]
+    assert report.summary()["regime"] == "T=1 top_k=20"

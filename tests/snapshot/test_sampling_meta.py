@@ -67,3 +67,25 @@ def test_greedy_settings_fold_into_one_and_labels_read_well():
     assert SamplingParams.from_mapping({"temperature": 1, "top_k": None}).top_k == -1
     with pytest.raises(SamplingError, match="expected a mapping"):
         SamplingParams.from_mapping([1.0])
+
+
+def test_evaluation_takes_the_newest_recorded_sampler_and_the_run_configs_overrides(
+        storage, policy_dir):
+    from pipeline.evaluation.config import EvalConfig
+    from pipeline.evaluation.stage import resolve_sampler
+
+    writer = SnapshotWriter(storage)
+    for step, sampling in ((1, {"temperature": 0.6}), (2, {"temperature": 1.0, "top_p": 0.9}),
+                           (3, None), (4, {"temperature": 0.2})):
+        writer.write_step(step, [good_record(0, step)], policy_dir, step, sampling=sampling)
+        snapshot_stage.run(storage, step)
+
+    sampler, source = resolve_sampler(storage, 3, EvalConfig())
+    assert sampler == SamplingParams(1.0, top_p=0.9)  # step 3 recorded none; step 4 is later
+    assert source == "recorded by the rollout snapshot of step 2"
+    sampler, source = resolve_sampler(storage, 3, EvalConfig(top_p=0.5))
+    assert sampler == SamplingParams(1.0, top_p=0.5) and source.endswith("run config")
+    assert resolve_sampler(storage, 3, EvalConfig(temperature=0))[0].greedy
+    assert resolve_sampler(storage, 0, EvalConfig())[0] == GREEDY
+    with pytest.raises(SamplingError, match="sampling.top_p"):
+        EvalConfig(top_p=2.0)
