@@ -42,6 +42,21 @@ class EvalRunConfig(Config):
     champion: str = Field(default="serving", description="serving (the drafter serving now; "
                                                          "'registry' is the old name) | none "
                                                          "| a storage prefix")
+    temperature: float | None = Field(
+        default=None, description="sampler temperature (unset: what the newest rollout "
+                                  "snapshot records; 0: greedy)")
+    top_p: float | None = Field(default=None, description="sampler top_p (unset: recorded)")
+    top_k: int | None = Field(default=None, description="sampler top_k, -1 for all (unset: "
+                                                        "recorded)")
+    min_p: float | None = Field(default=None, description="sampler min_p (unset: recorded; "
+                                                          "SGLang's verification ignores it)")
+    seed: int = Field(default=_E.seed, description="seeds the draws of a sampled evaluation")
+    device: str = Field(default=_E.device, description="cpu | cuda | auto: where the target "
+                                                       "and drafters run")
+    dtype: str = Field(default=_E.dtype, description="float32 | bfloat16 (bf16: see README, "
+                                                     "lossless check tolerance)")
+    confidence: float = Field(default=_E.confidence,
+                              description="level of the bootstrap intervals of τ")
 
     def to_core(self, serving: ServingResource) -> EvalConfig:
         """Unset speculative settings are the ones the servers run (the serving resource)."""
@@ -50,7 +65,10 @@ class EvalRunConfig(Config):
             given = (serving.num_steps, serving.topk, serving.num_draft_tokens)
         return EvalConfig(max_prompts=self.max_prompts, max_new_tokens=self.max_new_tokens,
                           num_steps=given[0], eagle_topk=given[1], num_draft_tokens=given[2],
-                          reference_prompts=self.reference_prompts)
+                          reference_prompts=self.reference_prompts,
+                          temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                          min_p=self.min_p, seed=self.seed, device=self.device,
+                          dtype=self.dtype, confidence=self.confidence)
 
 
 @asset(partitions_def=refresh_steps, group_name="drafter", kinds={"pytorch"},
@@ -77,8 +95,8 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
         r = evaluation_stage.run(store, step, drafter_prefix(step), champion,
                                  config.to_core(serving))
     s = r.summary()
-    context.log.info(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items()
-                                                  if k.endswith("_tau")))
+    context.log.info(f"step {step} ({r.regime}): " + ", ".join(
+        f"{k} {v:.3f}" for k, v in s.items() if k.endswith("_tau")))
     alphas = {n: c.acceptance.alpha for n, c in r.contestants.items() if n != "no_drafter"}
     alpha_png = alpha_chart(alphas, f"step {step}: α per draft position")
     tau_png = tau_curve(evaluation_stage.tau_history(store),
@@ -87,6 +105,8 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
         **{k: _readable(v) for k, v in s.items()},
         "champion": champion_name(store, mlflow, champion),
         "settings": MetadataValue.json(r.settings),
+        "sampler": MetadataValue.json(r.sampler), "sampler_source": r.sampler_source,
+        "sampler_key": r.sampler_key, "seed": r.seed,
         "window_steps": MetadataValue.json(list(r.heldout["window_steps"])),
         "heldout_key": r.heldout_key, "settings_key": r.settings_key,
         "acceptance_per_position": MetadataValue.path(publish_chart(store, step, "alpha",

@@ -66,9 +66,13 @@ class GateConfig(Config):
                                      description="τ must beat the champion's by this share")
     min_cycles: int = Field(default=_G.min_cycles,
                             description="draft-verify cycles a measurement needs to count")
+    confidence: float | None = Field(
+        default=_G.confidence, description="the gain's bootstrap interval over prompts, at "
+                                           "this level, must lie above 0 (null: not checked)")
 
     def to_core(self) -> GatePolicy:
-        return GatePolicy(min_relative_gain=self.min_relative_gain, min_cycles=self.min_cycles)
+        return GatePolicy(min_relative_gain=self.min_relative_gain, min_cycles=self.min_cycles,
+                          confidence=self.confidence)
 
 
 @asset(partitions_def=refresh_steps, group_name="release", kinds={"mlflow"},

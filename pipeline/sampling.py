@@ -109,5 +109,10 @@ class SamplingParams:
             parts.append(f"min_p={self.min_p:g}")
         return " ".join(parts)
 
+    @property
+    def slug(self) -> str:
+        """The label as a metric-name part: ``greedy``, ``T1_top_p0.9``."""
+        return self.label.replace("=", "").replace(" ", "_")
+
 
 GREEDY = SamplingParams()

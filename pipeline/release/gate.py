@@ -9,22 +9,29 @@ Invariants:
 - Pure: the decision depends only on its arguments (no clock, no I/O, no randomness).
 - Promote iff ALL hold: the candidate passed format validation; every τ involved is a finite
   number ≥ 1 measured over at least ``policy.min_cycles`` cycles; the candidate and the
-  champion were measured on the SAME held-out prompt set and with the SAME speculative
-  settings (``heldout_key``, ``settings_key``; the no-drafter baseline has no speculative
-  settings, so only its held-out key is compared); and the candidate's τ beats the
-  baseline's by at least ``policy.min_relative_gain`` (relative) and strictly.
+  champion were measured on the SAME held-out prompt set, with the SAME speculative
+  settings and the SAME sampler (``heldout_key``, ``settings_key``, ``sampler_key``; the
+  no-drafter baseline has no speculative settings, so its held-out and sampler keys are
+  compared); the candidate's τ beats the baseline's by at least
+  ``policy.min_relative_gain`` (relative) and strictly; and, where both carry per-prompt
+  counts, the lower end of the ``policy.confidence`` bootstrap interval of that gain
+  (prompts resampled jointly, :mod:`pipeline.evaluation.confidence`) is above 0: a gain
+  the noise of sampled τ could explain is not a gain.
 - A candidate that IS the champion (same registry version) is not compared with itself:
   the verdict is ``already_champion``, nothing to promote and nothing to refuse.
 - Reasons always explain: a refusal lists every failed check (not only the first); a
   promotion states the gain and what was compared. Each reason starts with the name of its
   check (``format:``, ``measurement:``, ``heldout:``, ``settings:``, ``gain:``;
-  ``champion:`` for ``already_champion``).
+  ``sampler:``, ``confidence:``; ``champion:`` for ``already_champion``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from pipeline.evaluation.confidence import RESAMPLES, gain_interval
 
 GATE_SCHEMA_VERSION = 1
 DECISION_SCHEMA_VERSION = 2  # 2: verdict
@@ -41,8 +48,10 @@ class EvalSummary:
     """What the gate needs from one drafter's evaluation (or from the no-drafter baseline).
 
     ``settings_key`` hashes the speculative settings (num_steps, topk, num_draft_tokens,
-    max_new_tokens); ``heldout_key`` hashes the held-out prompt set. ``drafter_version`` is
-    the registry version that was measured (None for the no-drafter baseline or unknown).
+    max_new_tokens); ``heldout_key`` hashes the held-out prompt set; ``sampler_key`` the
+    sampler (temperature, top_p, top_k, min_p). ``drafter_version`` is the registry version
+    that was measured (None for the no-drafter baseline or unknown). ``per_prompt``:
+    (emitted_tokens, cycles) per held-out prompt, in prompt order (empty: unknown).
     """
 
     tau: float
@@ -52,12 +61,16 @@ class EvalSummary:
     settings_key: str
     heldout_key: str
     drafter_version: str | None = None
+    sampler_key: str = ""
+    per_prompt: tuple[tuple[int, int], ...] = ()
     schema_version: int = GATE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         if self.cycles < 0 or self.emitted_tokens < 0:
             raise ValueError("cycles and emitted_tokens must be >= 0")
         object.__setattr__(self, "alpha", tuple(float(a) for a in self.alpha))
+        object.__setattr__(self, "per_prompt", tuple(
+            (int(e), int(c)) for e, c in self.per_prompt))
 
 
 @dataclass(frozen=True)
@@ -80,12 +93,15 @@ class GatePolicy:
 
     min_relative_gain: float = 0.01  # candidate τ >= baseline τ · (1 + gain), and > baseline
     min_cycles: int = 200  # fewer draft-verify cycles is noise, not a measurement
+    confidence: float | None = 0.95  # the gain's interval must clear 0; None: not checked
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.min_relative_gain) and self.min_relative_gain >= 0):
             raise ValueError("min_relative_gain must be a finite number >= 0")
         if self.min_cycles < 1:
             raise ValueError("min_cycles must be >= 1")
+        if self.confidence is not None and not 0 < self.confidence < 1:
+            raise ValueError("confidence must be in (0, 1), or None")
 
 
 @dataclass(frozen=True)
@@ -103,6 +119,7 @@ class Decision:
     baseline_tau: float
     relative_gain: float  # candidate τ / baseline τ - 1 (NaN when not comparable)
     champion_version: str | None = None  # the champion the candidate was measured against
+    gain_interval: tuple[float, ...] = ()  # (lo, hi) at policy.confidence; () if unchecked
     policy: GatePolicy = field(default_factory=GatePolicy)
     verdict: str = ""
     schema_version: int = DECISION_SCHEMA_VERSION
@@ -145,27 +162,22 @@ def decide(candidate: Candidate, champion: EvalSummary | None,
             else "champion"
         baseline, base_tau = "champion", champion.tau
         failed += _measurement_problems(name, champion, policy)
-        for check, key in (("heldout", "heldout_key"), ("settings", "settings_key")):
-            theirs, ours = getattr(champion, key), getattr(cand, key)
-            if theirs != ours:
-                what = "held-out set" if check == "heldout" else "speculative settings"
-                failed.append(f"{check}: candidate and {name} were measured with different "
-                              f"{what} ({ours} vs {theirs}); τ is not comparable")
-        passed.append(f"heldout: same held-out set {cand.heldout_key} and settings "
-                      f"{cand.settings_key} as {name}")
+        failed += _key_problems(cand, champion, name, ("heldout", "settings", "sampler"))
+        passed.append(f"heldout: same held-out set {cand.heldout_key}, settings "
+                      f"{cand.settings_key} and sampler {cand.sampler_key or '-'} as {name}")
     else:
         name, baseline = "no drafter", "no-drafter"
         base_tau = NO_DRAFTER_TAU
         if no_drafter is not None:
             base_tau = no_drafter.tau
             failed += _measurement_problems("no-drafter baseline", no_drafter, policy)
-            if no_drafter.heldout_key != cand.heldout_key:
-                failed.append(f"heldout: candidate and the no-drafter baseline were measured "
-                              f"on different held-out sets ({cand.heldout_key} vs "
-                              f"{no_drafter.heldout_key}); τ is not comparable")
+            failed += _key_problems(cand, no_drafter, "the no-drafter baseline",
+                                    ("heldout", "sampler"))
         passed.append(f"heldout: no champion; compared with {name} (τ = {base_tau:.4g}) on "
                       f"held-out set {cand.heldout_key}")
 
+    interval = _confidence(cand, champion if champion is not None else no_drafter, name,
+                           policy, passed, failed)
     gain = cand.tau / base_tau - 1.0 if _finite(cand.tau) and _finite(base_tau) \
         and base_tau > 0 else math.nan
     need = policy.min_relative_gain
@@ -184,7 +196,47 @@ def decide(candidate: Candidate, champion: EvalSummary | None,
                     candidate_tau=float(cand.tau), baseline_tau=float(base_tau),
                     relative_gain=float(gain),
                     champion_version=champion.drafter_version if champion else None,
-                    policy=policy)
+                    policy=policy, gain_interval=interval)
+
+
+_KEYS = {"heldout": ("heldout_key", "held-out sets"),
+         "settings": ("settings_key", "speculative settings"),
+         "sampler": ("sampler_key", "samplers")}
+
+
+def _key_problems(cand: EvalSummary, other: EvalSummary, name: str, checks: Sequence[str]
+                  ) -> list[str]:
+    problems = []
+    for check in checks:
+        key, what = _KEYS[check]
+        ours, theirs = getattr(cand, key), getattr(other, key)
+        if ours != theirs:
+            problems.append(f"{check}: candidate and {name} were measured with different "
+                            f"{what} ({ours or '-'} vs {theirs or '-'}); τ is not comparable")
+    return problems
+
+
+def _confidence(cand: EvalSummary, base: EvalSummary | None, name: str, policy: GatePolicy,
+                passed: list[str], failed: list[str]) -> tuple[float, ...]:
+    """The gain's bootstrap interval must lie above 0 (module docstring)."""
+    if policy.confidence is None:
+        return ()
+    if base is None or not cand.per_prompt or len(cand.per_prompt) != len(base.per_prompt):
+        passed.append(f"confidence: no paired per-prompt counts for candidate and {name}; "
+                      "the gain's interval is not checked")
+        return ()
+    lo, hi = gain_interval(cand.per_prompt, base.per_prompt, policy.confidence, RESAMPLES)
+    level, prompts = f"{policy.confidence:.0%}", len(cand.per_prompt)
+    if not (_finite(lo) and _finite(hi)):
+        failed.append(f"confidence: no interval of the gain over {name} ({prompts} prompts)")
+    elif lo > 0:
+        passed.append(f"confidence: the {level} interval of the gain over {name}, "
+                      f"[{lo:+.2%}, {hi:+.2%}] over {prompts} prompts, lies above 0")
+    else:
+        failed.append(f"confidence: the {level} interval of the gain over {name}, "
+                      f"[{lo:+.2%}, {hi:+.2%}] over {prompts} prompts, reaches 0 or below: "
+                      "the gain may be noise (more prompts narrow it)")
+    return (lo, hi)
 
 
 def _already_champion(cand: EvalSummary, champion: EvalSummary, policy: GatePolicy

@@ -55,7 +55,8 @@ def run(storage: Storage, registry: DrafterRegistry, step: int, dagster_run_id: 
         manifest.meta, drafter_uri=prefix, policy_uri=report.policy_uri,
         tau=stats.tau, alpha=stats.alpha, dagster_run_id=dagster_run_id,
         heldout_key=report.heldout_key, settings_key=report.settings_key,
-        settings=report.settings, eval_fingerprint=report.fingerprint)
+        settings=report.settings, eval_fingerprint=report.fingerprint,
+        regime=report.regime, sampler_key=report.sampler_key)
     charts = []
     if chart is not None:
         png = chart({n: c.acceptance.alpha for n, c in report.contestants.items()
@@ -79,11 +80,17 @@ def read_refresh_report(storage: Storage, step: int) -> AcceptanceReport:
 
 
 def _eval_metrics(report: AcceptanceReport) -> dict[str, float]:
+    """τ, its interval and α per contestant, under the regime's name (``eval/greedy/...``,
+    ``eval/T1_top_p0.9/...``): greedy and sampled τ never share a chart."""
+    regime = report.sampling.slug
     out: dict[str, float] = {}
     for name, c in report.contestants.items():
         s = c.acceptance
-        out[f"eval/{name}_tau"] = s.tau
+        out[f"eval/{regime}/{name}_tau"] = s.tau
+        if c.tau_interval:
+            out[f"eval/{regime}/{name}_tau_lo"], out[f"eval/{regime}/{name}_tau_hi"] = \
+                c.tau_interval
         for k, a in enumerate(s.alpha):
             if not math.isnan(a):
-                out[f"eval/{name}_alpha_{k}"] = a
+                out[f"eval/{regime}/{name}_alpha_{k}"] = a
     return out

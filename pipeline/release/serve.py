@@ -59,4 +59,6 @@ def _summary(report: AcceptanceReport, c: Contestant, version: str | None) -> Ev
     s = c.acceptance
     return EvalSummary(tau=s.tau, cycles=s.cycles, emitted_tokens=s.emitted_tokens,
                        alpha=tuple(s.alpha), settings_key=report.settings_key,
-                       heldout_key=report.heldout_key, drafter_version=version)
+                       heldout_key=report.heldout_key, drafter_version=version,
+                       sampler_key=report.sampler_key,
+                       per_prompt=tuple(tuple(p) for p in c.per_prompt))

@@ -80,6 +80,11 @@ def test_run_config_defaults_mirror_the_stage_configs():
     core = EvalRunConfig().to_core(ServingResource())
     assert (core.max_prompts, core.max_new_tokens) == (EvalConfig().max_prompts,
                                                        EvalConfig().max_new_tokens)
+    changed = EvalConfig(max_prompts=3, max_new_tokens=9, num_steps=2, eagle_topk=1,
+                         num_draft_tokens=3, reference_prompts=2, temperature=0.7, top_p=0.9,
+                         top_k=5, min_p=0.1, seed=4, device="auto", dtype="bfloat16",
+                         confidence=0.9)
+    assert EvalRunConfig(**dataclasses.asdict(changed)).to_core(ServingResource()) == changed
     assert VocabRunConfig().draft_vocab_size == DEFAULT_DRAFT_VOCAB_SIZE
 
 

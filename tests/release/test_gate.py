@@ -138,7 +138,9 @@ def test_decide_is_pure(monkeypatch):
     imported = {n.module if isinstance(n, ast.ImportFrom) else a.name
                 for n in ast.walk(ast.parse(inspect.getsource(gate)))
                 if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}
-    assert imported <= {"__future__", "math", "dataclasses"}
+    # the gain's interval: a bootstrap with its own fixed seed (numpy, no I/O)
+    assert imported <= {"__future__", "math", "dataclasses", "collections.abc",
+                        "pipeline.evaluation.confidence"}
 
 
 def test_decision_json_round_trip():
@@ -185,3 +187,42 @@ def test_verdict_and_promote_agree():
         Decision(promote=True, verdict="already_champion", **fields)
     with pytest.raises(ValueError, match="verdict"):
         Decision(promote=False, verdict="maybe", **fields)
+
+
+def counted(taus: list[float], cycles: int = 20, **kwargs) -> EvalSummary:
+    """A summary with per-prompt counts: prompt i emitted ``taus[i] · cycles`` tokens."""
+    per_prompt = [(round(t * cycles), cycles) for t in taus]
+    emitted, total = sum(e for e, _ in per_prompt), cycles * len(taus)
+    return EvalSummary(tau=emitted / total, cycles=total, emitted_tokens=emitted, alpha=(0.5,),
+                       settings_key="S", heldout_key="H", per_prompt=per_prompt, **kwargs)
+
+
+def test_a_gain_inside_the_noise_is_refused_and_a_steady_one_promoted():
+    policy = GatePolicy(min_relative_gain=0.01, min_cycles=10)
+    champion = counted([2.0, 3.0, 1.5, 2.5, 2.0, 3.5, 1.5, 2.0], drafter_version="3")
+    # +5% on average, but half the prompts got worse: the interval reaches below 0
+    noisy = counted([2.6, 2.6, 1.2, 3.0, 1.7, 4.0, 1.3, 2.3])
+    decision = decide(Candidate(noisy, True), champion, None, policy)
+    assert decision.relative_gain > policy.min_relative_gain and not decision.promote
+    assert [r.split(":")[0] for r in decision.reasons] == ["confidence"]
+    lo, hi = decision.gain_interval
+    assert lo < 0 < hi and "may be noise" in decision.reasons[0]
+    # the same +5%, on every prompt
+    steady = counted([2.1, 3.15, 1.575, 2.625, 2.1, 3.675, 1.575, 2.1])
+    decision = decide(Candidate(steady, True), champion, None, policy)
+    assert decision.promote and decision.gain_interval[0] > 0
+    assert any(r.startswith("confidence: the 95% interval") for r in decision.reasons)
+    # no interval asked for: the margin alone decides
+    unchecked = GatePolicy(min_relative_gain=0.01, min_cycles=10, confidence=None)
+    assert decide(Candidate(noisy, True), champion, None, unchecked).promote
+
+
+def test_reports_of_other_samplers_are_not_compared():
+    policy = GatePolicy(min_relative_gain=0.01, min_cycles=10)
+    champion = counted([2.0] * 8, sampler_key="T=1", drafter_version="3")
+    candidate = counted([3.0] * 8, sampler_key="greedy")
+    decision = decide(Candidate(candidate, True), champion, None, policy)
+    assert not decision.promote and [r.split(":")[0] for r in decision.reasons] == ["sampler"]
+    no_drafter = counted([1.0] * 8, sampler_key="T=1")
+    decision = decide(Candidate(candidate, True), None, no_drafter, policy)
+    assert not decision.promote and "sampler" in decision.reasons[0]
