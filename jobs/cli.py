@@ -196,8 +196,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                 verbose=args.verbose)
     seconds = time.perf_counter() - t0
     _print_drift(report)
+    regimes = sorted({o.regime for o in outcomes}) or ["greedy"]
     print(f"\nRefreshes (every {policy.every} RL steps, each trained on the last "
-          f"{policy.window}; τ = tokens per draft-verify cycle on held-out prompts):")
+          f"{policy.window}; τ = tokens per draft-verify cycle on held-out prompts, "
+          f"{' / '.join(regimes)} as the rollouts were sampled):")
     bad = bad_refresh_step(world_config.num_steps, policy.every)
     notes = {f"step-{bad:06d}": "(the demo's deliberately bad refresh)"} if bad else {}
     print(refresh_table(outcomes, notes))

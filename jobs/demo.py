@@ -181,6 +181,7 @@ class RefreshOutcome:
     action: str
     champion_after: str
     reasons: list[str]
+    regime: str = "greedy"  # the sampler τ was measured at
 
 
 def refresh_outcomes(instance: DagsterInstance, partitions: list[str]) -> list[RefreshOutcome]:
@@ -215,7 +216,8 @@ def gate_outcome(instance: DagsterInstance, partition: str, run_id: str | None =
         champion_tau=evaluation.get("champion_tau"),
         no_drafter_tau=evaluation.get("no_drafter_tau"),
         action=str(serving["action"]), champion_after=str(serving["champion"]),
-        reasons=[line.removeprefix("- ") for line in str(serving["reasons"]).splitlines()])
+        reasons=[line.removeprefix("- ") for line in str(serving["reasons"]).splitlines()],
+        regime=str(evaluation.get("regime", "greedy")))
 
 
 def _of_run(events: list[tuple[str, dict]], run_id: str) -> dict:

@@ -41,9 +41,12 @@ def refresh_table(outcomes: list[RefreshOutcome], notes: dict[str, str] | None =
 
 
 def _main_reason(reasons: list[str]) -> str:
-    """The reason that decided: the τ comparison when there is one."""
-    gain = [r for r in reasons if r.startswith("gain:")]
-    return (gain or reasons or [""])[0]
+    """The reason that decided: the τ comparison when there is one, else the interval."""
+    for check in ("gain:", "confidence:"):
+        found = [r for r in reasons if r.startswith(check)]
+        if found:
+            return found[0]
+    return (reasons or [""])[0]
 
 
 def staleness_lines(outcomes: list[RefreshOutcome]) -> list[str]:
