@@ -21,6 +21,7 @@ one, so that two greedy runs compare equal whatever top-p they listed.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from collections.abc import Mapping
@@ -116,3 +117,10 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The seed of prompt ``index``'s draws in an evaluation seeded ``seed``: independent of
+    how prompts are grouped or which server decodes them (SGLang's ``sampling_seed``)."""
+    digest = hashlib.sha256(f"aerie-eval:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)

@@ -33,7 +33,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -50,7 +49,7 @@ from pipeline.evaluation.metrics import AcceptanceStats
 from pipeline.evaluation.sampling import first_token, judge
 from pipeline.evaluation.target import TargetRunner
 from pipeline.evaluation.tree import VerifyTree, draft_tree
-from pipeline.sampling import GREEDY, SamplingParams
+from pipeline.sampling import GREEDY, SamplingParams, prompt_seed
 
 logger = logging.getLogger(__name__)
 
@@ -177,12 +176,6 @@ def generate(runner: TargetRunner, drafter: Drafter | None, prompt: Sequence[int
             drafter.extend(torch.tensor(new), None if aux is None else aux[path])
             stats.draft_seconds += clock.lap()
         root = new[-1]
-
-
-def prompt_seed(seed: int, index: int) -> int:
-    """Prompt ``index``'s generator seed: independent of how prompts are grouped."""
-    digest = hashlib.sha256(f"aerie-eval:{seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def _truncate(tokens: list[int], eos: frozenset[int], budget: int) -> list[int]:

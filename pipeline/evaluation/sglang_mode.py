@@ -13,9 +13,18 @@ counts SGLang reports per finished request (SGLang 0.5.21–0.5.23, sources in d
 Steps of :func:`measure_server_acceptance`: read every server's ``/server_info`` (refuse a
 server that does not decode with an EAGLE-3 drafter, or whose settings differ from the
 others'); ``/flush_cache`` each (which also zeroes SGLang's ``avg_spec_accept_length``
-counters); send each prompt as its own greedy request (``temperature: 0``), round-robin over
-the URLs (a retry fails over to the next); validate every answer; sum the counts per server
-and overall; read ``/server_info`` again for the servers' own running average.
+counters); send each prompt as its own request at the evaluation's sampler (``temperature:
+0`` when greedy; else ``temperature``/``top_p``/``top_k``/``min_p`` and a per-prompt
+``sampling_seed``), round-robin over the URLs (a retry fails over to the next); validate
+every answer; sum the counts per server and overall; read ``/server_info`` again for the
+servers' own running average.
+
+Sampling on a real server (docs/speculative-sampling.md): SGLang verifies at temperature > 0
+with the same walk as the in-process engine and ignores ``min_p`` there too. Its
+verification coins follow ``sampling_seed`` only under ``--enable-deterministic-inference``
+and only in releases with PR #30822 (after 2026-07); elsewhere they come from the server's
+global RNG, so a sampled τ repeats only in distribution. Either way the per-prompt counts
+give the same bootstrap interval as the in-process report.
 
 Invariants:
 
@@ -40,7 +49,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from pipeline.capture.sglang_http import (
@@ -54,6 +63,7 @@ from pipeline.capture.sglang_http import (
     raise_for_status,
 )
 from pipeline.eagle3.spec import SpecParams
+from pipeline.sampling import GREEDY, SamplingParams, prompt_seed
 
 __all__ = ["SCHEMA_VERSION", "SPEC_FLAGS", "ServerAcceptance", "ServerAcceptanceError",
            "ServerCounts", "SpeculativeConfigError", "measure_server_acceptance",
@@ -62,7 +72,8 @@ __all__ = ["SCHEMA_VERSION", "SPEC_FLAGS", "ServerAcceptance", "ServerAcceptance
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: sampler, per_prompt
+READABLE_SCHEMA_VERSIONS = (1, 2)
 SPEC_FLAGS = ("--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR "
               "--speculative-num-steps N --speculative-eagle-topk K "
               "--speculative-num-draft-tokens D")
@@ -113,6 +124,8 @@ class ServerAcceptance:
     server_info_accept_length: float | None
     per_server: tuple[ServerCounts, ...]
     outputs: tuple[tuple[int, ...], ...] | None = None  # per prompt, with return_outputs
+    sampler: dict[str, Any] = field(default_factory=GREEDY.to_dict)  # what was asked for
+    per_prompt: tuple[tuple[int, int], ...] = ()  # (emitted by verify passes, verify passes)
 
     @property
     def accept_length(self) -> float:
@@ -137,7 +150,7 @@ class ServerAcceptance:
                 value = list(value)
             elif f.name == "per_server":
                 value = [{g.name: getattr(c, g.name) for g in fields(c)} for c in value]
-            elif f.name == "outputs" and value is not None:
+            elif f.name in ("outputs", "per_prompt") and value is not None:
                 value = [list(o) for o in value]
             out[f.name] = value
         out["accept_length"] = self.accept_length  # derived, for readers of the JSON
@@ -148,17 +161,18 @@ class ServerAcceptance:
     def from_dict(cls, raw: Mapping[str, Any]) -> ServerAcceptance:
         raw = dict(raw)
         version = raw.pop("schema_version", None)
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"server acceptance schema version {version!r}, expected "
-                             f"{SCHEMA_VERSION}")
+        if version not in READABLE_SCHEMA_VERSIONS:
+            raise ValueError(f"server acceptance schema version {version!r}, expected one of "
+                             f"{READABLE_SCHEMA_VERSIONS}")
         derived = {k: raw.pop(k, None) for k in ("accept_length", "tau")}
         unknown = set(raw) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown server acceptance fields {sorted(unknown)}")
         raw["urls"] = tuple(raw["urls"])
         raw["per_server"] = tuple(ServerCounts(**c) for c in raw["per_server"])
-        if raw.get("outputs") is not None:
-            raw["outputs"] = tuple(tuple(o) for o in raw["outputs"])
+        for name in ("outputs", "per_prompt"):
+            if raw.get(name) is not None:
+                raw[name] = tuple(tuple(o) for o in raw[name])
         out = cls(**raw)
         for name, value in derived.items():
             mine = getattr(out, name)
@@ -216,15 +230,18 @@ def measure_server_acceptance(urls: str | Sequence[str], prompts: Sequence[Seque
                               max_new_tokens: int, *, concurrency: int = 8,
                               timeout: float = 600.0, retries: int = 3,
                               backoff_s: float = 0.5, ignore_eos: bool = False,
-                              return_outputs: bool = False, api_key: str | None = None
+                              return_outputs: bool = False, api_key: str | None = None,
+                              sampler: SamplingParams = GREEDY, seed: int | None = 0
                               ) -> ServerAcceptance:
-    """Greedy-decode ``prompts`` on the servers at ``urls`` and sum their acceptance counts.
+    """Decode ``prompts`` on the servers at ``urls`` and sum their acceptance counts.
 
     ``urls``: ``http(s)://host:port`` (a string is read as a comma-separated list); prompts
     go round-robin over them. ``timeout``: seconds one request may take; ``retries``: extra
     attempts per request (also for ``/server_info`` and ``/flush_cache``). ``ignore_eos``
     is passed to SGLang (decode to ``max_new_tokens``). ``return_outputs`` keeps each prompt's
-    generated ids in the result. Raises :class:`SpeculativeConfigError` for servers without
+    generated ids in the result. ``sampler``: greedy by default; a sampled one sends prompt
+    i ``sampling_seed = prompt_seed(seed, i)`` (the in-process engine's seeds; None sends
+    no seed). Raises :class:`SpeculativeConfigError` for servers without
     EAGLE-3 decoding and :class:`ServerAcceptanceError` when a prompt fails for good.
     """
     urls = _clean_urls(urls)
@@ -250,24 +267,40 @@ def measure_server_acceptance(urls: str | Sequence[str], prompts: Sequence[Seque
         infos = on_each("server info", lambda url: _server_info(http, url))
         settings = _check_settings(urls, infos)
         on_each("cache flush", lambda url: _flush(http, url))
-        answers = _decode_all(http, urls, prompts, max_new_tokens, settings["num_steps"],
-                              ignore_eos, concurrency, policy, stats)
+        requests = [_sampling_params(sampler, seed, i, max_new_tokens, ignore_eos)
+                    for i in range(len(prompts))]
+        answers = _decode_all(http, urls, prompts, requests, max_new_tokens,
+                              settings["num_steps"], concurrency, policy, stats)
         after = on_each("server info", lambda url: _server_info(http, url))
     finally:
         http.close()
-    return _summarise(urls, settings, max_new_tokens, answers, after, return_outputs)
+    return _summarise(urls, settings, max_new_tokens, answers, after, return_outputs,
+                      sampler)
+
+
+def _sampling_params(sampler: SamplingParams, seed: int | None, index: int,
+                     max_new_tokens: int, ignore_eos: bool) -> dict[str, Any]:
+    """Prompt ``index``'s ``sampling_params``: SGLang's names, greedy as ``temperature 0``."""
+    out: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    if sampler.greedy:
+        out["temperature"] = 0
+    else:
+        out.update(sampler.to_dict())
+        if seed is not None:
+            out["sampling_seed"] = prompt_seed(seed, index)
+    if ignore_eos:
+        out["ignore_eos"] = True
+    return out
 
 
 def _decode_all(http: JsonHttp, urls: tuple[str, ...], prompts: list[list[int]],
-                max_new_tokens: int, num_steps: int, ignore_eos: bool, concurrency: int,
-                policy: RetryPolicy, stats: CallStats) -> list[tuple[str, _Answer]]:
+                requests: list[dict[str, Any]], max_new_tokens: int, num_steps: int,
+                concurrency: int, policy: RetryPolicy, stats: CallStats
+                ) -> list[tuple[str, _Answer]]:
     """(answering URL, answer) per prompt, in prompt order; the first failure is raised."""
-    sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": 0}
-    if ignore_eos:
-        sampling["ignore_eos"] = True
 
     def one(i: int) -> tuple[str, _Answer]:
-        payload = {"input_ids": prompts[i], "sampling_params": sampling}
+        payload = {"input_ids": prompts[i], "sampling_params": requests[i]}
 
         def attempt(url: str) -> tuple[str, _Answer]:
             body = http.post_json(url, "/generate", payload)
@@ -294,8 +327,8 @@ def _decode_all(http: JsonHttp, urls: tuple[str, ...], prompts: list[list[int]],
 
 
 def _summarise(urls: tuple[str, ...], settings: dict[str, Any], max_new_tokens: int,
-               answers: list[tuple[str, _Answer]], after: list[Any], return_outputs: bool
-               ) -> ServerAcceptance:
+               answers: list[tuple[str, _Answer]], after: list[Any], return_outputs: bool,
+               sampler: SamplingParams) -> ServerAcceptance:
     per_server = []
     for url, info in zip(urls, after, strict=True):
         mine = [a for u, a in answers if u == url]
@@ -318,10 +351,12 @@ def _summarise(urls: tuple[str, ...], settings: dict[str, Any], max_new_tokens: 
         requests=len(answers), completion_tokens=sum(a.completion_tokens for _, a in answers),
         spec_verify_ct=verify, stopped=sum(a.stopped for _, a in answers),
         server_info_accept_length=server_avg, per_server=tuple(per_server),
-        outputs=tuple(a.output_ids for _, a in answers) if return_outputs else None)
-    logger.info("SGLang acceptance over %d prompts on %d server(s): accept length %.4f "
-                "(tau %.4f), server avg_spec_accept_length %s", result.requests, len(urls),
-                result.accept_length, result.tau, server_avg)
+        outputs=tuple(a.output_ids for _, a in answers) if return_outputs else None,
+        sampler=sampler.canonical().to_dict(),
+        per_prompt=tuple((a.completion_tokens - 1, a.spec_verify_ct) for _, a in answers))
+    logger.info("SGLang acceptance (%s) over %d prompts on %d server(s): accept length %.4f "
+                "(tau %.4f), server avg_spec_accept_length %s", sampler.label, result.requests,
+                len(urls), result.accept_length, result.tau, server_avg)
     return result
 
 

@@ -28,6 +28,7 @@ from pipeline.evaluation.sglang_mode import (
     measure_server_acceptance,
     parse_spec_response,
 )
+from pipeline.sampling import SamplingParams
 from pipeline.vocab.mapping import build_vocab_mapping
 from tests.sglang_contract import fixtures
 from tests.sglang_contract.fixtures import HIDDEN, LAYERS, VOCAB, ContractServer
@@ -114,6 +115,7 @@ def world(tmp_path_factory):
         "chain": spec_flags(CHAIN, drafter_dir),
         "chain_b": spec_flags(CHAIN, drafter_dir),
         "tree": spec_flags(TREE, drafter_dir),
+        "tree_b": spec_flags(TREE, drafter_dir),
         "lagging": spec_flags(CHAIN, drafter_dir, interval=40),  # SGLang's default interval
         "plain": {"mode": "final"},
         "aux_capture": {"mode": "aux"},  # EAGLE3 algorithm, no draft model
@@ -146,6 +148,24 @@ def in_process(world: World, params: SpecParams) -> tuple[EvalRun, list[CycleTra
 
 
 # ---- equivalence with the in-process engine ----------------------------------------------
+
+
+def test_sampled_counts_equal_the_in_process_engine_at_the_same_seeds(world, servers):
+    """The client sends each prompt the engine's own seed as ``sampling_seed``: two servers
+    sampling at T=0.8 top-k 20 give the in-process engine's counts, prompt by prompt."""
+    sampler = SamplingParams(0.8, top_k=20)
+    got = measure_server_acceptance([world.url("tree"), world.url("tree_b")], world.prompts,
+                                    MAX_NEW, concurrency=3, return_outputs=True,
+                                    sampler=sampler, seed=11, **FAST)
+    run = evaluate(world.target, world.drafter, world.prompts, TREE, max_new_tokens=MAX_NEW,
+                   eos_token_id=world.eos, sampler=sampler, seed=11)
+    assert [list(o) for o in got.outputs] == run.outputs
+    assert run.outputs != in_process(world, TREE)[0].outputs  # sampled, not greedy
+    assert [tuple(p) for p in run.per_prompt] == list(got.per_prompt)
+    assert got.tau == run.stats.tau and got.sampler == sampler.to_dict()
+    again = measure_server_acceptance(world.url("tree"), world.prompts, MAX_NEW,
+                                      sampler=sampler, seed=12, **FAST)
+    assert again.per_prompt != got.per_prompt  # another seed, other draws
 
 
 @pytest.mark.parametrize(("name", "params"), [("chain", CHAIN), ("tree", TREE)])
@@ -300,9 +320,12 @@ def test_speculative_endpoint_speaks_sglangs_shapes(world, servers):
         "input_ids": world.prompts[:2], "sampling_params": {**greedy, "ignore_eos": True}})
     assert [o["output_ids"] for o in batched.json()] == [
         o[:6] for o in in_process(world, TREE)[0].outputs[:2]]
-    sampled = requests.post(f"{url}/generate", timeout=30, json={
+    sampled = requests.post(f"{url}/generate", timeout=30, json={  # SGLang's default: T=1
         "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}})
-    assert sampled.status_code == 400 and "temperature 0" in sampled.json()["error"]["message"]
+    assert sampled.status_code == 200 and sampled.json()["meta_info"]["completion_tokens"] == 4
+    bad = requests.post(f"{url}/generate", timeout=30, json={
+        "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4, "top_p": 0}})
+    assert bad.status_code == 400 and "sampling.top_p" in bad.json()["error"]["message"]
     info = requests.get(f"{url}/server_info", timeout=30).json()
     assert (info["speculative_algorithm"], info["speculative_num_steps"],
             info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == (
@@ -348,8 +371,11 @@ def test_server_acceptance_round_trips_through_json(world, servers):
     got = measure_server_acceptance(world.url("chain"), world.prompts[:3], MAX_NEW,
                                     return_outputs=True, **FAST)
     raw = json.loads(json.dumps(got.to_dict()))
-    assert raw["accept_length"] == got.accept_length and raw["schema_version"] == 1
+    assert raw["accept_length"] == got.accept_length and raw["schema_version"] == 2
     assert ServerAcceptance.from_dict(raw) == got
+    old = {k: v for k, v in raw.items() if k not in ("sampler", "per_prompt")}
+    assert ServerAcceptance.from_dict({**old, "schema_version": 1}).sampler == \
+        SamplingParams().to_dict()  # a schema-1 record was greedy
     with pytest.raises(ValueError, match="disagrees"):
         ServerAcceptance.from_dict({**raw, "spec_verify_ct": raw["spec_verify_ct"] + 1})
     with pytest.raises(ValueError, match="unknown"):

@@ -41,8 +41,10 @@ optionally all three of ``--speculative-num-steps/-eagle-topk/-num-draft-tokens`
 them: SGLang's auto choice, a chain's draft tokens adjusted to steps + 1, via
 ``SpecParams.resolve``): ``/generate`` decodes with Aerie's lossless EAGLE-3 engine
 (``pipeline.evaluation.engine.evaluate``) and the drafter ``load_drafter`` reads from DIR on
-the served model's embedding. Greedy only: a request whose ``sampling_params.temperature`` is
-not 0 (SGLang's default is 1.0) gets HTTP 400, as does ``return_hidden_states``. Decoding
+the served model's embedding. ``sampling_params`` as SGLang reads them: ``temperature``
+(default 1.0: sampled, as SGLang), ``top_p``, ``top_k``, ``min_p`` (bad values: HTTP 400);
+a sampled request draws from a generator seeded by its ``sampling_seed``, else from the
+server's own (SGLang's global RNG). ``return_hidden_states`` gets HTTP 400. Decoding
 stops at ``max_new_tokens``, at the model config's ``eos_token_id`` (unless
 ``ignore_eos``) and at ``stop_token_ids``. ``meta_info`` adds SGLang's speculative keys, only
 when the request reached a verify pass (as ``fill_spec_decoding_meta`` does):
@@ -91,8 +93,6 @@ NO_HIDDEN = ("The server is not configured to return the hidden states. "
 FAULT_KINDS = frozenset({"http500", "drop", "garbage", "slow", "short", "nan", "null",
                          "omit_hidden", "omit_spec", "short_output"})
 SPEC_ALGORITHM = "EAGLE3"
-GREEDY_ONLY = ("contract server: speculative decoding is served greedily only; send "
-               "sampling_params.temperature 0 (SGLang's default is 1.0)")
 
 
 @dataclass(frozen=True)
@@ -167,21 +167,27 @@ class SpecDecoder:
         self.params = SpecParams.resolve(
             config.speculative_num_steps, config.speculative_eagle_topk,
             config.speculative_num_draft_tokens, architecture=target.config.architectures)
-        self.drafter = load_drafter(config.speculative_draft_model_path,
-                                    target.get_input_embeddings())
+        from pipeline.evaluation.drafter import as_drafter
+
+        self.drafter = as_drafter(load_drafter(config.speculative_draft_model_path,
+                                               target.get_input_embeddings()).eval())
         eos = target.config.eos_token_id
         self.eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self.rng = torch.Generator().manual_seed(0)  # SGLang's global RNG (--random-seed)
 
-    def generate(self, ids: list[int], max_new: int, stop: frozenset[int]
-                 ) -> tuple[list[int], list[int]]:
+    def generate(self, ids: list[int], max_new: int, stop: frozenset[int],
+                 sampler: Any, seed: int | None) -> tuple[list[int], list[int]]:
         """(output ids, tokens emitted by each verify pass) of one prompt."""
-        from pipeline.evaluation.engine import CycleTrace, evaluate
+        from pipeline.evaluation.engine import CycleTrace, generate
+        from pipeline.evaluation.target import TargetRunner
 
         trace: list[CycleTrace] = []
-        with self.model.lock:
-            run = evaluate(self.model.model, self.drafter, [ids], self.params,
-                           max_new_tokens=max_new, eos_token_id=stop, trace=trace)
-        return run.outputs[0], [len(cycle.emitted) for cycle in trace]
+        with self.model.lock, torch.inference_mode():
+            rng = self.rng if seed is None else torch.Generator().manual_seed(seed)
+            runner = TargetRunner(self.model.model, self.drafter.aux_layer_ids)
+            out, _ = generate(runner, self.drafter, ids, self.params, max_new, stop,
+                              sampler=sampler, generator=rng, trace=trace)
+        return out, [len(cycle.emitted) for cycle in trace]
 
 
 @dataclass
@@ -459,9 +465,17 @@ class Handler(BaseHTTPRequestHandler):
                    max_new: int, want_hidden: bool, kind: str | None) -> None:
         spec, state = self.server.spec, self.server.state
         assert spec is not None
-        problem = (GREEDY_ONLY if params.get("temperature", 1.0) != 0 else
-                   "contract server: no hidden states with speculative decoding" if want_hidden
-                   else "max_new_tokens must be >= 1" if max_new < 1 else None)
+        from pipeline.sampling import FIELDS, SamplingError, SamplingParams
+
+        try:
+            sampler = SamplingParams.from_mapping(
+                {"temperature": 1.0} | {k: params[k] for k in FIELDS if k in params})
+        except SamplingError as e:
+            sampler, problem = None, str(e)
+        else:
+            problem = ("contract server: no hidden states with speculative decoding"
+                       if want_hidden else "max_new_tokens must be >= 1" if max_new < 1
+                       else None)
         if problem:
             self._send(400, {"error": {"message": problem}})
             return
@@ -471,7 +485,8 @@ class Handler(BaseHTTPRequestHandler):
         d = spec.params.num_draft_tokens
         outputs = []
         for n, ids in enumerate(batch):
-            out, per_verify = spec.generate(ids, max_new, stop)
+            out, per_verify = spec.generate(ids, max_new, stop, sampler,
+                                            params.get("sampling_seed"))
             with state.lock:
                 for emitted in per_verify:
                     state.spec.add_verify(emitted)
