@@ -38,3 +38,30 @@ def reference_sample(lengths: Sequence[int], k: int) -> list[int]:
     that reach furthest past a sliding window and exercise the cache the most."""
     ranked = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     return sorted(ranked[:k])
+
+
+# A divergence from the expected greedy tokens is a tie, not a bug, when the expected
+# token's logit beat the emitted one by at most this share of the top logit's magnitude
+# (at least 1) on the cache-free pass. fp32 is held exact. bf16 keeps 8 significant bits:
+# a logit is rounded to within 2^-9 of itself and every layer's hidden state is rounded too,
+# so two computation orders (a tree pass and a one-token pass) can reorder logits a few
+# units of 2^-8 apart; 2^-5 leaves room for that and still refuses a real difference.
+TIE_TOLERANCE = {"float32": 0.0, "bfloat16": 2.0 ** -5}
+
+
+@torch.inference_mode()
+def is_near_tie(model: nn.Module, prompt: Sequence[int], expected: Sequence[int],
+                got: Sequence[int], tolerance: float) -> bool:
+    """Whether ``got`` first leaves ``expected`` (both continuations of ``prompt``) at a
+    token the model ranks within ``tolerance`` (see :data:`TIE_TOLERANCE`) of the expected
+    one. Sequences that differ only in length (one stopped earlier) are never ties."""
+    if tolerance <= 0:
+        return False
+    at = next((t for t, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None)
+    if at is None:
+        return False
+    device = next(model.parameters()).device
+    ids = torch.tensor([[*prompt, *expected[:at]]], device=device)
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    gap = float(logits[expected[at]] - logits[got[at]])
+    return gap <= tolerance * max(1.0, float(logits.abs().max()))

@@ -51,7 +51,12 @@ from pipeline.evaluation.confidence import tau_interval
 from pipeline.evaluation.config import EvalConfig
 from pipeline.evaluation.engine import EvalRun, evaluate
 from pipeline.evaluation.metrics import AcceptanceStats
-from pipeline.evaluation.reference import greedy_reference, reference_sample
+from pipeline.evaluation.reference import (
+    TIE_TOLERANCE,
+    greedy_reference,
+    is_near_tie,
+    reference_sample,
+)
 from pipeline.evaluation.target import TargetRunner
 from pipeline.layout import (
     EVALS,
@@ -90,6 +95,7 @@ class Contestant:
     outputs_match_reference: int = 0  # reference prompts whose tokens equal the reference's
     per_prompt: list[list[int]] = field(default_factory=list)  # (emitted, cycles) per prompt
     tau_interval: list[float] = field(default_factory=list)  # [lo, hi] at report.confidence
+    ties: int = 0  # mismatches (either check) that diverged at a near-tie (bf16 only)
 
     @property
     def acceptance(self) -> AcceptanceStats:
@@ -251,14 +257,28 @@ class _Bench:
 
     def contestant(self, name: str, prefix: str | None, fingerprint: str | None,
                    measured: _Measured, base: _Measured) -> Contestant:
-        match = sum(measured.greedy[i] == base.greedy[i] for i in self.checked)
-        if match < len(self.checked):
+        expected = {i: base.greedy[i] for i in self.checked}
+        match, ties = self._compare(measured.greedy, expected)
+        if match + ties < len(self.checked):
             log.warning("%s emitted other tokens than greedy decoding on %d of %d prompts",
-                        name, len(self.checked) - match, len(self.checked))
+                        name, len(self.checked) - match - ties, len(self.checked))
+        ref_match, ref_ties = self._compare(measured.greedy, self.reference)
+        if ref_match + ref_ties < len(self.reference):
+            _log_reference_mismatch(measured.greedy, self.reference)
         per_prompt = [list(c) for c in measured.run.per_prompt]
         return Contestant(name, prefix, fingerprint, to_dict(measured.run.stats), match,
-                          _matches(measured.greedy, self.reference), per_prompt,
-                          list(tau_interval(per_prompt, self.config.confidence)))
+                          ref_match, per_prompt,
+                          list(tau_interval(per_prompt, self.config.confidence)),
+                          ties + ref_ties)
+
+    def _compare(self, outputs: dict[int, list[int]], expected: dict[int, list[int]]
+                 ) -> tuple[int, int]:
+        """(prompts equal to ``expected``, prompts that diverge at a near-tie)."""
+        tolerance = TIE_TOLERANCE[self.config.dtype]
+        differ = [i for i, tokens in expected.items() if outputs[i] != tokens]
+        ties = sum(is_near_tie(self.target, self.ids[i], expected[i], outputs[i], tolerance)
+                   for i in differ)
+        return len(expected) - len(differ), ties
 
 
 def resolve_sampler(storage: Storage, step: int, config: EvalConfig
@@ -295,18 +315,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _matches(outputs: dict[int, list[int]], reference: dict[int, list[int]]) -> int:
-    """Reference prompts whose outputs equal the independent reference's."""
+def _log_reference_mismatch(outputs: dict[int, list[int]], reference: dict[int, list[int]]
+                            ) -> None:
     differ = [i for i, tokens in reference.items() if outputs[i] != tokens]
-    if differ:
-        i = differ[0]
-        pairs = zip(outputs[i], reference[i], strict=False)  # one may stop earlier
-        at = next((t for t, (a, b) in enumerate(pairs) if a != b),
-                  min(len(outputs[i]), len(reference[i])))
-        log.warning("%d of %d sampled prompts differ from the cache-free greedy reference "
-                    "(first: prompt %d at generated token %d)", len(differ), len(reference),
-                    i, at)
-    return len(reference) - len(differ)
+    i = differ[0]
+    pairs = zip(outputs[i], reference[i], strict=False)  # one may stop earlier
+    at = next((t for t, (a, b) in enumerate(pairs) if a != b),
+              min(len(outputs[i]), len(reference[i])))
+    log.warning("%d of %d sampled prompts differ from the cache-free greedy reference "
+                "(first: prompt %d at generated token %d)", len(differ), len(reference), i, at)
 
 
 def read_report(storage: Storage, step: int) -> AcceptanceReport | None:

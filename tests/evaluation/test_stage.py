@@ -209,3 +209,35 @@ def test_a_sampled_evaluation_reports_its_regime_intervals_and_greedy_check(worl
         assert lo <= s.tau <= hi
     assert report.contestants[NO_DRAFTER].tau_interval == [1.0, 1.0]
     assert report.summary()["regime"] == "T=1 top_k=20"
+
+
+def test_bf16_evaluation_counts_near_ties_and_stays_sound(world, tmp_path):
+    from pipeline.checks import evaluation_sound
+
+    storage, target = world
+    candidate = publish_drafter(storage, target, 2, seed=6, tmp=tmp_path)
+    config = EvalConfig(max_prompts=6, max_new_tokens=12, dtype="bfloat16", **SETTINGS)
+    report = stage.run(storage, 2, candidate, None, config)
+    assert report.dtype == "bfloat16" and report.device == "cpu"
+    for c in report.contestants.values():
+        exact = c.outputs_match_baseline + c.outputs_match_reference
+        assert exact + c.ties == report.checked_prompts + report.reference["prompts"]
+    assert evaluation_sound(report).passed
+
+
+def test_a_near_tie_is_told_from_a_real_difference(world):
+    from pipeline.evaluation.reference import is_near_tie
+
+    _, target = world
+    prompt = [3, 5, 7]
+    with torch.inference_mode():
+        logits = target(input_ids=torch.tensor([prompt])).logits[0, -1]
+    first, second = torch.topk(logits, 2).indices.tolist()
+    last = int(logits.argmin())
+    scale = max(1.0, float(logits.abs().max()))
+    gap = float(logits[first] - logits[second]) / scale
+    assert is_near_tie(target, prompt, [first], [second], gap * 1.01)
+    assert not is_near_tie(target, prompt, [first], [second], gap * 0.99)
+    assert not is_near_tie(target, prompt, [first], [last], gap * 1.01)
+    assert not is_near_tie(target, prompt, [first], [second], 0.0)  # fp32: held exact
+    assert not is_near_tie(target, prompt, [first, 4], [first], 1.0)  # stopped earlier
