@@ -1,7 +1,8 @@
 """Benchmark: the drift curve. τ on every RL step's policy for three drafters.
 
     python bench/drift_curve.py [--storage DIR] [--work DIR] [--every 4] [--window 4]
-        [--prompts 32] [--max-new-tokens 160] [--spec 5,1,6] [--json out.json]
+        [--prompts 32] [--max-new-tokens 160] [--spec 5,1,6] [--temperatures 0,1]
+        [--seed 0] [--json out.json]
 
 Needs the demo world ingested (``aerie demo`` does it; default storage: the embedded
 default's). The storage is copied to ``--work`` first, so the user's state is never touched.
@@ -14,10 +15,13 @@ default's). The storage is copied to ``--work`` first, so the user's state is ne
 (c) scratch: trained from scratch on the newest window with 5× the epochs of one refresh
     (evaluated on the last step only, where it is the upper reference).
 
-Every drafter is evaluated with the same engine (greedy speculative decoding, SGLang-style
-EAGLE-3 drafting; ``--spec`` = num_steps,eagle_topk,num_draft_tokens) on the same held-out
+Every drafter is evaluated with the same engine (SGLang-style EAGLE-3 drafting and
+verification; ``--spec`` = num_steps,eagle_topk,num_draft_tokens) on the same held-out
 prompts: the distinct held-out prompts of all steps (prompts no drafter trained on), cut at
-``--prompts`` in key order. τ = tokens emitted per draft-verify cycle (bonus included).
+``--prompts`` in key order, once per regime of ``--temperatures``: 0 is greedy, above is
+speculative sampling at that temperature (the demo's RL samples at 1), every prompt seeded
+from ``--seed``. τ = tokens emitted per draft-verify cycle (bonus included), with its 95%
+bootstrap interval over prompts.
 
 Training and evaluation results are cached in ``--work`` (re-running resumes). Prints a
 markdown table and writes the τ curve PNG next to ``--json``.
@@ -52,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--spec", default="5,1,6", help="num_steps,eagle_topk,num_draft_tokens")
+    p.add_argument("--temperatures", default="0,1", help="regimes, 0 = greedy")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scratch-factor", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
@@ -97,8 +103,10 @@ def main(argv=None) -> int:
     from pipeline.eagle3.export import load_drafter
     from pipeline.eagle3.spec import SpecParams
     from pipeline.evaluation.charts import tau_curve
+    from pipeline.evaluation.confidence import tau_interval
     from pipeline.evaluation.engine import evaluate
     from pipeline.layout import policy_prefix
+    from pipeline.sampling import SamplingParams
     from pipeline.storage import Storage
     from resources.home import aerie_home
 
@@ -133,10 +141,11 @@ def main(argv=None) -> int:
         refreshed[s], _ = train(storage, s, args.window, config, "previous", work)
     train_s = time.perf_counter() - t0
 
-    # -- evaluation --------------------------------------------------------------------
+    # -- evaluation ----------------------------------------------------------------------
     split, prompts = heldout_prompts(storage, steps, args.prompts)
     ids = [list(p.prompt_ids) for p in prompts]
-    cache_path = work / f"eval-{args.spec}-{len(ids)}-{args.max_new_tokens}.json"
+    samplers = [SamplingParams(float(t)) for t in args.temperatures.split(",")]
+    cache_path = work / f"eval-{args.spec}-{len(ids)}-{args.max_new_tokens}-s{args.seed}.json"
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     with tempfile.TemporaryDirectory() as tmp:
         from transformers import AutoModelForCausalLM
@@ -146,52 +155,73 @@ def main(argv=None) -> int:
                                                  refreshed[max(r for r in refreshed if r <= s)])]
             if s == last:
                 todo.append(("scratch", scratch_storage, scratch))
-            if all(f"{s}/{n}" in cache and cache[f"{s}/{n}"]["fingerprint"] ==
-                   fingerprint(st, p) for n, st, p in todo):
+            todo = [(f"{s}/{n}/{sampler.slug}", sampler, st, p) for n, st, p in todo
+                    for sampler in samplers]
+            todo = [t for t in todo if t[0] not in cache
+                    or cache[t[0]]["fingerprint"] != fingerprint(t[2], t[3])]
+            if not todo:
                 continue
             local = storage.download_dir(policy_prefix(s), Path(tmp) / f"policy-{s}")
             target = AutoModelForCausalLM.from_pretrained(str(local), dtype=torch.float32)
             embed = target.get_input_embeddings().weight.detach()
-            for name, store, prefix in todo:
-                key = f"{s}/{name}"
-                if key in cache and cache[key]["fingerprint"] == fingerprint(store, prefix):
-                    continue
-                model = load_drafter(store.download_dir(prefix, Path(tmp) / f"{s}-{name}"),
-                                     embed, dtype=torch.float32)
+            for key, sampler, store, prefix in todo:
+                model = load_drafter(store.download_dir(prefix, Path(tmp) / key.replace(
+                    "/", "-")), embed, dtype=torch.float32)
                 run = evaluate(target, model, ids, params, max_new_tokens=args.max_new_tokens,
-                               eos_token_id=target.config.eos_token_id)
+                               eos_token_id=target.config.eos_token_id, sampler=sampler,
+                               seed=args.seed)
                 cache[key] = {"drafter": prefix, "fingerprint": fingerprint(store, prefix),
-                              **run.stats.summary()}
+                              "interval": tau_interval(run.per_prompt),
+                              "per_prompt": run.per_prompt, **run.stats.summary()}
                 cache_path.write_text(json.dumps(cache, indent=1))
-                log.info("step %d %-9s tau %.3f", s, name, run.stats.tau)
+                log.info("%s tau %.3f %s", key, run.stats.tau, cache[key]["interval"])
     eval_s = time.perf_counter() - t0 - train_s
 
     # -- report ------------------------------------------------------------------------
-    series = {name: {s: cache[f"{s}/{name}"]["tau"] for s in steps if f"{s}/{name}" in cache}
-              for name in ("stale", "refreshed", "scratch")}
-    print(f"\nτ per RL step (spec {params}, {len(ids)} held-out prompts, "
-          f"max_new_tokens {args.max_new_tokens}; refresh every {args.every}, "
-          f"window {args.window}):\n")
-    print("| RL step | (a) stale | (b) refreshed | (c) scratch 5× |\n|---|---|---|---|")
-    for s in steps:
-        c = series["scratch"].get(s)
-        print(f"| {s} | {series['stale'][s]:.3f} | {series['refreshed'][s]:.3f} | "
-              f"{'' if c is None else f'{c:.3f}'} |")
-    a, b, c = (series[n][last] for n in ("stale", "refreshed", "scratch"))
-    print(f"\nlast step {last}: (b)/(a) = {b / a:.3f}, (b)/(c) = {b / c:.3f}; "
-          f"training {train_s:.0f}s, evaluation {eval_s:.0f}s")
     out = {"spec": str(params), "prompts": len(ids), "max_new_tokens": args.max_new_tokens,
-           "every": args.every, "window": args.window, "series": series,
-           "refresh_steps": sorted(refreshed), "last": last, "b_over_a": b / a,
-           "b_over_c": b / c, "train_s": train_s, "eval_s": eval_s,
-           "heldout": to_dict(split), "evals": cache}
+           "every": args.every, "window": args.window, "seed": args.seed,
+           "refresh_steps": sorted(refreshed), "last": last, "train_s": train_s,
+           "eval_s": eval_s, "heldout": to_dict(split), "regimes": {}, "evals": cache}
+    for sampler in samplers:
+        series = {name: {s: cache[f"{s}/{name}/{sampler.slug}"] for s in steps
+                         if f"{s}/{name}/{sampler.slug}" in cache}
+                  for name in ("stale", "refreshed", "scratch")}
+        out["regimes"][sampler.label] = report(series, steps, last, sampler, params, ids, args)
+        if args.json:
+            png = tau_curve({label: {s: e["tau"] for s, e in series[name].items()}
+                             for name, label in LABELS.items()},
+                            title=f"τ on each RL step's policy ({sampler.label})",
+                            refresh_steps=sorted(refreshed))
+            args.json.with_name(f"{args.json.stem}-{sampler.slug}.png").write_bytes(png)
+    print(f"\ntraining {train_s:.0f}s, evaluation {eval_s:.0f}s")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
-        png = tau_curve({"(a) stale": series["stale"], "(b) refreshed": series["refreshed"],
-                         "(c) scratch 5×": series["scratch"]},
-                        title="τ on each RL step's policy", refresh_steps=sorted(refreshed))
-        args.json.with_suffix(".png").write_bytes(png)
     return 0
+
+
+LABELS = {"stale": "(a) stale", "refreshed": "(b) refreshed", "scratch": "(c) scratch 5×"}
+
+
+def report(series, steps, last, sampler, params, ids, args) -> dict:
+    """Print one regime's table (τ [95% interval]) and return its headline ratios."""
+    def cell(entry) -> str:
+        if entry is None:
+            return ""
+        lo, hi = entry["interval"]
+        return f"{entry['tau']:.3f} [{lo:.2f}, {hi:.2f}]"
+
+    print(f"\nτ per RL step, {sampler.label} (spec {params}, {len(ids)} held-out prompts, "
+          f"max_new_tokens {args.max_new_tokens}, seed {args.seed}; refresh every "
+          f"{args.every}, window {args.window}; [95% bootstrap interval over prompts]):\n")
+    print("| RL step | (a) stale | (b) refreshed | (c) scratch 5× |\n|---|---|---|---|")
+    for s in steps:
+        print(f"| {s} | {cell(series['stale'].get(s))} | {cell(series['refreshed'].get(s))} | "
+              f"{cell(series['scratch'].get(s))} |")
+    a, b, c = (series[n][last]["tau"] for n in ("stale", "refreshed", "scratch"))
+    print(f"\nlast step {last}, {sampler.label}: (b)/(a) = {b / a:.3f}, (b)/(c) = {b / c:.3f}")
+    return {"b_over_a": b / a, "b_over_c": b / c,
+            "series": {n: {s: e["tau"] for s, e in v.items()} for n, v in series.items()},
+            "alpha_last": {n: series[n][last]["alpha"] for n in series}}
 
 
 if __name__ == "__main__":

@@ -174,8 +174,9 @@ def _relative_drop(before: float | None, after: float | None) -> float | None:
 def serving_state(storage: Storage, name: str) -> ServingState | None:
     """What :func:`staleness` judges, read from storage: the serving record of ``name``, its
     drafter's manifest (``window_steps``, ``fingerprint``) and the acceptance reports from
-    the drafter's own refresh step on, newest first until one measured it (usually the
-    newest: every refresh measures the champion). None when nothing is served; ValueError
+    the drafter's own refresh step on, newest first until one measured it in the regime of
+    its promotion (usually the newest: every refresh measures the champion, at the
+    sampler the rollouts record). None when nothing is served; ValueError
     when the serving drafter cannot be read (outside this storage root, no manifest)."""
     from pipeline.evaluation.stage import read_report
 
@@ -193,23 +194,26 @@ def serving_state(storage: Storage, name: str) -> ServingState | None:
     fingerprint = drafter.meta.get("fingerprint") or record.target.fingerprint
     own_step = step_of_prefix(key, DRAFTERS)
 
-    def tau_in(step: int, names: Sequence[str]) -> float | None:
+    def tau_in(step: int, names: Sequence[str]) -> tuple[float, str] | None:
+        """(τ, sampler key) of the serving drafter in ``step``'s report, if it was measured."""
         report = read_report(storage, step)
-        found = [report.contestants[n].tau for n in names if report is not None
-                 and n in report.contestants and report.contestants[n].fingerprint == fingerprint]
+        found = [(report.contestants[n].tau, report.sampler_key) for n in names
+                 if report is not None and n in report.contestants
+                 and report.contestants[n].fingerprint == fingerprint]
         return found[0] if found else None
 
-    at_promotion = tau_in(own_step, ("candidate",)) if own_step is not None else None
+    promoted = tau_in(own_step, ("candidate",)) if own_step is not None else None
     last = last_step = None
     for step in reversed(steps_of(storage.list_dirs(EVALS))):
         if own_step is not None and step < own_step:
             break
-        last = tau_in(step, ("champion", "candidate"))
-        if last is not None:
-            last_step = step
+        measured = tau_in(step, ("champion", "candidate"))
+        # a τ of another regime (greedy vs sampled) is no drop or rise: look further back
+        if measured is not None and (promoted is None or measured[1] == promoted[1]):
+            last, last_step = measured[0], step
             break
     return ServingState(record.target.registry_version, key, max(drafter.meta["window_steps"]),
-                        at_promotion, last, last_step)
+                        promoted[0] if promoted else None, last, last_step)
 
 
 def serving_staleness(storage: Storage, name: str, newest_step: int | None, *,

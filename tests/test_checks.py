@@ -166,12 +166,13 @@ def _stats(*accepted: int) -> dict:
     return to_dict(stats)
 
 
-def _publish_report(store: Storage, step: int, contestants: dict[str, tuple[str, dict]]):
+def _publish_report(store: Storage, step: int, contestants: dict[str, tuple[str, dict]],
+                    sampler_key: str = "T=1"):
     report = AcceptanceReport(
         step=step, policy_uri="", policy_sha256="", heldout={"prompts": 1}, settings={},
         heldout_key="h", settings_key="s", fingerprint=f"report-{step}", seconds=0.0,
         contestants={n: Contestant(n, None, fp, stats, 1)
-                     for n, (fp, stats) in contestants.items()})
+                     for n, (fp, stats) in contestants.items()}, sampler_key=sampler_key)
     prefix = eval_prefix(step)
     written = store.write_bytes(f"{prefix}/{REPORT_FILE}", to_json(report).encode())
     write_manifest(store, prefix, Manifest(kind=EVAL_KIND, kind_version=1,
@@ -204,6 +205,17 @@ def test_serving_staleness_reads_the_window_and_the_taus_from_storage(store):
     stale = serving_staleness(store, name, 13, stale_after_steps=8, max_tau_drop=0.1)
     assert not stale.passed
     assert "9 RL steps past" in stale.description and "τ fell 20.0%" in stale.description
+
+
+def test_staleness_compares_taus_of_one_regime_only(store):
+    """A greedy report after a sampled promotion is neither a drop nor a rise: the newest
+    report of the promotion's regime is the last τ."""
+    name = _serve(store, 4, [1, 2, 3, 4], "fp-served")
+    _publish_report(store, 4, {"candidate": ("fp-served", _stats(2, 1))})  # τ 2.5, T=1
+    _publish_report(store, 8, {"champion": ("fp-served", _stats(1, 1))})  # τ 2.0, T=1
+    _publish_report(store, 12, {"champion": ("fp-served", _stats(3, 3))}, sampler_key="greedy")
+    outcome = serving_staleness(store, name, 12, stale_after_steps=8, max_tau_drop=0.5)
+    assert (outcome.metadata["last_tau"], outcome.metadata["last_tau_step"]) == (2.0, 8)
 
 
 def test_serving_staleness_without_a_readable_serving_drafter(store):

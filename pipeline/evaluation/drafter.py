@@ -13,8 +13,9 @@ The engine drives a drafter through one sequence at a time:
    ``(probs (F, k) fp32, target token ids (F, k))``, best first, ids distinct per row. A
    cycle's first call is ``frontier == [ROOT]``; later calls expand nodes of that cycle's tree.
 
-Nothing a drafter does changes what is emitted (verification is greedy and lossless); it only
-changes how many tokens each cycle emits.
+Nothing a drafter does changes what is emitted (verification is lossless: token for token
+when greedy, in distribution when sampled); it only changes how many tokens each cycle
+emits.
 """
 
 from __future__ import annotations
