@@ -76,9 +76,11 @@ class EvalRunConfig(Config):
        description="τ and α of the candidate, the serving champion and no drafter on held-out "
                    "prompts of the window; charts linked from the metadata. " + WINDOW_NOTE,
        check_specs=[spec("acceptance_eval", "acceptance_lossless",
-                         "every drafter's outputs equal greedy decoding on every held-out "
-                         "prompt and the cache-free reference on the sampled ones, and τ was "
-                         "measured; blocks registration and promotion",
+                         "every drafter's greedy outputs equal no drafter's on the checked "
+                         "prompts (all held-out prompts when greedy, the reference sample "
+                         "when sampled) and the cache-free reference's on the reference "
+                         "sample (bf16: near-ties counted), and τ was measured; blocks "
+                         "registration and promotion",
                          blocking=True)])
 def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
                     storage: StorageResource, mlflow: MlflowResource,
@@ -99,8 +101,8 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
         f"{k} {v:.3f}" for k, v in s.items() if k.endswith("_tau")))
     alphas = {n: c.acceptance.alpha for n, c in r.contestants.items() if n != "no_drafter"}
     alpha_png = alpha_chart(alphas, f"step {step}: α per draft position")
-    tau_png = tau_curve(evaluation_stage.tau_history(store),
-                        "τ of the candidate and champion at each refresh")
+    tau_png = tau_curve(evaluation_stage.tau_history(store, r.regime_key),
+                        f"τ of the candidate and champion at each refresh ({r.regime})")
     return MaterializeResult(metadata={
         **{k: _readable(v) for k, v in s.items()},
         "champion": champion_name(store, mlflow, champion),

@@ -55,7 +55,8 @@ def staleness_lines(outcomes: list[RefreshOutcome]) -> list[str]:
     promoted: dict[str, tuple[RefreshOutcome, list[str]]] = {}
     serving = None
     for o in outcomes:
-        if serving is not None and o.champion_tau is not None:
+        if serving is not None and o.champion_tau is not None \
+                and o.regime == promoted[serving][0].regime:  # τ of one regime only
             promoted[serving][1].append(f"{o.champion_tau:.2f} on steps {_steps(o.window)}")
         if o.action == "promoted":
             serving = o.version

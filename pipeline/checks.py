@@ -197,21 +197,27 @@ def serving_state(storage: Storage, name: str) -> ServingState | None:
     def tau_in(step: int, names: Sequence[str]) -> tuple[float, str] | None:
         """(τ, sampler key) of the serving drafter in ``step``'s report, if it was measured."""
         report = read_report(storage, step)
-        found = [(report.contestants[n].tau, report.sampler_key) for n in names
+        found = [(report.contestants[n].tau, report.regime_key) for n in names
                  if report is not None and n in report.contestants
                  and report.contestants[n].fingerprint == fingerprint]
         return found[0] if found else None
 
     promoted = tau_in(own_step, ("candidate",)) if own_step is not None else None
     last = last_step = None
+    other_regime = False
     for step in reversed(steps_of(storage.list_dirs(EVALS))):
         if own_step is not None and step < own_step:
             break
         measured = tau_in(step, ("champion", "candidate"))
-        # a τ of another regime (greedy vs sampled) is no drop or rise: look further back
-        if measured is not None and (promoted is None or measured[1] == promoted[1]):
-            last, last_step = measured[0], step
-            break
+        if measured is None:
+            continue
+        if promoted is not None and measured[1] != promoted[1]:
+            other_regime = True  # greedy vs sampled τ is no drop or rise: look further back
+            continue
+        if step == own_step and other_regime:
+            break  # measured since only in another regime: the drop cannot be judged
+        last, last_step = measured[0], step
+        break
     return ServingState(record.target.registry_version, key, max(drafter.meta["window_steps"]),
                         promoted[0] if promoted else None, last, last_step)
 

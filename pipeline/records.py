@@ -50,9 +50,10 @@ def from_dict(cls: type[T], raw: Any) -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     if "schema_version" in fields:
         expected = fields["schema_version"].default
-        if raw.get("schema_version") != expected:
+        readable = getattr(cls, "READABLE_SCHEMA_VERSIONS", (expected,))
+        if raw.get("schema_version") not in readable:
             raise RecordError(f"{cls.__name__} schema_version {raw.get('schema_version')!r} "
-                              f"is not supported (expected {expected})")
+                              f"is not supported (expected one of {list(readable)})")
     unknown = set(raw) - set(fields)
     if unknown:
         raise RecordError(f"{cls.__name__}: unknown keys {sorted(unknown)}")

@@ -56,7 +56,10 @@ class SamplingParams:
                     or not math.isfinite(value):
                 raise SamplingError(name, f"expected a finite number, got {value!r}")
             object.__setattr__(self, name, float(value))
-        top_k = -1 if self.top_k is None or self.top_k == 0 else self.top_k
+        top_k = self.top_k
+        if top_k is None or (isinstance(top_k, numbers.Integral)
+                             and not isinstance(top_k, bool) and top_k == 0):
+            top_k = -1
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) \
                 or not (top_k == -1 or top_k >= 1):
             raise SamplingError("top_k", f"expected an integer >= 1, or -1 (every token), "
@@ -72,8 +75,9 @@ class SamplingParams:
 
     @classmethod
     def from_mapping(cls, value: Mapping[str, Any] | SamplingParams) -> SamplingParams:
-        """Settings from a trainer or a JSON record; unknown keys are refused (a typo would
-        otherwise measure another regime); missing ones take the defaults above."""
+        """Settings from a trainer or a JSON record; ``temperature`` is required, unknown
+        keys are refused (a typo would otherwise measure another regime); the other missing
+        ones take the defaults above."""
         if isinstance(value, SamplingParams):
             return value
         if not isinstance(value, Mapping):
@@ -82,6 +86,9 @@ class SamplingParams:
         unknown = sorted(str(k) for k in value if k not in FIELDS)
         if unknown:
             raise SamplingError(unknown[0], f"unknown setting (known: {', '.join(FIELDS)})")
+        if value.get("temperature") is None:
+            raise SamplingError("temperature", "missing: say it (0 for greedy); SGLang and "
+                                               "vLLM default to 1.0, Aerie does not guess")
         given = {k: v for k, v in value.items() if v is not None}
         return cls(**given)
 

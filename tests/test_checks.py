@@ -3,7 +3,9 @@ input and fails, saying why, on the failure it exists to catch."""
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -22,7 +24,7 @@ from pipeline.evaluation.metrics import AcceptanceStats
 from pipeline.evaluation.stage import EVAL_KIND, REPORT_FILE, AcceptanceReport, Contestant
 from pipeline.layout import drafter_prefix, eval_prefix, shards_prefix
 from pipeline.manifest import entry_for, write_manifest
-from pipeline.records import to_dict, to_json
+from pipeline.records import RecordError, to_dict, to_json
 from pipeline.release.ledger import ServingLedger
 from pipeline.serving_now import ServingTarget
 from pipeline.storage import Storage
@@ -122,6 +124,38 @@ def test_evaluation_sound_fails_when_the_engine_agrees_with_itself_but_not_the_r
         outcome.description
 
 
+def test_evaluation_sound_counts_bf16_near_ties_but_not_a_real_mismatch_beside_one():
+    tied = _report({"candidate": 3, "no_drafter": 4}, reference={"candidate": 1})
+    tied = replace(tied, dtype="bfloat16", contestants={
+        **tied.contestants, "candidate": replace(tied.contestants["candidate"], ties=2)})
+    outcome = evaluation_sound(tied)
+    assert outcome.passed and "2 divergences at bfloat16 near-ties" in outcome.description
+    # one tie does not cover two mismatches: the reference one is real
+    one = replace(tied, contestants={
+        **tied.contestants, "candidate": replace(tied.contestants["candidate"], ties=1)})
+    outcome = evaluation_sound(one)
+    assert not outcome.passed and "1 diverged at bfloat16 near-ties" in outcome.description
+
+
+def test_reports_from_before_the_sampler_read_as_greedy_and_every_prompt_checked():
+    from pipeline.evaluation.stage import sampler_key
+    from pipeline.records import from_json
+    from pipeline.sampling import GREEDY
+
+    old = json.loads(to_json(_report({"candidate": 4, "no_drafter": 4})))
+    for name in ("sampler", "sampler_source", "sampler_key", "seed", "lossless_prompts",
+                 "confidence", "device", "dtype"):
+        old.pop(name)
+    for c in old["contestants"].values():
+        for name in ("per_prompt", "tau_interval", "ties"):
+            c.pop(name)
+    report = from_json(AcceptanceReport, json.dumps({**old, "schema_version": 2}))
+    assert report.regime == "greedy" and report.regime_key == sampler_key(GREEDY)
+    assert report.checked_prompts == 4 and evaluation_sound(report).passed
+    with pytest.raises(RecordError, match="schema_version 9"):
+        from_json(AcceptanceReport, json.dumps({**old, "schema_version": 9}))
+
+
 def test_evaluation_sound_fails_on_an_unmeasured_drafter():
     outcome = evaluation_sound(_report({"candidate": 4, "no_drafter": 4}, cycles=0))
     assert not outcome.passed and "0 cycles" in outcome.description
@@ -216,6 +250,14 @@ def test_staleness_compares_taus_of_one_regime_only(store):
     _publish_report(store, 12, {"champion": ("fp-served", _stats(3, 3))}, sampler_key="greedy")
     outcome = serving_staleness(store, name, 12, stale_after_steps=8, max_tau_drop=0.5)
     assert (outcome.metadata["last_tau"], outcome.metadata["last_tau_step"]) == (2.0, 8)
+
+
+def test_staleness_measured_since_only_in_another_regime_cannot_judge_a_drop(store):
+    name = _serve(store, 4, [1, 2, 3, 4], "fp-served")
+    _publish_report(store, 4, {"candidate": ("fp-served", _stats(2, 1))})  # τ 2.5, T=1
+    _publish_report(store, 8, {"champion": ("fp-served", _stats(0, 0))}, sampler_key="greedy")
+    outcome = serving_staleness(store, name, 8, stale_after_steps=8, max_tau_drop=0.1)
+    assert outcome.metadata.get("last_tau") is None and outcome.passed
 
 
 def test_serving_staleness_without_a_readable_serving_drafter(store):

@@ -47,10 +47,14 @@ class Verdict:
 
 def first_token(logits: torch.Tensor, sampler: SamplingParams,
                 generator: torch.Generator | None) -> int:
-    """The prefill's token from its (V,) logits: the argmax, or one draw."""
+    """The prefill's token from its (V,) logits: the argmax, or one draw. SGLang samples it
+    with its ordinary sampler, which applies min-p (verification does not)."""
     if sampler.greedy:
         return int(logits.argmax())
-    return draw(target_probs(logits[None], sampler)[0], uniforms(1, generator)[0])
+    probs = target_probs(logits[None], sampler)[0]  # (V,)
+    if sampler.min_p > 0:
+        probs = probs.masked_fill(probs < sampler.min_p * probs.max(), 0.0)
+    return draw(probs, uniforms(1, generator)[0])
 
 
 def judge(tree: VerifyTree, logits: torch.Tensor, sampler: SamplingParams,

@@ -24,7 +24,7 @@ with the same walk as the in-process engine and ignores ``min_p`` there too. Its
 verification coins follow ``sampling_seed`` only under ``--enable-deterministic-inference``
 and only in releases with PR #30822 (after 2026-07); elsewhere they come from the server's
 global RNG, so a sampled τ repeats only in distribution. Either way the per-prompt counts
-give the same bootstrap interval as the in-process report.
+give an interval computed as the in-process report's (other draws, the same method).
 
 Invariants:
 

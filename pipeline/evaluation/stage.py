@@ -38,7 +38,7 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -132,6 +132,14 @@ class AcceptanceReport:
     device: str = "cpu"
     dtype: str = "float32"
 
+    # older reports read with the defaults above: greedy, every prompt checked, fp32 on CPU
+    READABLE_SCHEMA_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, REPORT_SCHEMA_VERSION)
+
+    @property
+    def regime_key(self) -> str:
+        """``sampler_key``, also for reports from before schema 3 (greedy)."""
+        return self.sampler_key or sampler_key(self.sampling)
+
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams.from_mapping(self.sampler)
@@ -216,7 +224,7 @@ def run(storage: Storage, step: int, candidate: str,
         contestants=results, fingerprint=fingerprint, seconds=time.perf_counter() - started,
         prompt_keys=[p.key for p in prompts],
         reference={"prompts": len(bench.sample), "indices": bench.sample},
-        sampler=canonical, sampler_source=source, sampler_key=_sha256(canonical),
+        sampler=canonical, sampler_source=source, sampler_key=sampler_key(sampler),
         seed=config.seed, lossless_prompts=len(bench.checked), confidence=config.confidence,
         device=str(device), dtype=config.dtype)
     _publish(storage, report)
@@ -335,12 +343,19 @@ def read_report(storage: Storage, step: int) -> AcceptanceReport | None:
     return from_json(AcceptanceReport, read_verified(storage, prefix, manifest, REPORT_FILE))
 
 
-def tau_history(storage: Storage) -> dict[str, dict[int, float]]:
-    """τ per contestant per evaluated refresh step, from every committed report."""
+def sampler_key(sampler: SamplingParams) -> str:
+    """The regime's key: equal for equal samplers (every greedy one folded into one)."""
+    return _sha256(sampler.canonical().to_dict())
+
+
+def tau_history(storage: Storage, regime_key: str | None = None
+                ) -> dict[str, dict[int, float]]:
+    """τ per contestant per evaluated refresh step, from every committed report (of the
+    regime ``regime_key`` only, when given: greedy and sampled τ are not one curve)."""
     out: dict[str, dict[int, float]] = {}
     for step in steps_of(storage.list_dirs(EVALS)):
         report = read_report(storage, step)
-        if report is None:
+        if report is None or regime_key not in (None, report.regime_key):
             continue
         for name, c in report.contestants.items():
             out.setdefault(name, {})[report.step] = c.tau

@@ -221,9 +221,14 @@ def _confidence(cand: EvalSummary, base: EvalSummary | None, name: str, policy: 
     """The gain's bootstrap interval must lie above 0 (module docstring)."""
     if policy.confidence is None:
         return ()
-    if base is None or not cand.per_prompt or len(cand.per_prompt) != len(base.per_prompt):
-        passed.append(f"confidence: no paired per-prompt counts for candidate and {name}; "
-                      "the gain's interval is not checked")
+    if base is None or not cand.per_prompt or not base.per_prompt:
+        passed.append(f"confidence: no per-prompt counts for candidate and {name} (a "
+                      "report from before intervals); the gain's interval is not checked")
+        return ()
+    if len(cand.per_prompt) != len(base.per_prompt):
+        failed.append(f"confidence: candidate and {name} have counts of "
+                      f"{len(cand.per_prompt)} and {len(base.per_prompt)} prompts; they "
+                      "cannot be paired")
         return ()
     lo, hi = gain_interval(cand.per_prompt, base.per_prompt, policy.confidence, RESAMPLES)
     level, prompts = f"{policy.confidence:.0%}", len(cand.per_prompt)

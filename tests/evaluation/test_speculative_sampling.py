@@ -40,7 +40,7 @@ DRAFT_TABLE = TABLE + torch.randn(V, V, V, generator=torch.Generator().manual_se
 CHAIN = SpecParams(num_steps=2, eagle_topk=1, num_draft_tokens=3)
 TREE = SpecParams(num_steps=2, eagle_topk=2, num_draft_tokens=4)
 SAMPLERS = {"T=1": SamplingParams(1.0), "T=0.7 top_p=0.8": SamplingParams(0.7, top_p=0.8),
-            # min_p is recorded but, as in SGLang's verification, not applied
+            # min_p: applied to the prefill's token only, as SGLang
             "T=1.3 top_k=3 min_p=0.1": SamplingParams(1.3, top_k=3, min_p=0.1)}
 
 
@@ -91,10 +91,12 @@ class TableDrafter(_ContextDrafter):
         return top.values, top.indices
 
 
-def reference_distribution(sampler: SamplingParams, logits: torch.Tensor) -> list[float]:
-    """Plain sampling's next-token distribution as SGLang's speculative verification
-    defines it, written independently of the engine: temperature, then top-k and top-p on
-    a sorted list, each renormalised (min-p is not part of it)."""
+def reference_distribution(sampler: SamplingParams, logits: torch.Tensor,
+                           min_p: bool = False) -> list[float]:
+    """Plain sampling's next-token distribution as SGLang defines it, written independently
+    of the engine: temperature, then top-k and top-p on a sorted list, each renormalised;
+    min-p only for the prefill's token (``min_p``), which SGLang's ordinary sampler draws:
+    its speculative verification applies none."""
     probs = [math.exp(x / sampler.temperature) for x in logits.tolist()]
     ranked = sorted(range(V), key=lambda t: -probs[t])
     keep = set(ranked[:sampler.top_k] if sampler.top_k > 0 else ranked)
@@ -104,6 +106,9 @@ def reference_distribution(sampler: SamplingParams, logits: torch.Tensor) -> lis
         if t in keep and mass < sampler.top_p:
             kept.add(t)
             mass += probs[t] / total
+    if min_p:
+        top = max(probs[t] for t in kept)
+        kept = {t for t in kept if probs[t] >= sampler.min_p * top}
     total = sum(probs[t] for t in kept)
     return [probs[t] / total if t in kept else 0.0 for t in range(V)]
 
@@ -112,8 +117,8 @@ def exact_sequences(sampler: SamplingParams) -> dict[tuple[int, ...], float]:
     out = {}
     for seq in itertools.product(range(V), repeat=LENGTH):
         p, context = 1.0, list(PROMPT)
-        for token in seq:
-            p *= reference_distribution(sampler, logits_after(context))[token]
+        for i, token in enumerate(seq):
+            p *= reference_distribution(sampler, logits_after(context), min_p=i == 0)[token]
             context.append(token)
         out[seq] = p
     return out

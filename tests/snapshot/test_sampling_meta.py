@@ -37,6 +37,8 @@ def test_a_step_without_settings_records_none(storage, policy_dir):
     ({"temperature": float("nan")}, "sampling.temperature"),
     ({"temprature": 1.0}, "sampling.temprature"),
     ({"temperature": True}, "sampling.temperature"),
+    ({"top_p": 0.9}, "sampling.temperature"),  # engines default to 1.0; Aerie won't guess
+    ({"temperature": 1, "top_k": False}, "sampling.top_k"),
 ])
 def test_bad_settings_fail_the_step_before_anything_is_written(storage, policy_dir,
                                                                sampling, field):
