@@ -22,8 +22,9 @@ JSON records), :mod:`contracts` + :mod:`manifest` (dataset manifests), :mod:`ver
 (reading committed datasets, every byte checked against its manifest, and the local
 dataset cache), :mod:`parquet`,
 :mod:`serving_now` (the record of the drafter serving now: release writes it, training's
-warm start and evaluation's champion read it) and :mod:`eagle3` (the drafter model, TTT
-and the SGLang format, shared by training and evaluation).
+warm start and evaluation's champion read it), :mod:`eagle3` (the drafter model, TTT
+and the SGLang format, shared by training and evaluation) and :mod:`sampling` (the sampler
+settings a snapshot records and the evaluation decodes at).
 
 Data flows one way: a stage imports the foundation and earlier stages, never a later one;
 the foundation imports no stage. :mod:`checks` (quality checks over several stages) and
@@ -34,6 +35,6 @@ the foundation imports no stage. :mod:`checks` (quality checks over several stag
 
 STAGES = ("snapshot", "tokenize", "capture", "vocab", "training", "evaluation", "release")
 FOUNDATION = ("storage", "layout", "records", "contracts", "manifest", "verified", "parquet",
-              "serving_now", "eagle3")
+              "serving_now", "eagle3", "sampling")
 ON_TOP = ("checks", "demo")
 DEPRECATED = ("data", "serving")  # import paths of earlier releases, re-exported

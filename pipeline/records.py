@@ -52,8 +52,9 @@ def from_dict(cls: type[T], raw: Any) -> T:
         expected = fields["schema_version"].default
         readable = getattr(cls, "READABLE_SCHEMA_VERSIONS", (expected,))
         if raw.get("schema_version") not in readable:
+            wanted = expected if len(readable) == 1 else f"one of {list(readable)}"
             raise RecordError(f"{cls.__name__} schema_version {raw.get('schema_version')!r} "
-                              f"is not supported (expected one of {list(readable)})")
+                              f"is not supported (expected {wanted})")
     unknown = set(raw) - set(fields)
     if unknown:
         raise RecordError(f"{cls.__name__}: unknown keys {sorted(unknown)}")
