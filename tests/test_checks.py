@@ -138,7 +138,7 @@ def test_evaluation_sound_counts_bf16_near_ties_but_not_a_real_mismatch_beside_o
 
 
 def test_reports_from_before_the_sampler_read_as_greedy_and_every_prompt_checked():
-    from pipeline.evaluation.stage import sampler_key
+    from pipeline.evaluation.regime import sampler_key
     from pipeline.records import from_json
     from pipeline.sampling import GREEDY
 

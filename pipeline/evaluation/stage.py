@@ -8,7 +8,7 @@ settings and sampler, and publishes an :class:`AcceptanceReport` at ``evals/step
 (JSON, manifest last).
 
 The sampler is the regime the rollouts were generated in: the settings the newest rollout
-snapshot up to ``step`` records (:func:`newest_recorded_sampling`), with the run config's
+snapshot up to ``step`` records (:mod:`.regime`), with the run config's
 overrides; greedy when no snapshot records any. Under sampling each prompt draws from a
 generator seeded by ``config.seed`` and the prompt's index, the same for every contestant,
 and every τ comes with a bootstrap interval over prompts (:mod:`.confidence`).
@@ -57,20 +57,13 @@ from pipeline.evaluation.reference import (
     is_near_tie,
     reference_sample,
 )
+from pipeline.evaluation.regime import resolve_sampler, sampler_key
 from pipeline.evaluation.target import TargetRunner
-from pipeline.layout import (
-    EVALS,
-    SNAPSHOTS,
-    committed_steps,
-    eval_prefix,
-    policy_prefix,
-    steps_of,
-)
+from pipeline.layout import EVALS, eval_prefix, policy_prefix, steps_of
 from pipeline.manifest import entry_for, read_manifest, withdraw_manifest, write_manifest
 from pipeline.records import from_dict, from_json, to_dict, to_json
 from pipeline.sampling import GREEDY, SamplingParams
 from pipeline.snapshot.policy import POLICY_KIND, load_policy_ref
-from pipeline.snapshot.stage import recorded_sampling
 from pipeline.storage import Storage
 from pipeline.training.stage import DRAFTER_KIND
 from pipeline.verified import committed, fetch, read_verified
@@ -206,26 +199,26 @@ def run(storage: Storage, step: int, candidate: str,
                                       + params.num_steps)  # refuse before any work
     log.info("step %d: measuring at %s (%s) on %d prompts, %s %s", step, sampler.label,
              source, len(ids), device, config.dtype)
-    bench = _Bench(target, ids, params, config, sampler)
-    base = bench.measure(None)
-    results = {NO_DRAFTER: bench.contestant(NO_DRAFTER, None, None, base, base)}
+    contest = _Contest(target, ids, params, config, sampler)
+    base = contest.measure(None)
+    results = {NO_DRAFTER: contest.contestant(NO_DRAFTER, None, None, base, base)}
     embed = target.get_input_embeddings().weight.detach()
     for name, prefix in (("candidate", candidate), ("champion", champion)):
         if prefix is None:
             continue
         local = fetch(storage, prefix, kind=DRAFTER_KIND, label="drafter")  # verified
         drafter = load_drafter(local, embed, dtype=dtype, device=device)
-        results[name] = bench.contestant(name, prefix, drafters[name].meta.get("fingerprint"),
-                                         bench.measure(drafter), base)
+        results[name] = contest.contestant(name, prefix, drafters[name].meta.get("fingerprint"),
+                                         contest.measure(drafter), base)
     canonical = sampler.canonical().to_dict()
     report = AcceptanceReport(
         step=step, policy_uri=policy.key, policy_sha256=policy.sha256, heldout=heldout,
         settings=settings, heldout_key=heldout["keys_sha256"], settings_key=_sha256(settings),
         contestants=results, fingerprint=fingerprint, seconds=time.perf_counter() - started,
         prompt_keys=[p.key for p in prompts],
-        reference={"prompts": len(bench.sample), "indices": bench.sample},
+        reference={"prompts": len(contest.sample), "indices": contest.sample},
         sampler=canonical, sampler_source=source, sampler_key=sampler_key(sampler),
-        seed=config.seed, lossless_prompts=len(bench.checked), confidence=config.confidence,
+        seed=config.seed, lossless_prompts=len(contest.checked), confidence=config.confidence,
         device=str(device), dtype=config.dtype)
     _publish(storage, report)
     return report
@@ -237,7 +230,7 @@ class _Measured:
     greedy: dict[int, list[int]]  # greedy outputs of the checked prompts, by prompt index
 
 
-class _Bench:
+class _Contest:
     """Decodes every contestant the same way: the prompts at the sampler (same seeds), and
     greedily the prompts of the token-for-token lossless check."""
 
@@ -289,31 +282,6 @@ class _Bench:
         return len(expected) - len(differ), ties
 
 
-def resolve_sampler(storage: Storage, step: int, config: EvalConfig
-                    ) -> tuple[SamplingParams, str]:
-    """The sampler to measure at, and where it came from (for the report and the log)."""
-    recorded = newest_recorded_sampling(storage, step)
-    sampler = config.sampler(recorded[1] if recorded else None)
-    if recorded is None:
-        source = "no rollout snapshot up to this step records sampler settings: greedy"
-    else:
-        source = f"recorded by the rollout snapshot of step {recorded[0]}"
-    if config.overrides_sampler:
-        source += "; overridden by the run config"
-    return sampler, source
-
-
-def newest_recorded_sampling(storage: Storage, step: int
-                             ) -> tuple[int, SamplingParams] | None:
-    """The newest committed snapshot step <= ``step`` that records sampler settings."""
-    for s in sorted((s for s in committed_steps(storage.list(SNAPSHOTS), SNAPSHOTS)
-                     if s <= step), reverse=True):
-        found = recorded_sampling(storage, s)
-        if found is not None:
-            return s, found
-    return None
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -341,11 +309,6 @@ def read_report(storage: Storage, step: int) -> AcceptanceReport | None:
     if manifest is None or manifest.kind != EVAL_KIND:
         return None
     return from_json(AcceptanceReport, read_verified(storage, prefix, manifest, REPORT_FILE))
-
-
-def sampler_key(sampler: SamplingParams) -> str:
-    """The regime's key: equal for equal samplers (every greedy one folded into one)."""
-    return _sha256(sampler.canonical().to_dict())
 
 
 def tau_history(storage: Storage, regime_key: str | None = None

@@ -74,7 +74,7 @@ def test_greedy_settings_fold_into_one_and_labels_read_well():
 def test_evaluation_takes_the_newest_recorded_sampler_and_the_run_configs_overrides(
         storage, policy_dir):
     from pipeline.evaluation.config import EvalConfig
-    from pipeline.evaluation.stage import resolve_sampler
+    from pipeline.evaluation.regime import resolve_sampler
 
     writer = SnapshotWriter(storage)
     for step, sampling in ((1, {"temperature": 0.6}), (2, {"temperature": 1.0, "top_p": 0.9}),
