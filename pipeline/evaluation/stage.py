@@ -208,8 +208,9 @@ def run(storage: Storage, step: int, candidate: str,
             continue
         local = fetch(storage, prefix, kind=DRAFTER_KIND, label="drafter")  # verified
         drafter = load_drafter(local, embed, dtype=dtype, device=device)
-        results[name] = contest.contestant(name, prefix, drafters[name].meta.get("fingerprint"),
-                                         contest.measure(drafter), base)
+        fingerprint_of = drafters[name].meta.get("fingerprint")
+        results[name] = contest.contestant(name, prefix, fingerprint_of,
+                                           contest.measure(drafter), base)
     canonical = sampler.canonical().to_dict()
     report = AcceptanceReport(
         step=step, policy_uri=policy.key, policy_sha256=policy.sha256, heldout=heldout,
