@@ -197,7 +197,7 @@ def serving_state(storage: Storage, name: str) -> ServingState | None:
     def tau_in(step: int, names: Sequence[str]) -> tuple[float, str] | None:
         """(τ, sampler key) of the serving drafter in ``step``'s report, if it was measured."""
         report = read_report(storage, step)
-        found = [(report.contestants[n].tau, report.regime_key) for n in names
+        found = [(report.contestants[n].tau, report.sampler_key) for n in names
                  if report is not None and n in report.contestants
                  and report.contestants[n].fingerprint == fingerprint]
         return found[0] if found else None

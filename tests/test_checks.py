@@ -150,7 +150,7 @@ def test_reports_from_before_the_sampler_read_as_greedy_and_every_prompt_checked
         for name in ("per_prompt", "tau_interval", "ties"):
             c.pop(name)
     report = from_json(AcceptanceReport, json.dumps({**old, "schema_version": 2}))
-    assert report.regime == "greedy" and report.regime_key == sampler_key(GREEDY)
+    assert report.regime == "greedy" and report.sampler_key == sampler_key(GREEDY)
     assert report.checked_prompts == 4 and evaluation_sound(report).passed
     with pytest.raises(RecordError, match="schema_version 9"):
         from_json(AcceptanceReport, json.dumps({**old, "schema_version": 9}))

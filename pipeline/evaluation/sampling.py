@@ -9,7 +9,7 @@ single = _acc = 1.0``):
    logits / temperature, softmax, then top-k and top-p, each renormalised; SGLang's
    verification applies no min-p, so neither does this).
 2. From the root, with one uniform draw ``u`` per expanded node: walk the node's children
-   in order, summing ``q(child token)``; the first child whose running sum reaches ``u``
+   in order, summing ``q(child token)``; the first child whose running sum passes ``u``
    is accepted and the walk moves to it (a fresh ``u``). This is inverse-CDF sampling of
    ``q`` with the children listed first: a child is accepted with exactly its ``q``.
 3. If no child is accepted (or the node is a leaf), one more token is drawn from ``q`` at

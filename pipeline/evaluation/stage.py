@@ -116,9 +116,9 @@ class AcceptanceReport:
     schema_version: int = REPORT_SCHEMA_VERSION
     prompt_keys: list[str] = field(default_factory=list)
     reference: dict[str, Any] = field(default_factory=dict)  # prompts, indices (sample)
-    sampler: dict[str, Any] = field(default_factory=lambda: GREEDY.to_dict())
+    sampler: dict[str, Any] = field(default_factory=GREEDY.to_dict)
     sampler_source: str = "greedy (a report from before schema 3)"
-    sampler_key: str = ""
+    sampler_key: str = ""  # derived from ``sampler`` when empty (reports before schema 3)
     seed: int = 0
     lossless_prompts: int | None = None  # None: every held-out prompt (before schema 3)
     confidence: float = 0.95
@@ -128,10 +128,9 @@ class AcceptanceReport:
     # older reports read with the defaults above: greedy, every prompt checked, fp32 on CPU
     READABLE_SCHEMA_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, REPORT_SCHEMA_VERSION)
 
-    @property
-    def regime_key(self) -> str:
-        """``sampler_key``, also for reports from before schema 3 (greedy)."""
-        return self.sampler_key or sampler_key(self.sampling)
+    def __post_init__(self) -> None:
+        if not self.sampler_key:
+            object.__setattr__(self, "sampler_key", sampler_key(self.sampling))
 
     @property
     def sampling(self) -> SamplingParams:
@@ -211,14 +210,13 @@ def run(storage: Storage, step: int, candidate: str,
         fingerprint_of = drafters[name].meta.get("fingerprint")
         results[name] = contest.contestant(name, prefix, fingerprint_of,
                                            contest.measure(drafter), base)
-    canonical = sampler.canonical().to_dict()
     report = AcceptanceReport(
         step=step, policy_uri=policy.key, policy_sha256=policy.sha256, heldout=heldout,
         settings=settings, heldout_key=heldout["keys_sha256"], settings_key=_sha256(settings),
         contestants=results, fingerprint=fingerprint, seconds=time.perf_counter() - started,
         prompt_keys=[p.key for p in prompts],
         reference={"prompts": len(contest.sample), "indices": contest.sample},
-        sampler=canonical, sampler_source=source, sampler_key=sampler_key(sampler),
+        sampler=sampler.canonical().to_dict(), sampler_source=source,
         seed=config.seed, lossless_prompts=len(contest.checked), confidence=config.confidence,
         device=str(device), dtype=config.dtype)
     _publish(storage, report)
@@ -312,14 +310,14 @@ def read_report(storage: Storage, step: int) -> AcceptanceReport | None:
     return from_json(AcceptanceReport, read_verified(storage, prefix, manifest, REPORT_FILE))
 
 
-def tau_history(storage: Storage, regime_key: str | None = None
+def tau_history(storage: Storage, regime: str | None = None
                 ) -> dict[str, dict[int, float]]:
     """τ per contestant per evaluated refresh step, from every committed report (of the
-    regime ``regime_key`` only, when given: greedy and sampled τ are not one curve)."""
+    sampler key ``regime`` only, when given: greedy and sampled τ are not one curve)."""
     out: dict[str, dict[int, float]] = {}
     for step in steps_of(storage.list_dirs(EVALS)):
         report = read_report(storage, step)
-        if report is None or regime_key not in (None, report.regime_key):
+        if report is None or regime not in (None, report.sampler_key):
             continue
         for name, c in report.contestants.items():
             out.setdefault(name, {})[report.step] = c.tau

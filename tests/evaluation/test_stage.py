@@ -211,13 +211,20 @@ def test_a_sampled_evaluation_reports_its_regime_intervals_and_greedy_check(worl
     assert report.summary()["regime"] == "T=1 top_k=20"
 
 
-def test_bf16_evaluation_counts_near_ties_and_stays_sound(world, tmp_path):
+def test_bf16_evaluation_counts_near_ties_and_stays_sound(world, tmp_path, monkeypatch):
     from pipeline.checks import evaluation_sound
 
     storage, target = world
     candidate = publish_drafter(storage, target, 2, seed=6, tmp=tmp_path)
+    loaded = []  # the dtypes target and drafter really ran in
+    load_target, load_drafter = stage._load_target, stage.load_drafter
+    monkeypatch.setattr(stage, "_load_target", lambda *a: loaded.append(
+        next((m := load_target(*a)).parameters()).dtype) or m)
+    monkeypatch.setattr(stage, "load_drafter", lambda *a, **k: loaded.append(
+        next((m := load_drafter(*a, **k)).fc.parameters()).dtype) or m)
     config = EvalConfig(max_prompts=6, max_new_tokens=12, dtype="bfloat16", **SETTINGS)
     report = stage.run(storage, 2, candidate, None, config)
+    assert loaded == [torch.bfloat16, torch.bfloat16]
     assert report.dtype == "bfloat16" and report.device == "cpu"
     for c in report.contestants.values():
         exact = c.outputs_match_baseline + c.outputs_match_reference
@@ -241,3 +248,11 @@ def test_a_near_tie_is_told_from_a_real_difference(world):
     assert not is_near_tie(target, prompt, [first], [last], gap * 1.01)
     assert not is_near_tie(target, prompt, [first], [second], 0.0)  # fp32: held exact
     assert not is_near_tie(target, prompt, [first, 4], [first], 1.0)  # stopped earlier
+
+
+def test_a_cuda_evaluation_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="no CUDA device; use device 'cpu' or 'auto'"):
+        stage.resolve_device("cuda")
+    assert stage.resolve_device("auto") == torch.device("cpu")
