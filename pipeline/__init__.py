@@ -27,8 +27,9 @@ and the SGLang format, shared by training and evaluation) and :mod:`sampling` (t
 settings a snapshot records and the evaluation decodes at).
 
 Data flows one way: a stage imports the foundation and earlier stages, never a later one;
-the foundation imports no stage. :mod:`checks` (quality checks over several stages) and
-:mod:`demo` (the demo RL trainer) sit on top, with the deprecated aliases of
+the foundation imports no stage. :mod:`checks` (quality checks over several stages),
+:mod:`demo` (the demo RL trainer) and :mod:`adapters` (real RL trainers writing snapshots
+and reading the serving drafter back) sit on top, with the deprecated aliases of
 :data:`DEPRECATED` (old import paths users of earlier releases relied on).
 ``tests/test_architecture.py`` enforces this, and that nothing here imports ``dagster``.
 """
@@ -36,5 +37,5 @@ the foundation imports no stage. :mod:`checks` (quality checks over several stag
 STAGES = ("snapshot", "tokenize", "capture", "vocab", "training", "evaluation", "release")
 FOUNDATION = ("storage", "layout", "records", "contracts", "manifest", "verified", "parquet",
               "serving_now", "eagle3", "sampling")
-ON_TOP = ("checks", "demo")
+ON_TOP = ("checks", "demo", "adapters")
 DEPRECATED = ("data", "serving")  # import paths of earlier releases, re-exported

@@ -36,7 +36,7 @@ import stat
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -267,14 +267,18 @@ class Storage:
                 dst.write(chunk)
         return WrittenObject(key, dst.bytes, dst.hexdigest())
 
-    def upload_dir(self, local_dir: str | Path, prefix: str) -> list[WrittenObject]:
-        """Copy every file under ``local_dir`` to ``prefix/<relative path>``, sorted.
+    def upload_dir(self, local_dir: str | Path, prefix: str,
+                   keep: Callable[[str], bool] | None = None) -> list[WrittenObject]:
+        """Copy every file under ``local_dir`` to ``prefix/<relative path>``, sorted; with
+        ``keep``, only the files whose relative POSIX path it accepts.
 
         Refuses (before copying anything) a symbolic link whose target is outside
         ``local_dir``, and anything that is neither a regular file nor a directory.
         """
         local_dir = Path(local_dir)
         files = _regular_files(local_dir)
+        if keep is not None:
+            files = [p for p in files if keep(p.relative_to(local_dir).as_posix())]
         return [self.upload_file(p, f"{prefix}/{p.relative_to(local_dir).as_posix()}")
                 for p in files]
 

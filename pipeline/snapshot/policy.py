@@ -1,8 +1,10 @@
 """Policy checkpoints in storage: the HF directory that generated a step's rollouts.
 
 A checkpoint is copied file by file (each atomic) to ``policies/step=NNNNNN/`` and committed
-by a manifest. Its identity is a content hash over (path, sha256) of its files, and its
-tokenizer is fingerprinted by the tokenizer definition and the chat template, so that a
+by a manifest; a trainer's own state beside the weights (HF Trainer's ``optimizer.pt``,
+``rng_state*.pth``, DeepSpeed's ``global_step*/`` shards) is left behind. Its identity is a
+content hash over (path, sha256) of its files, and its tokenizer is fingerprinted by the
+tokenizer definition and the chat template (wherever the checkpoint keeps it), so that a
 later stage can tell whether two snapshots were tokenized the same way.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +25,18 @@ from pipeline.storage import Storage
 POLICY_KIND = "policy_checkpoint"
 POLICY_KIND_VERSIONS = (1,)  # what load_policy_ref reads
 _MAX_VOCAB = 2**31  # token ids are int32
-_TOKENIZER_FILES = ("tokenizer.json", "chat_template.jinja")
+_TOKENIZER_FILE = "tokenizer.json"
+_TEMPLATE_FILE = "chat_template.jinja"
+# what a training framework keeps beside the weights to resume, never part of the policy
+_TRAINER_STATE = re.compile(r"(optimizer|scheduler|rng_state)[^/]*\.(pt|pth|bin)"
+                            r"|trainer_state\.json|training_args\.bin|global_step[^/]*/.*"
+                            r"|latest|zero_to_fp32\.py")
+
+
+def is_policy_file(path: str) -> bool:
+    """Whether ``path`` (relative, POSIX) in a checkpoint dir belongs to the policy rather
+    than to the trainer's resume state."""
+    return _TRAINER_STATE.fullmatch(path) is None
 
 
 @dataclass(frozen=True)
@@ -45,13 +59,15 @@ def content_hash(entries: list[FileEntry] | tuple[FileEntry, ...]) -> str:
 
 
 def tokenizer_fingerprint(files: dict[str, bytes]) -> str:
-    """sha256 over the tokenizer definition and the chat template, whichever file holds it."""
+    """sha256 over the tokenizer definition and the chat template, whichever file holds it
+    (``chat_template.jinja`` wins over ``tokenizer_config.json``, as transformers loads it),
+    so that one template saved either way fingerprints the same."""
     sha = hashlib.sha256()
-    for name in _TOKENIZER_FILES:
-        if name in files:
-            sha.update(name.encode() + b"\0" + files[name])
-    config = json.loads(files.get("tokenizer_config.json", b"{}"))
-    sha.update(b"chat_template\0" + json.dumps(config.get("chat_template")).encode())
+    if _TOKENIZER_FILE in files:
+        sha.update(_TOKENIZER_FILE.encode() + b"\0" + files[_TOKENIZER_FILE])
+    template = files[_TEMPLATE_FILE].decode() if _TEMPLATE_FILE in files else \
+        json.loads(files.get("tokenizer_config.json", b"{}")).get("chat_template")
+    sha.update(b"chat_template\0" + json.dumps(template).encode())
     return sha.hexdigest()
 
 
@@ -61,10 +77,11 @@ def publish_policy(storage: Storage, step: int, policy_dir: Path) -> PolicyRef:
     if not (policy_dir / "config.json").is_file():
         raise FileNotFoundError(f"{policy_dir}: not an HF checkpoint (no config.json)")
     prefix = policy_prefix(step)
-    written = storage.upload_dir(policy_dir, prefix)
+    written = storage.upload_dir(policy_dir, prefix, keep=is_policy_file)
     entries = tuple(entry_for(prefix, w) for w in written)
     small = {name: (policy_dir / name).read_bytes()
-             for name in ("config.json", "tokenizer_config.json", *_TOKENIZER_FILES)
+             for name in ("config.json", "tokenizer_config.json", _TOKENIZER_FILE,
+                          _TEMPLATE_FILE)
              if (policy_dir / name).is_file()}
     ref = _ref(storage, prefix, entries, small)
     write_manifest(storage, prefix, Manifest(

@@ -1,0 +1,53 @@
+"""Which checkpoint directory holds the policy that generated a step's rollouts.
+
+RL trainers save the policy every few steps into numbered directories (TRL
+``checkpoint-{N}``, verl ``global_step_{N}``); the policy after ``N`` updates generated the
+rollouts of version ``N``. :func:`policy_checkpoint` finds that directory, or the newest
+one saved before it, or the initial policy, and says which version it is, so the snapshot
+records the checkpoint it really publishes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class PolicyCheckpoint:
+    """An HF checkpoint directory and the number of policy updates behind it."""
+
+    path: Path
+    version: int
+
+
+def policy_checkpoint(root: Path, pattern: str, version: int,
+                      initial: Path | None) -> PolicyCheckpoint:
+    """The checkpoint of ``version`` under ``root`` (``pattern`` with one ``{N}``, a path
+    relative to ``root`` such as ``checkpoint-{N}`` or ``global_step_{N}/actor/huggingface``)
+    or, when that one was not saved, the newest saved before it; version 0 or nothing saved
+    yet is ``initial``. A directory counts once it holds ``config.json``.
+
+    ``FileNotFoundError`` when nothing fits (no saved checkpoint and no ``initial``).
+    """
+    head, _, tail = pattern.partition("{N}")
+    if not _ or "{N}" in tail:
+        raise ValueError(f"checkpoint pattern {pattern!r} needs exactly one {{N}}")
+    shape = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail))
+    best: PolicyCheckpoint | None = None
+    for path in Path(root).glob(pattern.replace("{N}", "*")) if version > 0 else ():
+        m = shape.fullmatch(path.relative_to(root).as_posix())
+        if m is None or not (path / "config.json").is_file():
+            continue
+        n = int(m.group(1))
+        if n <= version and (best is None or n > best.version):
+            best = PolicyCheckpoint(path, n)
+    if best is not None:
+        return best
+    if initial is None or not (Path(initial) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no policy checkpoint for version {version}: nothing matching {pattern!r} with "
+            f"N <= {version} under {root}, and no initial policy dir with a config.json "
+            f"({initial})")
+    return PolicyCheckpoint(Path(initial), 0)
