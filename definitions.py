@@ -10,10 +10,12 @@ from assets.shards import hidden_state_shards
 from assets.snapshots import rollout_snapshot
 from assets.tokenized import tokenized_rollouts
 from jobs.drafter import drafter_refresh
+from jobs.ingest import dump_sensor, ingest_dumps
 from jobs.refresh import drafter_refresh_schedule, refresh_sensor
 from jobs.release import promote_drafter_manually, rollback_drafter
 from jobs.snapshots import ingest_step, snapshot_sensor
 from resources.capture import CaptureResource
+from resources.ingest import ingest_from_env
 from resources.mlflow import mlflow_from_env
 from resources.refresh import refresh_policy_from_env
 from resources.serving import ServingResource
@@ -35,10 +37,12 @@ def _conventions(spec):
 
 defs = Definitions(
     assets=[a.map_asset_specs(_conventions) for a in FLOW],
-    jobs=[ingest_step, drafter_refresh, promote_drafter_manually, rollback_drafter],
-    sensors=[snapshot_sensor, refresh_sensor],
+    jobs=[ingest_step, drafter_refresh, promote_drafter_manually, rollback_drafter,
+          ingest_dumps],
+    sensors=[snapshot_sensor, refresh_sensor, dump_sensor],
     schedules=[drafter_refresh_schedule],
     resources={"storage": storage_from_env(), "capture": CaptureResource(),
                "trainer": TrainerResource(), "mlflow": mlflow_from_env(),
-               "serving": ServingResource(), "refresh": refresh_policy_from_env()},
+               "serving": ServingResource(), "refresh": refresh_policy_from_env(),
+               "ingest": ingest_from_env()},
 )

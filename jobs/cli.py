@@ -5,8 +5,10 @@ writing one snapshot per RL step through the writer API) and Aerie's refresh loo
 persistent sqlite Dagster instance under ``$AERIE_HOME/dagster``: after every step it ticks
 the snapshot sensor and the refresh sensor as the daemon would and runs what they request
 (:mod:`jobs.demo`), so the drafter is refreshed every N steps and the gate decides each
-refresh. ``aerie status`` says what serves now; ``aerie promote`` and ``aerie rollback`` run
-the override and rollback jobs; ``aerie ui`` opens the Dagster UI on the same instance.
+refresh. ``aerie ingest`` writes an RL framework's dump directory as snapshots
+(:mod:`jobs.ingest`). ``aerie status`` says what serves now; ``aerie promote`` and
+``aerie rollback`` run the override and rollback jobs; ``aerie ui`` opens the Dagster UI
+on the same instance.
 """
 
 import argparse
@@ -270,6 +272,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from jobs.ingest import follow
+    from resources.ingest import IngestResource
+    from resources.storage import storage_from_environment
+
+    settings = IngestResource(
+        framework=args.framework, directory=str(args.directory),
+        initial_policy=str(args.initial_policy), checkpoints=str(args.checkpoints or ""),
+        pattern=args.pattern or "", sampling=args.sampling or "", settle_s=args.settle,
+        allow_multi_turn_text=args.allow_multi_turn_text)
+    reports = follow(settings, storage_from_environment(), poll_s=args.poll,
+                     passes=None if args.follow else 1)
+    return 0 if not any(r["files_quarantined"] for r in reports) else 3
+
+
 def _run_release_job(job_name: str, op: str, config: dict, args) -> int:
     """Run ``job_name`` (the override or the rollback job) on the instance, recorded like a
     run launched from the UI, and print what serves afterwards."""
@@ -339,6 +356,28 @@ def parser() -> argparse.ArgumentParser:
     promote.add_argument("--reason", required=True, help="why the gate is overridden")
     promote.add_argument("--actor", default=who, help=f"who decides (default: {who})")
     promote.set_defaults(func=cmd_promote)
+    from pipeline.adapters.readers import FRAMEWORKS
+
+    ingest = sub.add_parser("ingest", help="write an RL framework's dump directory as rollout "
+                                           "snapshots (one pass, or --follow)")
+    ingest.add_argument("framework", choices=sorted(FRAMEWORKS))
+    ingest.add_argument("directory", type=Path, help="the framework's dump directory")
+    ingest.add_argument("--initial-policy", type=Path, required=True,
+                        help="HF dir of the policy before RL (version 0, and the tokenizer)")
+    ingest.add_argument("--checkpoints", type=Path,
+                        help="root of the framework's HF checkpoints")
+    ingest.add_argument("--pattern", help="checkpoint dir under the root with {N}, e.g. "
+                                          "'global_step_{N}/actor/huggingface'")
+    ingest.add_argument("--sampling", help='the rollout sampler as JSON, e.g. '
+                                           '\'{"temperature": 1.0}\'')
+    ingest.add_argument("--settle", type=float, default=60.0,
+                        help="seconds the newest file must be unchanged to count as complete")
+    ingest.add_argument("--allow-multi-turn-text", action="store_true",
+                        help="keep multi-turn text records (no tool-token mask) instead of "
+                             "quarantining them")
+    ingest.add_argument("--follow", action="store_true", help="keep polling the directory")
+    ingest.add_argument("--poll", type=float, default=30.0, help="seconds between passes")
+    ingest.set_defaults(func=cmd_ingest)
     rollback = sub.add_parser("rollback", help="restore the previous champion (recorded)")
     rollback.add_argument("--reason", default="rollback", help="why")
     rollback.add_argument("--actor", default=who, help=f"who rolls back (default: {who})")

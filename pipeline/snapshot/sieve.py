@@ -77,6 +77,16 @@ class SnapshotSummary:
     policy_uri: str = ""  # storage key of the policy checkpoint
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A record its adapter refuses (e.g. multi-turn text without token masks): handed to
+    the writer in its place, it is quarantined with this field and reason like any other."""
+
+    record: Mapping[str, Any]
+    field: str
+    reason: str
+
+
 class Sieve:
     """Validates records one by one, remembering ids (duplicates) and rejections."""
 

@@ -7,7 +7,8 @@ sensor waits for. The step's sampler settings (:class:`~pipeline.sampling.Sampli
 temperature, top_p, top_k, min_p), when the trainer passes them, go into the manifest's
 ``sampling`` meta: the evaluation measures acceptance at them.
 
-A bad record never fails a step: it is quarantined with its field and reason. What fails a
+A bad record never fails a step: it is quarantined with its field and reason (so is a
+:class:`~.sieve.Refused` record, one its adapter refuses). What fails a
 step is the step's own arguments (a :class:`~.sieve.StepArgumentError`, raised before
 anything is written) or a ``records`` iterable that raises (a
 :class:`~.sieve.SnapshotError`; the step stays uncommitted).
@@ -36,6 +37,7 @@ from pipeline.snapshot.schema import (
 )
 from pipeline.snapshot.sieve import (
     RAW_KIND,
+    Refused,
     Sieve,
     SnapshotError,
     SnapshotSummary,
@@ -84,6 +86,9 @@ class SnapshotWriter:
 
         def accepted() -> Iterator[dict[str, Any]]:
             for row, raw in _rows(records, step):
+                if isinstance(raw, Refused):
+                    sieve.reject(raw.record, "adapter", row, raw.field, raw.reason)
+                    continue
                 rec = sieve.check(raw, "writer input", row, defaults)
                 if rec is not None:
                     yield rec
