@@ -51,7 +51,7 @@ def ingest_dumps():
 
 @sensor(job=ingest_dumps, minimum_interval_seconds=30,
         default_status=DefaultSensorStatus.STOPPED,
-        description="Every 30 s: requests ingest_dumps when the configured dump directory "
+        description="Every 30 s: runs ingest_dumps when the configured dump directory "
                     "holds a step whose snapshot is not committed yet.")
 def dump_sensor(context: SensorEvaluationContext, storage: StorageResource,
                 ingest: IngestResource):

@@ -22,12 +22,14 @@ class PolicyCheckpoint:
     version: int
 
 
-def policy_checkpoint(root: Path, pattern: str, version: int,
-                      initial: Path | None) -> PolicyCheckpoint:
+def policy_checkpoint(root: Path, pattern: str, version: int, initial: Path | None,
+                      shift: int = 0) -> PolicyCheckpoint:
     """The checkpoint of ``version`` under ``root`` (``pattern`` with one ``{N}``, a path
     relative to ``root`` such as ``checkpoint-{N}`` or ``global_step_{N}/actor/huggingface``)
     or, when that one was not saved, the newest saved before it; version 0 or nothing saved
-    yet is ``initial``. A directory counts once it holds ``config.json``.
+    yet is ``initial``. A directory counts once it holds ``config.json``. ``shift``: the
+    number in a directory's name is its version plus ``shift`` (slime names the policy
+    after N steps by rollout N - 1: shift -1).
 
     ``FileNotFoundError`` when nothing fits (no saved checkpoint and no ``initial``).
     """
@@ -40,8 +42,8 @@ def policy_checkpoint(root: Path, pattern: str, version: int,
         m = shape.fullmatch(path.relative_to(root).as_posix())
         if m is None or not (path / "config.json").is_file():
             continue
-        n = int(m.group(1))
-        if n <= version and (best is None or n > best.version):
+        n = int(m.group(1)) - shift
+        if 0 < n <= version and (best is None or n > best.version):
             best = PolicyCheckpoint(path, n)
     if best is not None:
         return best

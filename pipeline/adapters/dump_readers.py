@@ -1,8 +1,10 @@
 """Dumps that keep the exact ids: NeMo-RL's ``train_data_step{N}.jsonl`` and slime's
 ``--save-debug-rollout-data`` files.
 
-NeMo-RL writes one JSON object per sample with the whole padded sequence (``token_ids``,
-trimmed to ``input_lengths``) and ``token_loss_mask`` (1 on generated tokens, 0 on the
+NeMo-RL (0.6.0, ``Logger.log_batched_dict_as_jsonl``) writes one JSON object per sample,
+each value the sample's one-row slice of the batch (``"rewards": [r]``, ``"token_ids":
+[[...]]``), with the whole right-padded sequence (``token_ids``, trimmed to
+``input_lengths``) and ``token_loss_mask`` (1 on generated tokens, 0 on the
 prompt and on tool/environment turns). The prompt is what precedes the first generated
 token; the response is the rest of the sequence, its mask the loss mask from there on, so
 tool turns inside a multi-turn response keep mask 0. The file of step ``N`` (counted from
@@ -14,7 +16,10 @@ It is read with ``torch.load(weights_only=True)``: plain containers, numbers and
 only. A file that needs anything else (a full unpickle could run code) is refused and
 quarantined, never loaded. ``tokens`` holds prompt + response, ``response_length`` the
 response's share and ``loss_mask`` the response's mask; the generating policy is the
-oldest of the sample's ``weight_versions``.
+oldest of the sample's ``weight_versions``: slime counts one weight update before the
+first rollout, so version ``v`` is the policy after ``v - 1`` training steps, and
+``--save-hf`` names the checkpoint after ``N`` steps by rollout ``N - 1``
+(:data:`SlimeReader.checkpoint_shift`). (slime restarts the count at 0 on resume.)
 """
 
 from __future__ import annotations
@@ -68,8 +73,10 @@ class NemoRLReader:
             raise DumpError("step", f"{file.step}: NeMo-RL counts steps from 1")
         version = file.step - 1
         records = []
-        for row, obj in enumerate(_json_lines(file.path)):
+        for row, line in enumerate(_json_lines(file.path)):
             where = f"line {row + 1}"
+            obj = {k: _one_row(v, f"{where}.{k}") for k, v in line.items() if k != "idx"}
+            obj["idx"] = line.get("idx", row)
             length = obj.get("input_lengths")
             if isinstance(length, bool) or not isinstance(length, int) or length < 1:
                 raise DumpError(f"{where}.input_lengths", f"expected a positive integer, got "
@@ -91,6 +98,15 @@ class NemoRLReader:
         return StepRecords(records, policy_version=version)
 
 
+def _one_row(value: Any, where: str) -> Any:
+    """A batch value sliced to one sample: the list of length 1 around it."""
+    if not isinstance(value, list) or len(value) != 1:
+        raise DumpError(where, "expected one sample's slice (a list of length 1), got "
+                               f"{type(value).__name__}"
+                               + (f" of length {len(value)}" if isinstance(value, list) else ""))
+    return value[0]
+
+
 def _prompt_text(content: Any) -> str:
     """What the record shows as its prompt: NeMo-RL's message contents, joined."""
     if isinstance(content, list):
@@ -103,6 +119,7 @@ class SlimeReader:
 
     framework = "slime"
     checkpoint_pattern = "{N}"  # --save-hf PATH/{rollout_id}: say --pattern for yours
+    checkpoint_shift = -1  # the checkpoint after N steps is named by rollout N - 1
 
     def step_files(self, directory: Path) -> list[StepFile]:
         return _step_files(directory, _SLIME_FILE)
@@ -150,8 +167,8 @@ class SlimeReader:
                 raise DumpError(f"{where}.loss_mask", f"{len(mask)} entries for a response of "
                                                       f"{n} tokens")
         versions = sample.get("weight_versions") or []
-        try:
-            version = min(int(v) for v in versions) if versions else step
+        try:  # version v: the policy after v - 1 steps (one update precedes rollout 0)
+            version = min(int(v) for v in versions) - 1 if versions else step
         except (TypeError, ValueError):
             raise DumpError(f"{where}.weight_versions", f"{versions!r} are not integers") \
                 from None
@@ -161,7 +178,7 @@ class SlimeReader:
         prompt = sample.get("prompt")
         record = {
             "rollout_id": f"slime-rollout{step:06d}-{sample.get('index', row)}",
-            "trainer_step": step, "generated_by_policy_version": min(version, step),
+            "trainer_step": step, "generated_by_policy_version": max(min(version, step), 0),
             "prompt_token_ids": tokens[:len(tokens) - n], "response_token_ids": tokens[-n:],
             "response_loss_mask": mask, "reward": _number(reward, f"{where}.reward"),
             "finish_reason": _finish(sample.get("status")), "token_fidelity": "exact"}
@@ -170,7 +187,7 @@ class SlimeReader:
         elif isinstance(prompt, list):
             record["prompt"] = "\n".join(str(m.get("content", "")) if isinstance(m, dict)
                                          else str(m) for m in prompt)
-        return record, min(version, step)
+        return record, max(min(version, step), 0)
 
 
 def _finish(status: Any) -> str | None:

@@ -41,6 +41,10 @@ def test_nested_patterns_match_the_framework_layout(tmp_path):
     (tmp_path / "global_step_2" / "actor").mkdir(parents=True)  # sharded only: no HF weights
     found = policy_checkpoint(tmp_path, "global_step_{N}/actor/huggingface", 2, None)
     assert (found.version, found.path) == (1, tmp_path / "global_step_1/actor/huggingface")
+    for n in (0, 4):  # slime: the policy after N steps is saved under rollout N - 1
+        _ckpt(tmp_path / "slime" / f"{n}")
+    assert [policy_checkpoint(tmp_path / "slime", "{N}", v, tmp_path / "slime" / "0",
+                              shift=-1).version for v in (0, 1, 4, 5, 7)] == [0, 1, 1, 5, 5]
     with pytest.raises(ValueError, match="exactly one"):
         policy_checkpoint(tmp_path, "step_{N}_{N}", 2, None)
 

@@ -72,14 +72,15 @@ def _nemo_file(tok, path: Path, step: int, rows: int = 4) -> list[tuple]:
     """A train_data_step{N}.jsonl as NeMo-RL writes it: padded to the batch max."""
     convs = [_conversation(tok, i + step, tool=i % 2 == 1) for i in range(rows)]
     width = max(len(p) + len(r) for p, r, _ in convs)
-    with open(path, "w") as f:
+    with open(path, "w") as f:  # each value a one-row slice, as BatchedDataDict.slice gives
         for i, (p, r, m) in enumerate(convs):
             ids, mask = p + r, [0] * len(p) + m
-            f.write(json.dumps({
-                "content": ["What?", "Answer"], "rewards": float(i % 2),
-                "input_lengths": len(ids), "token_ids": ids + [PAD] * (width - len(ids)),
-                "token_loss_mask": mask + [0] * (width - len(ids)),
-                "sample_loss_mask": 1.0, "advantages": [0.0] * width, "idx": i}) + "\n")
+            sample = {
+                "content": [["What?", "Answer"]], "rewards": [float(i % 2)],
+                "input_lengths": [len(ids)], "token_ids": [ids + [PAD] * (width - len(ids))],
+                "token_loss_mask": [mask + [0] * (width - len(ids))],
+                "sample_loss_mask": [1.0], "advantages": [[0.0] * width]}
+            f.write(json.dumps({**sample, "idx": i}, default=str) + "\n")
     return convs
 
 
@@ -142,15 +143,15 @@ def test_a_bad_nemo_row_quarantines_its_file_with_the_reason_until_it_is_fixed(w
     bad = dump / "train_data_step2.jsonl"
     _nemo_file(tok, bad, 2)
     lines = bad.read_text().splitlines()
-    broken = json.loads(lines[1]) | {"input_lengths": 10_000}
+    broken = json.loads(lines[1]) | {"input_lengths": [10_000]}
     bad.write_text("\n".join([lines[0], json.dumps(broken), *lines[2:]]) + "\n")
     storage = Storage((tmp_path / "store").as_uri())
     ingestor = Ingestor(storage, reader_for("nemo-rl"), dump, base, settle_s=0)
     first = ingestor.run_once()
     assert [s.step for s in first.written] == [1]
     assert first.quarantined == {"train_data_step2.jsonl": "line 2.input_lengths: 10000 but "
-                                 f"{len(broken['token_ids'])} token ids and "
-                                 f"{len(broken['token_loss_mask'])} mask entries"}
+                                 f"{len(broken['token_ids'][0])} token ids and "
+                                 f"{len(broken['token_loss_mask'][0])} mask entries"}
     kept = json.loads(storage.read_bytes(f"{QUARANTINE}/nemo-rl/train_data_step2.jsonl"
                                          ".reason.json"))
     assert kept["field"] == "line 2.input_lengths"
@@ -169,7 +170,7 @@ def _slime_sample(tok, i: int, tool: bool) -> dict:
     prompt, response, mask = _conversation(tok, i, tool)
     return {"group_index": i // 2, "index": i, "prompt": "What is it?",
             "tokens": prompt + response, "response": "...", "response_length": len(response),
-            "loss_mask": mask, "reward": float(i), "weight_versions": ["3", "4"],
+            "loss_mask": mask, "reward": float(i), "weight_versions": ["4", "5"],
             "status": "completed", "rollout_log_probs": [-0.5] * len(response),
             "spec_info": {"spec_accept_token_num": 3, "spec_draft_token_num": 6,
                           "spec_verify_ct": 2, "completion_token_num": len(response)},
@@ -186,9 +187,12 @@ def test_slime_files_load_as_plain_data_and_anything_else_is_refused(world, tmp_
     torch.save({"rollout_id": 6, "samples": [samples[0] | {"status": _Status.COMPLETED}]},
                dump / "rollout_6.pt")
     (dump / "rollout_7.pt").write_bytes(b"PK\x03\x04 not a checkpoint")
+    _hf(base, tmp_path / "hf" / "2")  # --save-hf hf/{rollout_id}: after 3 steps, rollout 2
     storage = Storage((tmp_path / "store").as_uri())
-    report = Ingestor(storage, reader_for("slime"), dump, base, settle_s=0).run_once()
+    report = Ingestor(storage, reader_for("slime"), dump, base, checkpoints=tmp_path / "hf",
+                      settle_s=0).run_once()
     assert [s.step for s in report.written] == [5]
+    assert read_manifest(storage, raw_prefix(5)).meta["policy_version"] == 3
     assert report.quarantined["rollout_6.pt"].startswith("<file>: needs a full unpickle")
     assert report.quarantined["rollout_7.pt"].startswith("<file>: not a torch.save file")
     records = _records(storage, 5)
@@ -197,7 +201,9 @@ def test_slime_files_load_as_plain_data_and_anything_else_is_refused(world, tmp_
         assert rec["response_token_ids"] == sample["tokens"][-n:]
         assert rec["prompt_token_ids"] == sample["tokens"][:-n]
         assert rec["response_loss_mask"] == sample["loss_mask"]
-        assert rec["generated_by_policy_version"] == 3  # the oldest weight version
+        # the oldest weight version, 4, is the policy after 3 steps (slime updates once
+        # before rollout 0)
+        assert rec["generated_by_policy_version"] == 3
         assert rec["finish_reason"] == "stop"
     assert 0 in records[1]["response_loss_mask"]
 

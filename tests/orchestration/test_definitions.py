@@ -27,11 +27,13 @@ def test_definitions_load_and_names_are_stable():
         "quarantine_ratio", "shard_integrity", "vocab_coverage", "training_loss",
         "acceptance_lossless", "serving_staleness"}
     assert {j.name for j in repo.get_all_jobs() if not j.name.startswith("__")} == {
-        "ingest_step", "drafter_refresh", "promote_drafter_manually", "rollback_drafter"}
-    assert {s.name for s in repo.sensor_defs} == {"snapshot_sensor", "refresh_sensor"}
+        "ingest_step", "drafter_refresh", "promote_drafter_manually", "rollback_drafter",
+        "ingest_dumps"}
+    assert {s.name for s in repo.sensor_defs} == {"snapshot_sensor", "refresh_sensor",
+                                                  "dump_sensor"}
     assert {s.name for s in repo.schedule_defs} == {"drafter_refresh_schedule"}
     assert set(defs.resources) == {"storage", "capture", "trainer", "mlflow", "serving",
-                                  "refresh"}
+                                  "refresh", "ingest"}
 
 
 def test_loading_the_definitions_imports_no_heavy_library():
@@ -97,7 +99,8 @@ def test_every_asset_has_an_owner_a_stage_and_every_trigger_a_description():
         assert sensor.description and "runs" in sensor.description
     assert all(s.description for s in defs.schedules)
     assert all(defs.resolve_job_def(j).description for j in (
-        "ingest_step", "drafter_refresh", "promote_drafter_manually", "rollback_drafter"))
+        "ingest_step", "drafter_refresh", "promote_drafter_manually", "rollback_drafter",
+        "ingest_dumps"))
 
 
 def test_the_embedded_workspace_loads_from_any_directory(tmp_path, monkeypatch):
