@@ -356,7 +356,7 @@ def parser() -> argparse.ArgumentParser:
     promote.add_argument("--reason", required=True, help="why the gate is overridden")
     promote.add_argument("--actor", default=who, help=f"who decides (default: {who})")
     promote.set_defaults(func=cmd_promote)
-    from pipeline.adapters.readers import FRAMEWORKS
+    from pipeline.adapters.frameworks import FRAMEWORKS
 
     ingest = sub.add_parser("ingest", help="write an RL framework's dump directory as rollout "
                                            "snapshots (one pass, or --follow)")

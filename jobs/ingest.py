@@ -25,7 +25,6 @@ from dagster import (
     sensor,
 )
 
-from pipeline.adapters.readers import reader_for
 from pipeline.layout import raw_prefix
 from pipeline.manifest import manifest_key
 from pipeline.storage import Storage
@@ -57,6 +56,8 @@ def dump_sensor(context: SensorEvaluationContext, storage: StorageResource,
                 ingest: IngestResource):
     if not ingest.framework:
         return SkipReason("no dump directory configured (AERIE_INGEST_FRAMEWORK)")
+    from pipeline.adapters.readers import reader_for
+
     store = storage.checked()
     reader = reader_for(ingest.framework)
     new = [f for f in reader.step_files(Path(ingest.directory))

@@ -8,9 +8,7 @@ from pathlib import Path
 from dagster import ConfigurableResource, EnvVar
 from pydantic import Field
 
-from pipeline.adapters.ingest import Ingestor
-from pipeline.adapters.readers import FRAMEWORKS, reader_for
-from pipeline.storage import Storage
+from pipeline.adapters.frameworks import FRAMEWORKS
 
 _ENV = {"framework": "AERIE_INGEST_FRAMEWORK", "directory": "AERIE_INGEST_DIR",
         "initial_policy": "AERIE_INGEST_INITIAL_POLICY",
@@ -35,7 +33,11 @@ class IngestResource(ConfigurableResource):
                             "once unchanged this long")
     allow_multi_turn_text: bool = False
 
-    def ingestor(self, storage: Storage) -> Ingestor:
+    def ingestor(self, storage):
+        """The :class:`~pipeline.adapters.ingest.Ingestor` of these settings on ``storage``."""
+        from pipeline.adapters.ingest import Ingestor
+        from pipeline.adapters.readers import reader_for
+
         if self.framework not in FRAMEWORKS:
             raise ValueError(f"ingest: framework {self.framework!r} is not one of "
                              f"{sorted(FRAMEWORKS)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pipeline.adapters import frameworks
 from pipeline.adapters.dump_readers import NemoRLReader, SlimeReader
 from pipeline.adapters.ingest import DumpReader
 from pipeline.adapters.text_dumps import TRLTextReader, VerlTextReader
@@ -12,6 +13,7 @@ FRAMEWORKS: dict[str, Callable[[], DumpReader]] = {
     "nemo-rl": NemoRLReader, "slime": SlimeReader,
     "verl-text": VerlTextReader, "trl-text": TRLTextReader,
 }
+assert tuple(sorted(FRAMEWORKS)) == frameworks.FRAMEWORKS
 
 
 def reader_for(name: str) -> DumpReader:
