@@ -28,17 +28,18 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeline.adapters.ingest import DumpError, ReadContext, StepFile, StepRecords
-from pipeline.adapters.text_dumps import _json_lines
+from pipeline.adapters.ingest import (
+    DumpError,
+    ReadContext,
+    StepFile,
+    StepRecords,
+    json_lines,
+    number,
+    step_files,
+)
 
 _NEMO_FILE = re.compile(r"train_data_step([0-9]+)\.jsonl")
 _SLIME_FILE = re.compile(r"(?:rollout_)?([0-9]+)\.pt")
-
-
-def _step_files(directory: Path, shape: re.Pattern[str]) -> list[StepFile]:
-    found = [StepFile(int(m.group(1)), p) for p in Path(directory).iterdir()
-             if (m := shape.fullmatch(p.name)) and p.is_file()]
-    return sorted(found, key=lambda f: f.step)
 
 
 def _int_list(value: Any, where: str) -> list[int]:
@@ -48,14 +49,6 @@ def _int_list(value: Any, where: str) -> list[int]:
     return value
 
 
-def _number(value: Any, where: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise DumpError(where, f"expected a number, got {type(value).__name__}")
-    return float(value)
-
-
 class NemoRLReader:
     """NeMo-RL's ``logger.log_dir/train_data_step{N}.jsonl``."""
 
@@ -63,7 +56,7 @@ class NemoRLReader:
     checkpoint_pattern = "step_{N}/policy/weights"
 
     def step_files(self, directory: Path) -> list[StepFile]:
-        return _step_files(directory, _NEMO_FILE)
+        return step_files(directory, _NEMO_FILE)
 
     def checkpoint_root(self, directory: Path) -> Path:
         return directory
@@ -73,7 +66,7 @@ class NemoRLReader:
             raise DumpError("step", f"{file.step}: NeMo-RL counts steps from 1")
         version = file.step - 1
         records = []
-        for row, line in enumerate(_json_lines(file.path)):
+        for row, line in enumerate(json_lines(file.path)):
             where = f"line {row + 1}"
             obj = {k: _one_row(v, f"{where}.{k}") for k, v in line.items() if k != "idx"}
             obj["idx"] = line.get("idx", row)
@@ -93,7 +86,7 @@ class NemoRLReader:
                 "prompt": _prompt_text(obj.get("content")),
                 "prompt_token_ids": ids[:start], "response_token_ids": ids[start:] or None,
                 "response_loss_mask": mask[start:] or None,
-                "reward": _number(obj.get("rewards"), f"{where}.rewards"),
+                "reward": number(obj.get("rewards"), f"{where}.rewards"),
                 "token_fidelity": "exact"})
         return StepRecords(records, policy_version=version)
 
@@ -122,22 +115,20 @@ class SlimeReader:
     checkpoint_shift = -1  # the checkpoint after N steps is named by rollout N - 1
 
     def step_files(self, directory: Path) -> list[StepFile]:
-        return _step_files(directory, _SLIME_FILE)
+        return step_files(directory, _SLIME_FILE)
 
     def checkpoint_root(self, directory: Path) -> Path:
         return directory
 
     def read(self, file: StepFile, context: ReadContext) -> StepRecords:
-        import pickle
-
         import torch
 
         try:
             payload = torch.load(file.path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise DumpError("<file>", "needs a full unpickle (objects beyond plain data), "
-                                      f"refused: {str(e).splitlines()[0][:200]}") from None
-        except (RuntimeError, EOFError, OSError) as e:
+        except Exception as e:  # torch raises UnpicklingError for what weights_only refuses
+            if type(e).__name__ == "UnpicklingError":
+                raise DumpError("<file>", "needs a full unpickle (objects beyond plain data), "
+                                          f"refused: {str(e).splitlines()[0][:200]}") from None
             raise DumpError("<file>", f"not a torch.save file: {type(e).__name__}: "
                                       f"{str(e)[:200]}") from None
         if not isinstance(payload, dict) or not isinstance(payload.get("samples"), list):
@@ -180,7 +171,7 @@ class SlimeReader:
             "rollout_id": f"slime-rollout{step:06d}-{sample.get('index', row)}",
             "trainer_step": step, "generated_by_policy_version": max(min(version, step), 0),
             "prompt_token_ids": tokens[:len(tokens) - n], "response_token_ids": tokens[-n:],
-            "response_loss_mask": mask, "reward": _number(reward, f"{where}.reward"),
+            "response_loss_mask": mask, "reward": number(reward, f"{where}.reward"),
             "finish_reason": _finish(sample.get("status")), "token_fidelity": "exact"}
         if isinstance(prompt, str):
             record["prompt"] = prompt

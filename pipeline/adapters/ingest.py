@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,3 +204,41 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             sha.update(block)
     return sha.hexdigest()
+
+
+def step_files(directory: Path, shape: re.Pattern[str]) -> list[StepFile]:
+    """The files of ``directory`` whose name ``shape`` matches (group 1: the step), by step."""
+    found = [StepFile(int(m.group(1)), p) for p in Path(directory).iterdir()
+             if (m := shape.fullmatch(p.name)) and p.is_file()]
+    return sorted(found, key=lambda f: f.step)
+
+
+def number(value: Any, where: str) -> float | None:
+    """A JSON number (None stays None), else :class:`DumpError` naming ``where``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise DumpError(where, f"expected a number, got {type(value).__name__}")
+    return float(value)
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The objects of a JSONL file, or :class:`DumpError` naming the line."""
+    out = []
+    with open(path, encoding="utf-8", errors="strict") as f:
+        try:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DumpError(f"line {n}", f"not JSON: {e.msg} at column {e.colno}") \
+                        from None
+                if not isinstance(obj, dict):
+                    raise DumpError(f"line {n}", f"expected an object, got "
+                                                 f"{type(obj).__name__}")
+                out.append(obj)
+        except UnicodeDecodeError as e:
+            raise DumpError("<file>", f"invalid UTF-8 at byte {e.start}") from None
+    return out

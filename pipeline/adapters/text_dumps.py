@@ -23,25 +23,26 @@ leaves, e.g. ``tool\\n``). A file that is not what the framework writes is quara
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 from typing import Any
 
-from pipeline.adapters.ingest import DumpError, ReadContext, StepFile, StepRecords
+from pipeline.adapters.ingest import (
+    DumpError,
+    ReadContext,
+    StepFile,
+    StepRecords,
+    json_lines,
+    number,
+    step_files,
+)
 from pipeline.snapshot.sieve import Refused
 
 _VERL_FILE = re.compile(r"([0-9]+)\.jsonl")
 _TRL_FILE = re.compile(r"completions_([0-9]+)\.parquet")
 _ROLE_LINE = re.compile(r"^(user|assistant|tool|system)$", re.MULTILINE)
 MULTI_TURN = "multi-turn text without a tool-token mask (set allow_multi_turn_text to keep it)"
-
-
-def _step_files(directory: Path, shape: re.Pattern[str]) -> list[StepFile]:
-    found = [StepFile(int(m.group(1)), p) for p in Path(directory).iterdir()
-             if (m := shape.fullmatch(p.name)) and p.is_file()]
-    return sorted(found, key=lambda f: f.step)
 
 
 class VerlTextReader:
@@ -51,7 +52,7 @@ class VerlTextReader:
     checkpoint_pattern = "global_step_{N}/actor/huggingface"
 
     def step_files(self, directory: Path) -> list[StepFile]:
-        return _step_files(directory, _VERL_FILE)
+        return step_files(directory, _VERL_FILE)
 
     def checkpoint_root(self, directory: Path) -> Path:
         return directory  # rollout_data_dir is not under default_local_dir: say --checkpoints
@@ -61,7 +62,7 @@ class VerlTextReader:
             raise DumpError("step", f"{file.step}: verl counts global steps from 1")
         tokenizer = context.tokenizer
         records: list[Any] = []
-        for row, obj in enumerate(_json_lines(file.path)):
+        for row, obj in enumerate(json_lines(file.path)):
             for name in ("input", "output"):
                 if not isinstance(obj.get(name), str):
                     raise DumpError(f"line {row + 1}.{name}",
@@ -71,7 +72,7 @@ class VerlTextReader:
                 "rollout_id": f"verl-step{file.step:06d}-{obj.get('uid', row)}",
                 "trainer_step": file.step, "generated_by_policy_version": file.step - 1,
                 "prompt": obj["input"], "response_token_ids": list(ids) or None,
-                "reward": _number(obj.get("score"), f"line {row + 1}.score"),
+                "reward": number(obj.get("score"), f"line {row + 1}.score"),
                 "token_fidelity": "retokenized"}
             if _ROLE_LINE.search(obj["output"]) and not context.allow_multi_turn_text:
                 records.append(Refused(record, "output", MULTI_TURN))
@@ -90,7 +91,7 @@ class TRLTextReader:
         self.reward_columns = dict(reward_columns or {})  # column -> TRL reward weight
 
     def step_files(self, directory: Path) -> list[StepFile]:
-        return _step_files(directory, _TRL_FILE)
+        return step_files(directory, _TRL_FILE)
 
     def checkpoint_root(self, directory: Path) -> Path:
         return directory.parent  # completions/ sits in output_dir beside checkpoint-N/
@@ -142,32 +143,3 @@ def _conversation(prompt: Any, completion: Any, row: int) -> list[dict[str, Any]
         else _as_messages(completion, row)
     return [{"role": m.get("role"), "content": m.get("content")}
             for m in [*_as_messages(prompt, row), *reply]]
-
-
-def _json_lines(path: Path) -> list[dict[str, Any]]:
-    out = []
-    with open(path, encoding="utf-8", errors="strict") as f:
-        try:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DumpError(f"line {n}", f"not JSON: {e.msg} at column {e.colno}") \
-                        from None
-                if not isinstance(obj, dict):
-                    raise DumpError(f"line {n}", f"expected an object, got "
-                                                 f"{type(obj).__name__}")
-                out.append(obj)
-        except UnicodeDecodeError as e:
-            raise DumpError("<file>", f"invalid UTF-8 at byte {e.start}") from None
-    return out
-
-
-def _number(value: Any, where: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise DumpError(where, f"expected a number, got {type(value).__name__}")
-    return float(value)
