@@ -27,7 +27,9 @@ def policy_checkpoint(root: Path, pattern: str, version: int, initial: Path | No
     """The checkpoint of ``version`` under ``root`` (``pattern`` with one ``{N}``, a path
     relative to ``root`` such as ``checkpoint-{N}`` or ``global_step_{N}/actor/huggingface``)
     or, when that one was not saved, the newest saved before it; version 0 or nothing saved
-    yet is ``initial``. A directory counts once it holds ``config.json``. ``shift``: the
+    yet is ``initial``. A directory counts once it holds ``config.json`` and safetensors
+    weights (verl writes ``actor/huggingface`` with the config alone unless asked for the
+    weights; a trainer writes the config before the weights). ``shift``: the
     number in a directory's name is its version plus ``shift`` (slime names the policy
     after N steps by rollout N - 1: shift -1).
 
@@ -40,16 +42,21 @@ def policy_checkpoint(root: Path, pattern: str, version: int, initial: Path | No
     best: PolicyCheckpoint | None = None
     for path in Path(root).glob(pattern.replace("{N}", "*")) if version > 0 else ():
         m = shape.fullmatch(path.relative_to(root).as_posix())
-        if m is None or not (path / "config.json").is_file():
+        if m is None or not is_policy_dir(path):
             continue
         n = int(m.group(1)) - shift
         if 0 < n <= version and (best is None or n > best.version):
             best = PolicyCheckpoint(path, n)
     if best is not None:
         return best
-    if initial is None or not (Path(initial) / "config.json").is_file():
+    if initial is None or not is_policy_dir(Path(initial)):
         raise FileNotFoundError(
             f"no policy checkpoint for version {version}: nothing matching {pattern!r} with "
-            f"N <= {version} under {root}, and no initial policy dir with a config.json "
-            f"({initial})")
+            f"N <= {version} under {root} holds config.json and *.safetensors, and neither "
+            f"does the initial policy dir ({initial})")
     return PolicyCheckpoint(Path(initial), 0)
+
+
+def is_policy_dir(path: Path) -> bool:
+    """An HF model directory with its weights: ``config.json`` and ``*.safetensors``."""
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))

@@ -18,6 +18,7 @@ from pipeline.storage import Storage
 def _ckpt(path: Path) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"")
     return path
 
 
@@ -26,10 +27,12 @@ def test_the_exact_checkpoint_else_the_newest_before_else_the_initial(tmp_path):
     for n in (2, 4, 10):
         _ckpt(tmp_path / "out" / f"checkpoint-{n}")
     (tmp_path / "out" / "checkpoint-6").mkdir()  # being written: no config.json yet
+    (tmp_path / "out" / "checkpoint-8").mkdir()  # the config written, the weights not yet
+    (tmp_path / "out" / "checkpoint-8" / "config.json").write_text("{}")
     found = {v: policy_checkpoint(tmp_path / "out", "checkpoint-{N}", v, initial)
-             for v in (0, 1, 2, 3, 6, 10, 11)}
-    assert {v: c.version for v, c in found.items()} == {0: 0, 1: 0, 2: 2, 3: 2, 6: 4, 10: 10,
-                                                        11: 10}
+             for v in (0, 1, 2, 3, 6, 8, 10, 11)}
+    assert {v: c.version for v, c in found.items()} == {0: 0, 1: 0, 2: 2, 3: 2, 6: 4, 8: 4,
+                                                        10: 10, 11: 10}
     assert found[0].path == initial and found[3].path.name == "checkpoint-2"
     with pytest.raises(FileNotFoundError, match="no policy checkpoint for version 1"):
         policy_checkpoint(tmp_path / "out", "checkpoint-{N}", 1, None)
@@ -38,7 +41,9 @@ def test_the_exact_checkpoint_else_the_newest_before_else_the_initial(tmp_path):
 def test_nested_patterns_match_the_framework_layout(tmp_path):
     for n in (1, 3):
         _ckpt(tmp_path / f"global_step_{n}" / "actor" / "huggingface")
-    (tmp_path / "global_step_2" / "actor").mkdir(parents=True)  # sharded only: no HF weights
+    config_only = tmp_path / "global_step_2" / "actor" / "huggingface"  # verl's default
+    config_only.mkdir(parents=True)  # save_contents without hf_model: the config, no weights
+    (config_only / "config.json").write_text("{}")
     found = policy_checkpoint(tmp_path, "global_step_{N}/actor/huggingface", 2, None)
     assert (found.version, found.path) == (1, tmp_path / "global_step_1/actor/huggingface")
     for n in (0, 4):  # slime: the policy after N steps is saved under rollout N - 1

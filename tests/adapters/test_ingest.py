@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import json
-import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -22,9 +21,6 @@ from jobs import cli
 from jobs.ingest import dump_sensor
 from pipeline.adapters.ingest import QUARANTINE, Ingestor
 from pipeline.adapters.readers import reader_for
-from pipeline.demo import corpus, policy, task
-from pipeline.demo.config import DemoConfig
-from pipeline.demo.tokenizer import train_tokenizer
 from pipeline.layout import raw_prefix
 from pipeline.manifest import read_manifest
 from pipeline.parquet import read_table
@@ -33,43 +29,12 @@ from pipeline.storage import Storage
 from pipeline.tokenize import stage as tokenize_stage
 from resources.ingest import IngestResource
 from resources.storage import StorageResource
-
-PAD = 0
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """The demo tokenizer and an untrained demo policy saved as the initial policy."""
-    root = tmp_path_factory.mktemp("policy")
-    config = DemoConfig.small()
-    tok = train_tokenizer(vocab_size=config.vocab_size, task_examples=config.tokenizer_examples,
-                          filler=config.tokenizer_filler, seed=1)
-    policy.save_checkpoint(policy.build_policy(tok, config.model_shape, seed=2), tok,
-                           root / "base")
-    return tok, root / "base"
-
-
-def _ids(tok, text: str) -> list[int]:
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def _conversation(tok, n: int, tool: bool):
-    """Prompt ids, response ids and the response mask of one (optionally tool-using)
-    rollout: assistant tokens 1, the tool turn's tokens 0."""
-    problem = task.Problem(n, n + 1, width=2)
-    prompt = corpus.encode_prompt(tok, task.prompt_messages(problem))
-    answer = _ids(tok, f"{2 * n + 1}") + [tok.eos_token_id]
-    if not tool:
-        return prompt, answer, [1] * len(answer)
-    call = _ids(tok, "call add") + [tok.eos_token_id]
-    result = _ids(tok, "<|start_header_id|>tool<|end_header_id|>\n7<|eot_id|>"
-                       "<|start_header_id|>assistant<|end_header_id|>\n")
-    return prompt, call + result + answer, [1] * len(call) + [0] * len(result) + [1] * len(answer)
+from tests.adapters.rollouts import PAD, conversation, copy_policy, snapshot_records, token_ids
 
 
 def _nemo_file(tok, path: Path, step: int, rows: int = 4) -> list[tuple]:
     """A train_data_step{N}.jsonl as NeMo-RL writes it: padded to the batch max."""
-    convs = [_conversation(tok, i + step, tool=i % 2 == 1) for i in range(rows)]
+    convs = [conversation(tok, i + step, tool=i % 2 == 1) for i in range(rows)]
     width = max(len(p) + len(r) for p, r, _ in convs)
     with open(path, "w") as f:  # each value a one-row slice, as BatchedDataDict.slice gives
         for i, (p, r, m) in enumerate(convs):
@@ -83,17 +48,6 @@ def _nemo_file(tok, path: Path, step: int, rows: int = 4) -> list[tuple]:
     return convs
 
 
-def _hf(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(src, dst)
-
-
-def _records(storage: Storage, step: int) -> list[dict]:
-    manifest = read_manifest(storage, raw_prefix(step))
-    return [row for f in manifest.files if f.path.startswith("part")
-            for row in read_table(storage, f"{raw_prefix(step)}/{f.path}").to_pylist()]
-
-
 def _quarantine(storage: Storage, step: int) -> list[dict]:
     return read_table(storage, f"{raw_prefix(step)}/quarantine.parquet").to_pylist()
 
@@ -103,14 +57,14 @@ def test_nemo_rl_steps_keep_exact_ids_tool_masks_and_the_generating_checkpoint(w
     dump, ckpts = tmp_path / "logs", tmp_path / "results"
     dump.mkdir()
     convs = {n: _nemo_file(tok, dump / f"train_data_step{n}.jsonl", n) for n in (1, 2, 3)}
-    _hf(base, ckpts / "step_2" / "policy" / "weights")  # saved every 2 steps
+    copy_policy(base, ckpts / "step_2" / "policy" / "weights")  # saved every 2 steps
     storage = Storage((tmp_path / "store").as_uri())
     ingestor = Ingestor(storage, reader_for("nemo-rl"), dump, base, checkpoints=ckpts,
                         sampling={"temperature": 1.0}, settle_s=0)
     report = ingestor.run_once()
     assert [s.step for s in report.written] == [1, 2, 3] and not report.quarantined
     for step, rows in convs.items():
-        records = _records(storage, step)
+        records = snapshot_records(storage, step)
         for rec, (prompt, response, mask) in zip(records, rows, strict=True):
             assert (rec["prompt_token_ids"], rec["response_token_ids"],
                     rec["response_loss_mask"]) == (prompt, response, mask)
@@ -166,7 +120,7 @@ class _Status(enum.Enum):
 
 
 def _slime_sample(tok, i: int, tool: bool) -> dict:
-    prompt, response, mask = _conversation(tok, i, tool)
+    prompt, response, mask = conversation(tok, i, tool)
     return {"group_index": i // 2, "index": i, "prompt": "What is it?",
             "tokens": prompt + response, "response": "...", "response_length": len(response),
             "loss_mask": mask, "reward": float(i), "weight_versions": ["4", "5"],
@@ -186,7 +140,7 @@ def test_slime_files_load_as_plain_data_and_anything_else_is_refused(world, tmp_
     torch.save({"rollout_id": 6, "samples": [samples[0] | {"status": _Status.COMPLETED}]},
                dump / "rollout_6.pt")
     (dump / "rollout_7.pt").write_bytes(b"PK\x03\x04 not a checkpoint")
-    _hf(base, tmp_path / "hf" / "2")  # --save-hf hf/{rollout_id}: after 3 steps, rollout 2
+    copy_policy(base, tmp_path / "hf" / "2")  # --save-hf hf/{rollout_id}: after 3 steps, rollout 2
     storage = Storage((tmp_path / "store").as_uri())
     report = Ingestor(storage, reader_for("slime"), dump, base, checkpoints=tmp_path / "hf",
                       settle_s=0).run_once()
@@ -194,7 +148,7 @@ def test_slime_files_load_as_plain_data_and_anything_else_is_refused(world, tmp_
     assert read_manifest(storage, raw_prefix(5)).meta["policy_version"] == 3
     assert report.quarantined["rollout_6.pt"].startswith("<file>: needs a full unpickle")
     assert report.quarantined["rollout_7.pt"].startswith("<file>: not a torch.save file")
-    records = _records(storage, 5)
+    records = snapshot_records(storage, 5)
     for rec, sample in zip(records, samples, strict=True):
         n = sample["response_length"]
         assert rec["response_token_ids"] == sample["tokens"][-n:]
@@ -220,13 +174,13 @@ def test_text_dumps_are_retokenized_and_multi_turn_text_is_quarantined(world, tm
                         {"role": "assistant", "content": "5"}]],
         "accuracy": [1.0, 1.0], "brevity": [-0.1, -0.3], "advantage": [0.5, -0.5],
     }).to_parquet(out / "completions" / "completions_00004.parquet")
-    _hf(base, out / "checkpoint-3")
+    copy_policy(base, out / "checkpoint-3")
     storage = Storage((tmp_path / "store").as_uri())
     reader = reader_for("trl-text")
     reader.reward_columns = {"accuracy": 1.0, "brevity": 0.5}
     report = Ingestor(storage, reader, out / "completions", base, settle_s=0).run_once()
     assert [s.step for s in report.written] == [4]
-    (rec,) = _records(storage, 4)
+    (rec,) = snapshot_records(storage, 4)
     assert rec["token_fidelity"] == "retokenized" and rec["prompt_token_ids"] is None
     assert rec["messages"] == prompt + [{"role": "assistant", "content": "5"}]
     assert rec["reward"] == pytest.approx(0.95)
@@ -244,9 +198,9 @@ def test_text_dumps_are_retokenized_and_multi_turn_text_is_quarantined(world, tm
     (verl / "2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     Ingestor(storage, reader_for("verl-text"), verl, base, settle_s=0,
              allow_multi_turn_text=True).run_once()
-    records = _records(storage, 2)
-    assert [r["response_token_ids"] for r in records] == [_ids(tok, "5"),
-                                                          _ids(tok, "call\ntool\n5\n5")]
+    records = snapshot_records(storage, 2)
+    assert [r["response_token_ids"] for r in records] == [token_ids(tok, "5"),
+                                                          token_ids(tok, "call\ntool\n5\n5")]
     assert {r["token_fidelity"] for r in records} == {"retokenized"}
     assert [r["generated_by_policy_version"] for r in records] == [1, 1]
 
