@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,33 @@ def serving_args(settings: SpecParams, drafter_dir: str = DRAFTER_DIR) -> tuple[
     """SGLang's flags that serve an EAGLE-3 drafter from ``drafter_dir`` with ``settings``."""
     return ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter_dir,
             *settings.sglang_args())
+
+
+def vllm_speculative_config(settings: SpecParams, drafter_dir: str) -> str:
+    """vLLM's ``--speculative-config`` JSON for an EAGLE-3 drafter in ``drafter_dir``: vLLM
+    (0.33) drafts EAGLE-3 as a chain of ``num_speculative_tokens``, so only ``eagle_topk``
+    1 has an equivalent."""
+    if settings.eagle_topk != 1:
+        raise ValueError(f"eagle_topk {settings.eagle_topk}: vLLM drafts EAGLE-3 as a chain "
+                         "only; serve it with eagle_topk 1")
+    return json.dumps({"method": "eagle3", "model": drafter_dir,
+                       "num_speculative_tokens": settings.num_steps}, separators=(",", ":"))
+
+
+ENGINES = ("sglang", "vllm", "trl-vllm-serve")
+
+
+def engine_args(engine: str, settings: SpecParams, drafter_dir: str) -> tuple[str, ...]:
+    """The launch flags that serve the drafter in ``drafter_dir`` on ``engine``: SGLang's
+    ``launch_server``, ``vllm serve``, or TRL's ``trl vllm-serve`` (which forwards its
+    ``--speculative_config`` to vLLM)."""
+    if engine == "sglang":
+        return serving_args(settings, drafter_dir)
+    if engine == "vllm":
+        return ("--speculative-config", vllm_speculative_config(settings, drafter_dir))
+    if engine == "trl-vllm-serve":
+        return ("--speculative_config", vllm_speculative_config(settings, drafter_dir))
+    raise ValueError(f"engine {engine!r} is not one of {ENGINES}")
 
 
 def drafter_name(version: str | None, fingerprint: str | None) -> str:
@@ -156,6 +184,12 @@ class ServingLaunch:
     manifest: ServingManifest
     drafter_dir: Path | None
     args: tuple[str, ...]
+
+    def args_for(self, engine: str) -> tuple[str, ...]:
+        """The launch flags for ``engine`` (:data:`ENGINES`); () when serving no drafter."""
+        if self.drafter_dir is None:
+            return ()
+        return engine_args(engine, self.manifest.settings, str(self.drafter_dir))
 
 
 def resolve_serving(storage: Storage, name: str, cache_dir: str | Path,

@@ -10,6 +10,11 @@ Modes (see :mod:`pipeline.release.backend`):
   payload encoder for SGLang's pickle-based ``/update_weights_from_tensor``, so this mode
   checks compatibility and then refuses with an explanation (see
   :mod:`pipeline.release.hotswap`).
+- ``vllm-restart``: ``restart_command`` restarts vLLM; ``{speculative_config}`` is vLLM's
+  ``--speculative-config`` JSON for the drafter.
+- ``vllm-reload``: loads the drafter's weights into the running vLLM servers at
+  ``server_urls`` (dev mode, Aerie's worker extension; see
+  :mod:`pipeline.release.vllm_reload`).
 """
 
 
@@ -29,20 +34,25 @@ class ServingResource(ConfigurableResource):
     """How promoted drafters reach the rollout servers."""
 
     mode: str = Field(default="manifest", description="manifest | sglang-restart | "
-                                                      "sglang-hotswap")
+                                                      "sglang-hotswap | vllm-restart | "
+                                                      "vllm-reload")
     num_steps: int = Field(default=3, description="--speculative-num-steps")
     topk: int = Field(default=1, description="--speculative-eagle-topk")
     num_draft_tokens: int = Field(default=4, description="--speculative-num-draft-tokens "
                                                          "(num_steps + 1 when topk is 1)")
     restart_command: list[str] = Field(
-        default_factory=list, description="sglang-restart: argv of the restart hook")
+        default_factory=list, description="sglang-restart/vllm-restart: argv of the restart "
+                                          "hook")
     no_drafter_command: list[str] = Field(
-        default_factory=list, description="sglang-restart: argv that restarts SGLang without "
-                                          "a drafter (used to undo a first promotion)")
+        default_factory=list, description="sglang-restart/vllm-restart: argv that restarts "
+                                          "the engine without a drafter (used to undo a first "
+                                          "promotion)")
     restart_timeout_s: float = Field(default=900.0, description="sglang-restart: hook timeout")
     server_urls: list[str] = Field(
-        default_factory=list, description="sglang-hotswap: base URLs of the SGLang servers")
-    hotswap_timeout_s: float = Field(default=120.0, description="sglang-hotswap: per request")
+        default_factory=list, description="sglang-hotswap/vllm-reload: base URLs of the "
+                                          "servers")
+    hotswap_timeout_s: float = Field(default=120.0, description="sglang-hotswap/vllm-reload: "
+                                                                "per request")
     cache_dir: str | None = Field(
         default=None, description="local drafter copies for restart/hotswap; unset: "
                                   "$AERIE_HOME/serving-cache")
@@ -60,14 +70,20 @@ class ServingResource(ConfigurableResource):
         if self.mode == "manifest":
             return LedgerBackend(ledger, settings)
         cache = Path(self.cache_dir) if self.cache_dir else aerie_home() / "serving-cache"
-        if self.mode == "sglang-restart":
+        if self.mode in ("sglang-restart", "vllm-restart"):
             from pipeline.release.restart import RestartHook  # torch: only when used
 
             if not self.restart_command:
-                raise ValueError("serving mode sglang-restart needs restart_command")
+                raise ValueError(f"serving mode {self.mode} needs restart_command")
             actuator = RestartHook(self.restart_command, settings,
                                    timeout_s=self.restart_timeout_s,
-                                   no_drafter_argv=self.no_drafter_command or None)
+                                   no_drafter_argv=self.no_drafter_command or None,
+                                   mode=self.mode)
+        elif self.mode == "vllm-reload":
+            from pipeline.release.vllm_reload import VllmDraftReload  # torch: only when used
+
+            actuator = VllmDraftReload(self.server_urls, settings,
+                                       timeout_s=self.hotswap_timeout_s)
         else:
             from pipeline.release.hotswap import SglangHotswap  # torch: only when used
 

@@ -52,8 +52,11 @@ NO_ENCODER = ("sglang-hotswap needs a payload for /update_weights_from_tensor in
               "trust)")
 
 
-def hotswap_refusals(current_dir: Path, new_dir: Path) -> tuple[str, ...]:
-    """Why ``new_dir`` cannot be hot-swapped in place of ``current_dir`` (empty: it can)."""
+def hotswap_refusals(current_dir: Path, new_dir: Path, *, same_d2t: bool = True
+                     ) -> tuple[str, ...]:
+    """Why ``new_dir`` cannot be hot-swapped in place of ``current_dir`` (empty: it can).
+    ``same_d2t``: the engine keeps the draft vocabulary map (SGLang) rather than reloading
+    it with the weights (vLLM)."""
     try:
         old, new = read_drafter_config(current_dir), read_drafter_config(new_dir)
     except (OSError, ValueError, KeyError) as e:
@@ -69,7 +72,7 @@ def hotswap_refusals(current_dir: Path, new_dir: Path) -> tuple[str, ...]:
     if old.aux_layer_ids != new.aux_layer_ids:
         reasons.append(f"aux layer ids {list(new.aux_layer_ids)} differ from the serving "
                        f"{list(old.aux_layer_ids)}")
-    if not reasons and not torch.equal(_d2t(current_dir), _d2t(new_dir)):
+    if same_d2t and not reasons and not torch.equal(_d2t(current_dir), _d2t(new_dir)):
         reasons.append("d2t (draft vocabulary) differs from the serving drafter's")
     return tuple(reasons)
 

@@ -1,10 +1,13 @@
-"""The ``sglang-restart`` mode: run an operator's command that restarts SGLang on a drafter.
+"""The ``sglang-restart`` and ``vllm-restart`` modes: run an operator's command that
+restarts the rollout engine on a drafter.
 
 The command is an argv list (no shell) whose items may contain placeholders:
 
     {drafter_dir}        local directory of the drafter to serve
     {num_steps} {topk} {num_draft_tokens}    the speculative settings
     {registry_version} {fingerprint}         which registered drafter it is
+    {speculative_config}  vLLM's --speculative-config JSON for the drafter (vllm-restart;
+                          EAGLE-3 chains only, so topk must be 1)
 
 e.g. ``["systemctl", "restart", "sglang@{registry_version}"]`` or
 ``["/opt/aerie/restart-sglang.sh", "{drafter_dir}"]``, where the script relaunches
@@ -36,12 +39,13 @@ from pathlib import Path
 from pipeline.eagle3.export import read_drafter_config
 from pipeline.eagle3.spec import SpecParams
 from pipeline.release.backend import ServingError, ServingRefused
-from pipeline.serving_now import ServingTarget
+from pipeline.serving_now import ServingTarget, vllm_speculative_config
 
 log = logging.getLogger(__name__)
 
 PLACEHOLDERS = frozenset({"drafter_dir", "num_steps", "topk", "num_draft_tokens",
-                          "registry_version", "fingerprint"})
+                          "registry_version", "fingerprint", "speculative_config"})
+RESTART_MODES = ("sglang-restart", "vllm-restart")
 _TAIL = 2000
 
 
@@ -60,21 +64,24 @@ def placeholders(argv: Sequence[str]) -> set[str]:
 class RestartHook:
     """An :class:`~pipeline.release.backend.Actuator` that runs a restart command."""
 
-    mode = "sglang-restart"
     compares_with_current = False
 
     def __init__(self, argv: Sequence[str], settings: SpecParams, *,
                  timeout_s: float = 600.0, no_drafter_argv: Sequence[str] | None = None,
-                 cwd: str | Path | None = None, env: Mapping[str, str] | None = None):
+                 cwd: str | Path | None = None, env: Mapping[str, str] | None = None,
+                 mode: str = "sglang-restart"):
         if not argv:
             raise ValueError("the restart command must not be empty")
+        if mode not in RESTART_MODES:
+            raise ValueError(f"restart mode {mode!r} is not one of {RESTART_MODES}")
+        self.mode = mode
         for name, cmd in (("argv", argv), ("no_drafter_argv", no_drafter_argv or ["x"])):
             unknown = placeholders(cmd) - PLACEHOLDERS
             if unknown:
                 raise ValueError(f"{name} uses unknown placeholders {sorted(unknown)}; "
                                  f"known: {sorted(PLACEHOLDERS)}")
-        if no_drafter_argv and placeholders(no_drafter_argv) & {"drafter_dir", "fingerprint",
-                                                                 "registry_version"}:
+        if no_drafter_argv and placeholders(no_drafter_argv) & {
+                "drafter_dir", "fingerprint", "registry_version", "speculative_config"}:
             raise ValueError("no_drafter_argv cannot name a drafter")
         if timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
@@ -90,6 +97,14 @@ class RestartHook:
             read_drafter_config(new_dir)
         except (OSError, ValueError, KeyError) as e:
             raise ServingRefused(f"{new_dir} is not a loadable drafter: {e}") from e
+        if "speculative_config" in placeholders(self.argv):
+            self._speculative_config(new_dir)  # refuses a tree before anything runs
+
+    def _speculative_config(self, new_dir: Path) -> str:
+        try:
+            return vllm_speculative_config(self.settings, str(new_dir))
+        except ValueError as e:
+            raise ServingRefused(str(e)) from e
 
     def activate(self, new_dir: Path | None, target: ServingTarget | None) -> dict[str, str]:
         values = {"num_steps": self.settings.num_steps, "topk": self.settings.eagle_topk,
@@ -103,6 +118,8 @@ class RestartHook:
             values |= {"drafter_dir": str(new_dir),
                        "registry_version": target.registry_version if target else "",
                        "fingerprint": target.fingerprint if target else ""}
+            if "speculative_config" in placeholders(self.argv):
+                values["speculative_config"] = self._speculative_config(new_dir)
             argv = [a.format_map(values) for a in self.argv]
         return run_hook(argv, timeout_s=self.timeout_s, cwd=self.cwd, env=self.env)
 

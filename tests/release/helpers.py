@@ -10,7 +10,10 @@ from pipeline.contracts import Manifest
 from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.spec import SpecParams
 from pipeline.manifest import entry_for, write_manifest
+from pipeline.release.backend import LedgerBackend
 from pipeline.release.gate import EvalSummary, GatePolicy
+from pipeline.release.ledger import ServingLedger
+from pipeline.serving_now import ServingTarget
 from pipeline.storage import Storage
 
 TARGET_VOCAB = 48
@@ -79,3 +82,23 @@ def lineage(fingerprint: str, drafter_uri: str, *, step: int = 10, tau: float = 
     }
     record.update(overrides)
     return record
+
+
+class Drafters:
+    """Three published drafters: v1 and v2 alike in shape, v3 wider."""
+
+    def __init__(self, tmp_path: Path, name: str):
+        self.storage = Storage((tmp_path / "storage").as_uri())
+        self.dirs, self.targets = {}, {}
+        for v, seed, hidden in (("1", 1, 32), ("2", 2, 32), ("3", 3, 64)):
+            local = make_drafter_dir(tmp_path / f"d{v}", seed, hidden_size=hidden)
+            uri = publish_drafter(self.storage, int(v), local, fingerprint=f"fp{v}")
+            self.dirs[v] = local
+            self.targets[v] = ServingTarget(drafter_uri=uri, fingerprint=f"fp{v}",
+                                            registry_model=name, registry_version=v)
+        self.manifest = LedgerBackend(ServingLedger(self.storage, name), SETTINGS)
+
+    def digest(self, version: str) -> str:
+        from tests.vllm_contract.server import Eagle3Drafter  # vLLM's view of the weights
+
+        return Eagle3Drafter(self.dirs[version]).digest()

@@ -1,0 +1,145 @@
+"""The drafter back at an RL trainer's weight sync.
+
+Promotion records the drafter to serve in the serving manifest (:mod:`pipeline.serving_now`);
+an RL trainer launches its rollout engines with the drafter current at launch and then
+pushes only policy weights. :class:`DrafterSync` is what a framework's sync point calls
+(verl's ``CheckpointEngineManager.update_weights``, slime's post-write hook, a TRL or
+NeMo-RL launcher between runs): when the manifest has moved since the last call it fetches
+the new drafter (verified against its fingerprint) and hands it to the engines through one
+of the serving actuators, a restart command (:class:`~pipeline.release.restart.RestartHook`)
+or an in-place draft reload (:class:`~pipeline.release.vllm_reload.VllmDraftReload`). With
+no actuator it only fetches, for a launcher that reads :attr:`DrafterSync.launch`.
+
+Configured from the environment by :func:`sync_from_env` (the hooks run inside trainer
+processes, not Dagster):
+
+- ``AERIE_STORAGE_URL``, ``AERIE_SERVING_NAME`` (the registered model, e.g.
+  ``aerie-drafter-llama``): which manifest;
+- ``AERIE_SYNC_MODE``: ``fetch`` (default), ``vllm-reload``, ``vllm-restart`` or
+  ``sglang-restart``; ``AERIE_SYNC_SERVER_URLS`` (comma-separated, ``vllm-reload``) or
+  ``AERIE_SYNC_RESTART_COMMAND`` (a JSON argv list with the restart placeholders);
+- ``AERIE_SYNC_CACHE_DIR``: local drafter copies (default ``~/.cache/aerie/drafters``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from pipeline.eagle3.spec import SpecParams
+from pipeline.release.backend import Actuator, ServingError, ServingRefused
+from pipeline.serving_now import ServingLaunch, resolve_serving
+from pipeline.storage import Storage
+
+log = logging.getLogger(__name__)
+
+SYNC_MODES = ("fetch", "vllm-reload", "vllm-restart", "sglang-restart")
+ActuatorFactory = Callable[[SpecParams], Actuator]
+
+
+class DrafterSync:
+    """Hands the promoted drafter to the rollout engines when the serving manifest moves.
+
+    The engines are taken to run what is current when the sync is built (they were launched
+    with it); each call compares against the last manifest handed over. A hand-over that
+    fails never stops the RL run: the engines keep the drafter they run, the error is logged
+    and kept in :attr:`last_error`, and the next call tries again, except for a refusal
+    (:class:`~pipeline.release.backend.ServingRefused`: another try cannot help), which
+    waits for the manifest to move again."""
+
+    def __init__(self, storage: Storage, name: str, cache_dir: str | Path,
+                 actuator_for: ActuatorFactory | None = None):
+        self.storage = storage
+        self.name = name
+        self.cache_dir = Path(cache_dir)
+        self.actuator_for = actuator_for
+        self.launch: ServingLaunch | None = resolve_serving(storage, name, self.cache_dir)
+        self.last_error: str | None = None
+        self._refused: int | None = None  # the manifest a refusal was about
+
+    @property
+    def sequence(self) -> int | None:
+        return self.launch.manifest.sequence if self.launch else None
+
+    def __call__(self) -> ServingLaunch | None:
+        """The new launch when the manifest moved (after the engines got it), else None."""
+        new = resolve_serving(self.storage, self.name, self.cache_dir,
+                              known_sequence=self.sequence)
+        if new is None or new.manifest.sequence == self._refused:
+            return None
+        try:
+            self._hand_over(new)
+        except ServingError as e:
+            self.last_error = f"serving manifest {new.manifest.sequence}: {e}"
+            if isinstance(e, ServingRefused):
+                self._refused = new.manifest.sequence
+            log.error("drafter sync of %s: %s; the engines keep manifest %s", self.name,
+                      self.last_error, self.sequence)
+            return None
+        self.last_error = None
+        log.info("serving %s: manifest %s -> %d (%s)", self.name, self.sequence,
+                 new.manifest.sequence, new.manifest.target.name if new.manifest.target
+                 else "no drafter")
+        self.launch = new
+        return new
+
+    def _hand_over(self, new: ServingLaunch) -> None:
+        if self.actuator_for is None:
+            return
+        actuator = self.actuator_for(new.manifest.settings)
+        if new.drafter_dir is not None:
+            current = self.launch.drafter_dir if self.launch else None
+            actuator.check(new.drafter_dir, current if actuator.compares_with_current
+                           else None)
+        actuator.activate(new.drafter_dir, new.manifest.target)
+
+
+def actuator_factory(mode: str, *, server_urls: list[str] | None = None,
+                     restart_command: list[str] | None = None, timeout_s: float = 600.0
+                     ) -> ActuatorFactory | None:
+    """What hands a drafter to the engines in ``mode`` (:data:`SYNC_MODES`)."""
+    if mode == "fetch":
+        return None
+    if mode == "vllm-reload":
+        from pipeline.release.vllm_reload import VllmDraftReload
+
+        if not server_urls:
+            raise ValueError("sync mode vllm-reload needs the vLLM servers' URLs "
+                             "(AERIE_SYNC_SERVER_URLS)")
+        return lambda settings: VllmDraftReload(server_urls, settings, timeout_s=timeout_s)
+    if mode in ("vllm-restart", "sglang-restart"):
+        from pipeline.release.restart import RestartHook
+
+        if not restart_command:
+            raise ValueError(f"sync mode {mode} needs a restart command "
+                             "(AERIE_SYNC_RESTART_COMMAND, a JSON list)")
+        RestartHook(restart_command, SpecParams(1, 1, 2), mode=mode)  # placeholders: now
+        return lambda settings: RestartHook(restart_command, settings, timeout_s=timeout_s,
+                                            mode=mode)
+    raise ValueError(f"sync mode {mode!r} is not one of {SYNC_MODES}")
+
+
+def sync_from_env(environ: Mapping[str, str] | None = None) -> DrafterSync:
+    """The :class:`DrafterSync` the ``AERIE_*`` variables describe (module docstring)."""
+    env = os.environ if environ is None else environ
+    missing = [k for k in ("AERIE_STORAGE_URL", "AERIE_SERVING_NAME") if not env.get(k)]
+    if missing:
+        raise ValueError(f"set {' and '.join(missing)}: the drafter sync reads the serving "
+                         "manifest of AERIE_SERVING_NAME under AERIE_STORAGE_URL")
+    command = env.get("AERIE_SYNC_RESTART_COMMAND")
+    try:
+        argv = json.loads(command) if command else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"AERIE_SYNC_RESTART_COMMAND is not JSON: {e}") from None
+    if argv is not None and (not isinstance(argv, list)
+                             or not all(isinstance(a, str) for a in argv)):
+        raise ValueError("AERIE_SYNC_RESTART_COMMAND must be a JSON list of strings")
+    urls = [u.strip() for u in env.get("AERIE_SYNC_SERVER_URLS", "").split(",") if u.strip()]
+    factory = actuator_factory(env.get("AERIE_SYNC_MODE", "fetch"), server_urls=urls,
+                               restart_command=argv)
+    cache = env.get("AERIE_SYNC_CACHE_DIR") or Path.home() / ".cache" / "aerie" / "drafters"
+    return DrafterSync(Storage(env["AERIE_STORAGE_URL"]), env["AERIE_SERVING_NAME"], cache,
+                       factory)

@@ -1,0 +1,114 @@
+"""The drafter back at the RL trainer's weight sync: :class:`DrafterSync` configured from the
+environment, reached through verl's own class loader (``checkpoint_manager_class``) and
+through slime's post-write hook, handing promoted drafters to a vLLM stand-in
+(``tests/vllm_contract``) in place."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import verl.checkpoint_engine.base as verl_base
+from verl.utils.import_utils import load_class_from_fqn
+from verl.workers.config import CheckpointEngineConfig
+
+from pipeline.adapters import slime_hook
+from pipeline.adapters.verl_sync import MANIFEST_METRIC
+from pipeline.adapters.weight_sync import sync_from_env
+from tests.release.helpers import Drafters
+from tests.vllm_contract.fixtures import served, vllm_server
+
+NAME = "aerie-drafter-demo"
+
+
+@pytest.fixture
+def deployment(tmp_path, monkeypatch):
+    """v1 served (the engines launched with it), a vLLM stand-in running it, and the
+    ``AERIE_*`` variables of an in-place sync to it."""
+    drafters = Drafters(tmp_path, NAME)
+    launch = drafters.manifest.apply(drafters.targets["1"], reason="first promotion")
+    assert launch.sequence == 1
+    from pipeline.serving_now import resolve_serving
+    args = resolve_serving(drafters.storage, NAME, tmp_path / "launcher").args_for("vllm")
+    with vllm_server(tmp_path, args) as url:
+        for key, value in {"AERIE_STORAGE_URL": drafters.storage.url(""),
+                           "AERIE_SERVING_NAME": NAME, "AERIE_SYNC_MODE": "vllm-reload",
+                           "AERIE_SYNC_SERVER_URLS": url,
+                           "AERIE_SYNC_CACHE_DIR": str(tmp_path / "sync-cache")}.items():
+            monkeypatch.setenv(key, value)
+        yield drafters, url
+
+
+def test_a_promotion_reaches_the_engines_at_the_next_sync_and_a_refusal_never_stops_rl(
+        deployment):
+    drafters, url = deployment
+    sync = sync_from_env()
+    assert sync() is None and served(url)["loads"] == 0  # the engines run manifest 1
+    drafters.manifest.apply(drafters.targets["2"], reason="promote v2")
+    launch = sync()
+    assert launch.manifest.sequence == 2 and served(url)["digest"] == drafters.digest("2")
+    assert sync() is None and served(url)["loads"] == 1
+
+    drafters.manifest.apply(drafters.targets["3"], reason="promote v3")  # wider: no reload
+    assert sync() is None
+    assert "drafter shapes differ" in sync.last_error and sync.sequence == 2
+    assert sync() is None and served(url)["loads"] == 1  # a refusal is not retried
+
+
+def test_env_errors_name_the_variable(monkeypatch):
+    with pytest.raises(ValueError, match="AERIE_STORAGE_URL and AERIE_SERVING_NAME"):
+        sync_from_env({})
+    env = {"AERIE_STORAGE_URL": "file:///nowhere", "AERIE_SERVING_NAME": NAME}
+    with pytest.raises(ValueError, match="AERIE_SYNC_SERVER_URLS"):
+        sync_from_env({**env, "AERIE_SYNC_MODE": "vllm-reload"})
+    with pytest.raises(ValueError, match="AERIE_SYNC_RESTART_COMMAND must be a JSON list"):
+        sync_from_env({**env, "AERIE_SYNC_MODE": "vllm-restart",
+                       "AERIE_SYNC_RESTART_COMMAND": '"restart.sh"'})
+    with pytest.raises(ValueError, match="unknown placeholders"):
+        sync_from_env({**env, "AERIE_SYNC_MODE": "sglang-restart",
+                       "AERIE_SYNC_RESTART_COMMAND": '["restart.sh", "{model}"]'})
+
+
+class _ActorGroup:
+    """verl's actor worker group as the ``naive`` backend uses it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def update_weights(self, global_steps, mode):
+        self.calls.append((global_steps, mode))
+        return []  # the object refs ray.get waits on; no Ray cluster here
+
+
+def test_verl_loads_the_manager_by_name_and_each_update_syncs_policy_then_drafter(
+        deployment, monkeypatch):
+    drafters, url = deployment
+    monkeypatch.setattr(verl_base.ray, "get", lambda refs: refs)
+    cls = load_class_from_fqn("pipeline.adapters.verl_sync.AerieCheckpointEngineManager",
+                              "CheckpointEngineManager")
+    assert issubclass(cls, verl_base.CheckpointEngineManager)
+    actors = _ActorGroup()
+    manager = cls(config=CheckpointEngineConfig(backend="naive"), actor_wg=actors,
+                  replicas=[])
+    assert manager.update_weights(1) == {} and actors.calls == [(1, "naive")]
+    drafters.manifest.apply(drafters.targets["2"], reason="promote v2")
+    assert manager.update_weights(2) == {MANIFEST_METRIC: 2}  # as the trainer calls it
+    assert served(url)["digest"] == drafters.digest("2")
+
+    async def from_a_loop():  # verl's auto_await hands an awaiting caller the coroutine
+        return await manager.update_weights(3)
+
+    assert asyncio.run(from_a_loop()) == {} and actors.calls[-1] == (3, "naive")
+
+
+def test_slimes_post_write_hook_syncs_on_rank_zero(deployment, monkeypatch, tmp_path):
+    drafters, url = deployment
+    monkeypatch.setattr(slime_hook, "_sync", None)
+    slime_hook.post_write(object(), str(tmp_path / "weight_v000001"), [])
+    drafters.manifest.apply(drafters.targets["2"], reason="promote v2")
+    monkeypatch.setattr(slime_hook, "_rank", lambda: 1)
+    slime_hook.post_write(object(), str(tmp_path / "weight_v000002"), [])
+    assert served(url)["loads"] == 0  # other ranks leave it to rank 0
+    monkeypatch.setattr(slime_hook, "_rank", lambda: 0)
+    slime_hook.post_write(object(), str(tmp_path / "weight_v000002"), [])
+    assert served(url)["digest"] == drafters.digest("2")

@@ -1,0 +1,82 @@
+"""The vLLM serving modes against a stand-in that honours vLLM 0.33's contract
+(``tests/vllm_contract``): the launch flags it parses, the in-place draft reload through
+Aerie's worker extension, and the restarts' ``{speculative_config}``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from pipeline.eagle3.spec import SpecParams
+from pipeline.release.backend import ServingRefused
+from pipeline.release.restart import RestartHook
+from pipeline.serving_now import read_serving, resolve_serving
+from resources.serving import ServingResource
+from tests.release.helpers import SETTINGS, Drafters
+from tests.vllm_contract.fixtures import served, vllm_server
+
+NAME = "aerie-drafter-demo"
+
+
+@pytest.fixture
+def drafters(tmp_path) -> Drafters:
+    d = Drafters(tmp_path, NAME)
+    d.manifest.apply(d.targets["1"], reason="first promotion")
+    return d
+
+
+def _launch_args(drafters: Drafters, tmp_path) -> tuple[str, ...]:
+    launch = resolve_serving(drafters.storage, NAME, tmp_path / "launcher-cache")
+    return launch.args_for("vllm")
+
+
+def test_the_launch_flags_are_what_vllm_parses_and_a_reload_swaps_every_worker(drafters,
+                                                                                tmp_path):
+    args = _launch_args(drafters, tmp_path)
+    assert args[0] == "--speculative-config"
+    assert json.loads(args[1])["num_speculative_tokens"] == SETTINGS.num_steps
+    with vllm_server(tmp_path, args) as url:
+        assert served(url)["digest"] == drafters.digest("1")
+        backend = ServingResource(mode="vllm-reload", server_urls=[url],
+                                  cache_dir=str(tmp_path / "cache")).build(drafters.storage,
+                                                                           NAME)
+        manifest = backend.apply(drafters.targets["2"], reason="promote v2")
+        now = served(url)
+        assert (now["digest"], now["loads"], now["paused"]) == (drafters.digest("2"), 1, False)
+        assert (manifest.mode, manifest.details["servers"]) == ("vllm-reload", "1")
+
+        with pytest.raises(ServingRefused, match="drafter shapes differ.*vllm-restart"):
+            backend.apply(drafters.targets["3"], reason="promote v3")
+        assert served(url)["loads"] == 1  # refused before any request
+        assert read_serving(drafters.storage, NAME).target.registry_version == "2"
+        with pytest.raises(ServingRefused, match="cannot turn speculation off"):
+            backend.restore(None, reason="undo")
+
+
+def test_a_server_without_dev_mode_is_refused_and_left_running(drafters, tmp_path):
+    with vllm_server(tmp_path, _launch_args(drafters, tmp_path), dev_mode=False) as url:
+        backend = ServingResource(mode="vllm-reload", server_urls=[url],
+                                  cache_dir=str(tmp_path / "cache")).build(drafters.storage,
+                                                                           NAME)
+        with pytest.raises(ServingRefused, match="VLLM_SERVER_DEV_MODE=1"):
+            backend.apply(drafters.targets["2"], reason="promote v2")
+        assert served(url) == {"digest": drafters.digest("1"), "loads": 0, "paused": False}
+        assert read_serving(drafters.storage, NAME).target.registry_version == "1"
+
+
+def test_vllm_restart_fills_the_speculative_config_and_refuses_a_tree(drafters, tmp_path):
+    out = tmp_path / "argv.json"
+    argv = [sys.executable, "-c", "import json, sys; json.dump(sys.argv[2:], "
+            "open(sys.argv[1], 'w'))", str(out), "--speculative-config", "{speculative_config}"]
+    backend = ServingResource(mode="vllm-restart", restart_command=argv,
+                              cache_dir=str(tmp_path / "cache")).build(drafters.storage, NAME)
+    backend.apply(drafters.targets["2"], reason="promote v2")
+    flag, spec = json.loads(out.read_text())
+    local = backend._local(drafters.targets["2"])
+    assert json.loads(spec) == {"method": "eagle3", "model": str(local),
+                                "num_speculative_tokens": 3}
+    tree = RestartHook(argv, SpecParams(3, 4, 8), mode="vllm-restart")
+    with pytest.raises(ServingRefused, match="chain only"):
+        tree.check(local, None)
