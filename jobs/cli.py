@@ -6,9 +6,10 @@ persistent sqlite Dagster instance under ``$AERIE_HOME/dagster``: after every st
 the snapshot sensor and the refresh sensor as the daemon would and runs what they request
 (:mod:`jobs.demo`), so the drafter is refreshed every N steps and the gate decides each
 refresh. ``aerie ingest`` writes an RL framework's dump directory as snapshots
-(:mod:`jobs.ingest`). ``aerie status`` says what serves now; ``aerie promote`` and
-``aerie rollback`` run the override and rollback jobs; ``aerie ui`` opens the Dagster UI
-on the same instance.
+(:mod:`jobs.ingest`). ``aerie status`` says what serves now and ``aerie serving-args
+ENGINE`` the flags that launch an engine on it; ``aerie promote`` and ``aerie rollback``
+run the override and rollback jobs; ``aerie ui`` opens the Dagster UI on the same
+instance.
 """
 
 import argparse
@@ -287,6 +288,24 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     return 0 if not any(r["files_quarantined"] for r in reports) else 3
 
 
+def cmd_serving_args(args: argparse.Namespace) -> int:
+    from pipeline.serving_now import resolve_serving
+    from resources.home import aerie_home
+    from resources.storage import storage_from_environment
+
+    name = args.name or _registry_and_storage()[0].model_name
+    storage = storage_from_environment()
+    cache = args.cache or aerie_home() / "serving-cache"
+    launch = resolve_serving(storage, name, cache)
+    if launch is None or launch.drafter_dir is None:
+        print(f"serving {name}: no drafter to serve", file=sys.stderr)
+        return 0
+    print("\n".join(launch.args_for(args.engine)))
+    print(f"serving {name}: manifest {launch.manifest.sequence}, drafter "
+          f"{launch.manifest.target.name} at {launch.drafter_dir}", file=sys.stderr)
+    return 0
+
+
 def _run_release_job(job_name: str, op: str, config: dict, args) -> int:
     """Run ``job_name`` (the override or the rollback job) on the instance, recorded like a
     run launched from the UI, and print what serves afterwards."""
@@ -357,6 +376,7 @@ def parser() -> argparse.ArgumentParser:
     promote.add_argument("--actor", default=who, help=f"who decides (default: {who})")
     promote.set_defaults(func=cmd_promote)
     from pipeline.adapters.frameworks import FRAMEWORKS
+    from pipeline.serving_now import ENGINES
 
     ingest = sub.add_parser("ingest", help="write an RL framework's dump directory as rollout "
                                            "snapshots (one pass, or --follow)")
@@ -378,6 +398,15 @@ def parser() -> argparse.ArgumentParser:
     ingest.add_argument("--follow", action="store_true", help="keep polling the directory")
     ingest.add_argument("--poll", type=float, default=30.0, help="seconds between passes")
     ingest.set_defaults(func=cmd_ingest)
+    serving = sub.add_parser(
+        "serving-args", help="the launch flags (one per line) that serve the current drafter "
+                             "on an engine, its files fetched and verified")
+    serving.add_argument("engine", choices=ENGINES)
+    serving.add_argument("--name", help="the serving name (default: the registered model "
+                                        "of AERIE_TARGET_FAMILY)")
+    serving.add_argument("--cache", type=Path, help="where the drafter is fetched to "
+                                                    "(default: $AERIE_HOME/serving-cache)")
+    serving.set_defaults(func=cmd_serving_args)
     rollback = sub.add_parser("rollback", help="restore the previous champion (recorded)")
     rollback.add_argument("--reason", default="rollback", help="why")
     rollback.add_argument("--actor", default=who, help=f"who rolls back (default: {who})")

@@ -12,6 +12,7 @@ import verl.checkpoint_engine.base as verl_base
 from verl.utils.import_utils import load_class_from_fqn
 from verl.workers.config import CheckpointEngineConfig
 
+from jobs import cli
 from pipeline.adapters import slime_hook
 from pipeline.adapters.verl_sync import MANIFEST_METRIC
 from pipeline.adapters.weight_sync import sync_from_env
@@ -21,22 +22,41 @@ from tests.vllm_contract.fixtures import served, vllm_server
 NAME = "aerie-drafter-demo"
 
 
+def _serving_args(engine: str, cache, capsys) -> list[str]:
+    """What a launcher gets from ``aerie serving-args ENGINE`` (one flag per line)."""
+    capsys.readouterr()
+    assert cli.main(["serving-args", engine, "--name", NAME, "--cache", str(cache)]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
 @pytest.fixture
-def deployment(tmp_path, monkeypatch):
-    """v1 served (the engines launched with it), a vLLM stand-in running it, and the
+def deployment(tmp_path, monkeypatch, capsys):
+    """v1 served, a vLLM stand-in launched on it with ``aerie serving-args vllm``, and the
     ``AERIE_*`` variables of an in-place sync to it."""
     drafters = Drafters(tmp_path, NAME)
-    launch = drafters.manifest.apply(drafters.targets["1"], reason="first promotion")
-    assert launch.sequence == 1
-    from pipeline.serving_now import resolve_serving
-    args = resolve_serving(drafters.storage, NAME, tmp_path / "launcher").args_for("vllm")
-    with vllm_server(tmp_path, args) as url:
-        for key, value in {"AERIE_STORAGE_URL": drafters.storage.url(""),
-                           "AERIE_SERVING_NAME": NAME, "AERIE_SYNC_MODE": "vllm-reload",
+    assert drafters.manifest.apply(drafters.targets["1"], reason="first").sequence == 1
+    monkeypatch.setenv("AERIE_STORAGE_URL", drafters.storage.url(""))
+    with vllm_server(tmp_path, _serving_args("vllm", tmp_path / "launcher", capsys)) as url:
+        for key, value in {"AERIE_SERVING_NAME": NAME, "AERIE_SYNC_MODE": "vllm-reload",
                            "AERIE_SYNC_SERVER_URLS": url,
                            "AERIE_SYNC_CACHE_DIR": str(tmp_path / "sync-cache")}.items():
             monkeypatch.setenv(key, value)
         yield drafters, url
+
+
+def test_serving_args_for_each_launcher(deployment, tmp_path, capsys):
+    cache = tmp_path / "launcher"
+    drafter = next(cache.iterdir())  # the verified copy the vLLM stand-in runs
+    spec = f'{{"method":"eagle3","model":"{drafter}","num_speculative_tokens":3}}'
+    assert _serving_args("trl-vllm-serve", cache, capsys) == ["--speculative_config", spec]
+    assert _serving_args("nemo-rl", cache, capsys) == [
+        "++policy.generation.vllm_kwargs.speculative_config.method=eagle3",
+        f"++policy.generation.vllm_kwargs.speculative_config.model={drafter}",
+        "++policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens=3"]
+    assert _serving_args("sglang", cache, capsys) == [
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter),
+        "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "4"]
 
 
 def test_a_promotion_reaches_the_engines_at_the_next_sync_and_a_refusal_never_stops_rl(
