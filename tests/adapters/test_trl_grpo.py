@@ -5,7 +5,8 @@ evaluates and gates a drafter on them.
 TRL's own trainer generates (transformers ``generate``, CPU, no vLLM) and optimises; the
 test keeps the trainer's tensors of every generation batch (``prompt_ids``/``prompt_mask``,
 ``completion_ids``/``completion_mask``, the padded tensors the loss is computed on) and
-checks that the snapshot holds exactly those ids.
+checks that the snapshot holds exactly those ids. The trainer is built by the copyable
+example's :func:`examples.trl_grpo.recorded_trainer`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
+from examples.trl_grpo import recorded_trainer
 from jobs import cli
 from jobs.demo import RefreshLoop
-from pipeline.adapters.trl import TRLRecorder
 from pipeline.demo import policy, task
 from pipeline.demo.config import DemoConfig
 from pipeline.demo.tokenizer import train_tokenizer
@@ -81,16 +82,13 @@ def grpo(tmp_path_factory):
                                      for p in problems])
         storage = Storage((home / "storage").as_uri())
         weights = [1.0, 0.5]
-        recorder = TRLRecorder(storage, tokenizer=tok, initial_policy_dir=base,
-                               reward_funcs=[_correct, _short], reward_weights=weights)
         args = GRPOConfig(
             output_dir=str(home / "trl-out"), max_steps=STEPS, per_device_train_batch_size=16,
             num_generations=4, max_completion_length=64, save_steps=1, use_cpu=True,
             report_to="none", learning_rate=1e-4, seed=0, reward_weights=weights,
             temperature=1.0, top_k=50, disable_tqdm=True)
-        trainer = _Watched(model=str(base), reward_funcs=recorder.reward_funcs, args=args,
-                           train_dataset=dataset, processing_class=tok,
-                           callbacks=[recorder.callback])
+        trainer, recorder = recorded_trainer(base, tok, dataset, [_correct, _short], args,
+                                             storage, trainer_cls=_Watched)
         trainer.batches = []
         trainer.train()
         yield home, storage, recorder, trainer
