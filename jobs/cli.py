@@ -297,12 +297,22 @@ def cmd_serving_args(args: argparse.Namespace) -> int:
     storage = storage_from_environment()
     cache = args.cache or aerie_home() / "serving-cache"
     launch = resolve_serving(storage, name, cache)
-    if launch is None or launch.drafter_dir is None:
-        print(f"serving {name}: no drafter to serve", file=sys.stderr)
+    if launch is None:
+        print(f"serving {name}: nothing was ever published under {storage.url('')} (is the "
+              "name right?)", file=sys.stderr)
+        return 1
+    sequence = launch.manifest.sequence  # AERIE_SYNC_LAUNCHED_WITH for the sync hooks
+    if launch.drafter_dir is None:
+        print(f"serving {name}: manifest {sequence} serves no drafter", file=sys.stderr)
         return 0
-    print("\n".join(launch.args_for(args.engine)))
-    print(f"serving {name}: manifest {launch.manifest.sequence}, drafter "
-          f"{launch.manifest.target.name} at {launch.drafter_dir}", file=sys.stderr)
+    try:
+        flags = launch.args_for(args.engine)
+    except ValueError as e:
+        print(f"serving {name}: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(flags))
+    print(f"serving {name}: manifest {sequence}, drafter {launch.manifest.target.name} at "
+          f"{launch.drafter_dir}", file=sys.stderr)
     return 0
 
 

@@ -205,6 +205,12 @@ def resolve_serving(storage: Storage, name: str, cache_dir: str | Path,
     manifest = read_serving(storage, name)
     if manifest is None or manifest.sequence == known_sequence:
         return None
+    return launch_of(storage, manifest, cache_dir)
+
+
+def launch_of(storage: Storage, manifest: ServingManifest, cache_dir: str | Path
+              ) -> ServingLaunch:
+    """``manifest`` with its drafter fetched (and verified) into ``cache_dir``."""
     if manifest.target is None:
         return ServingLaunch(manifest, None, ())
     local = materialize_drafter(storage, manifest.target.drafter_uri, cache_dir,

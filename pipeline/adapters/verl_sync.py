@@ -6,7 +6,12 @@ verl (0.9.1) builds the class named there with ``config=, actor_wg=, replicas=``
 the policy. :class:`AerieCheckpointEngineManager` runs the stock sync, then
 :class:`~pipeline.adapters.weight_sync.DrafterSync` (configured by the ``AERIE_*``
 variables): a promoted drafter reaches the rollout engines at the first sync after its
-promotion. Imports verl: only the verl process loads this module.
+promotion. ``AERIE_SYNC_MODE=verl-replicas`` reloads it in place into verl's own vLLM
+servers, through each replica's server actors (``collective_rpc``, the method of
+:class:`~pipeline.adapters.verl_vllm.AerieVerlWorkerExtension`; verl's servers listen on
+ports chosen at start, so there are no URLs to configure). The drafter's directory
+(``AERIE_SYNC_CACHE_DIR``) must be readable on the rollout nodes. Imports verl: only the
+verl process loads this module.
 
     +actor_rollout_ref.rollout.checkpoint_manager_class=pipeline.adapters.verl_sync.AerieCheckpointEngineManager
 """
@@ -14,14 +19,80 @@ promotion. Imports verl: only the verl process loads this module.
 from __future__ import annotations
 
 import asyncio
+import logging
+from pathlib import Path
 from typing import Any
 
+import ray
 from verl.checkpoint_engine import CheckpointEngineManager
 from verl.utils.ray_utils import auto_await
 
 from pipeline.adapters.weight_sync import DrafterSync, sync_from_env
+from pipeline.eagle3.spec import SpecParams
+from pipeline.release.backend import ServingError, ServingRefused
+from pipeline.release.hotswap import hotswap_refusals
+from pipeline.release.vllm_worker import METHOD
+from pipeline.serving_now import ServingTarget
 
-MANIFEST_METRIC = "aerie/serving_manifest"
+log = logging.getLogger(__name__)
+
+REPLICAS_MODE = "verl-replicas"
+
+
+class VerlReplicaReload:
+    """An :class:`~pipeline.release.backend.Actuator` on verl's rollout replicas: the draft
+    weights reloaded in place by every server actor of every replica; a failure part-way
+    reloads the previous drafter everywhere it may have reached, then raises."""
+
+    mode = REPLICAS_MODE
+    compares_with_current = True
+
+    def __init__(self, replicas: list[Any], settings: SpecParams):
+        self.servers = [s for r in replicas for s in r.servers]
+        self.settings = settings
+        self._current: Path | None = None
+
+    def check(self, new_dir: Path, current_dir: Path | None) -> None:
+        if self.settings.eagle_topk != 1:
+            raise ServingRefused("vLLM drafts EAGLE-3 as a chain only: eagle_topk must be 1")
+        if current_dir is None:
+            raise ServingRefused("the rollout servers run no recorded drafter to reload; "
+                                 "launch verl with one (aerie serving-args vllm)")
+        reasons = hotswap_refusals(current_dir, new_dir, same_d2t=False)
+        if reasons:
+            raise ServingRefused("cannot reload in place: " + "; ".join(reasons))
+        self._current = current_dir
+
+    def activate(self, new_dir: Path | None, target: ServingTarget | None) -> dict[str, str]:
+        if new_dir is None:
+            raise ServingRefused("verl's servers cannot turn speculation off in place")
+        reached = []
+        try:
+            for server in self.servers:
+                reached.append(server)
+                self._load(server, new_dir)
+        except Exception as e:
+            stuck = self._roll_back(reached)
+            raise ServingError(f"reloading {new_dir.name} into verl's rollout servers failed "
+                               f"({type(e).__name__}: {e})" + (
+                                   f"; {stuck} of them could not be given the previous "
+                                   "drafter back and run an unrecorded one" if stuck else
+                                   "; the previous drafter was reloaded")) from e
+        return {"servers": str(len(reached))}
+
+    @staticmethod
+    def _load(server: Any, directory: Path) -> None:
+        ray.get(server.collective_rpc.remote(method=METHOD, kwargs={"path": str(directory)}))
+
+    def _roll_back(self, reached: list[Any]) -> int:
+        stuck = 0
+        for server in reached if self._current is not None else ():
+            try:
+                self._load(server, self._current)
+            except Exception:
+                log.exception("verl-replicas: the previous drafter did not reload")
+                stuck += 1
+        return stuck
 
 
 class AerieCheckpointEngineManager(CheckpointEngineManager):
@@ -29,12 +100,11 @@ class AerieCheckpointEngineManager(CheckpointEngineManager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.drafter_sync: DrafterSync = sync_from_env()
+        self.drafter_sync: DrafterSync = sync_from_env(extra_modes={
+            REPLICAS_MODE: lambda settings: VerlReplicaReload(self.replicas, settings)})
 
     @auto_await
-    async def update_weights(self, global_steps: int | None = None) -> dict:
+    async def update_weights(self, global_steps: int | None = None) -> Any:
         metrics = await super().update_weights(global_steps)
-        launch = await asyncio.to_thread(self.drafter_sync)
-        if launch is None:
-            return metrics
-        return {**(metrics or {}), MANIFEST_METRIC: launch.manifest.sequence}
+        await asyncio.to_thread(self.drafter_sync)
+        return metrics

@@ -18,6 +18,8 @@ processes, not Dagster):
 - ``AERIE_SYNC_MODE``: ``fetch`` (default), ``vllm-reload``, ``vllm-restart`` or
   ``sglang-restart``; ``AERIE_SYNC_SERVER_URLS`` (comma-separated, ``vllm-reload``) or
   ``AERIE_SYNC_RESTART_COMMAND`` (a JSON argv list with the restart placeholders);
+- ``AERIE_SYNC_LAUNCHED_WITH``: the manifest number the engines were launched with
+  (``aerie serving-args`` prints it); unset, what is current when the hook first runs;
 - ``AERIE_SYNC_CACHE_DIR``: local drafter copies (default ``~/.cache/aerie/drafters``).
 """
 
@@ -30,9 +32,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from pipeline.eagle3.spec import SpecParams
-from pipeline.release.backend import Actuator, ServingError, ServingRefused
-from pipeline.serving_now import ServingLaunch, resolve_serving
+from pipeline.release.backend import Actuator, ServingRefused
+from pipeline.serving_now import (
+    ServingLaunch,
+    launch_of,
+    read_serving,
+    read_serving_entry,
+    resolve_serving,
+)
 from pipeline.storage import Storage
+from pipeline.verified import IntegrityError
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +52,29 @@ ActuatorFactory = Callable[[SpecParams], Actuator]
 class DrafterSync:
     """Hands the promoted drafter to the rollout engines when the serving manifest moves.
 
-    The engines are taken to run what is current when the sync is built (they were launched
-    with it); each call compares against the last manifest handed over. A hand-over that
-    fails never stops the RL run: the engines keep the drafter they run, the error is logged
-    and kept in :attr:`last_error`, and the next call tries again, except for a refusal
-    (:class:`~pipeline.release.backend.ServingRefused`: another try cannot help), which
-    waits for the manifest to move again."""
+    ``launched_with``: the manifest number the engines were launched with (``aerie
+    serving-args`` prints it); None takes what is current when the sync is built. Each call
+    compares against the last manifest handed over.
+
+    A hand-over that fails never stops the RL run: the engines keep the drafter they run,
+    the error is logged with its traceback and kept in :attr:`last_error`, and the next
+    call tries again, except for a refusal (:class:`~pipeline.release.backend.ServingRefused`,
+    or a drafter whose files fail verification), which waits for the manifest to move."""
 
     def __init__(self, storage: Storage, name: str, cache_dir: str | Path,
-                 actuator_for: ActuatorFactory | None = None):
+                 actuator_for: ActuatorFactory | None = None, *,
+                 launched_with: int | None = None):
         self.storage = storage
         self.name = name
         self.cache_dir = Path(cache_dir)
         self.actuator_for = actuator_for
-        self.launch: ServingLaunch | None = resolve_serving(storage, name, self.cache_dir)
         self.last_error: str | None = None
         self._refused: int | None = None  # the manifest a refusal was about
+        if launched_with is None:
+            self.launch = resolve_serving(storage, name, self.cache_dir)
+        else:
+            self.launch = launch_of(storage, read_serving_entry(storage, name, launched_with),
+                                    self.cache_dir)
 
     @property
     def sequence(self) -> int | None:
@@ -66,23 +82,26 @@ class DrafterSync:
 
     def __call__(self) -> ServingLaunch | None:
         """The new launch when the manifest moved (after the engines got it), else None."""
-        new = resolve_serving(self.storage, self.name, self.cache_dir,
-                              known_sequence=self.sequence)
-        if new is None or new.manifest.sequence == self._refused:
-            return None
+        sequence = None
         try:
+            current = read_serving(self.storage, self.name)
+            sequence = current.sequence if current else None
+            if current is None or sequence in (self.sequence, self._refused):
+                return None
+            new = launch_of(self.storage, current, self.cache_dir)
             self._hand_over(new)
-        except ServingError as e:
-            self.last_error = f"serving manifest {new.manifest.sequence}: {e}"
-            if isinstance(e, ServingRefused):
-                self._refused = new.manifest.sequence
-            log.error("drafter sync of %s: %s; the engines keep manifest %s", self.name,
-                      self.last_error, self.sequence)
+        except Exception as e:  # never stops the RL run; see the class docstring
+            self.last_error = f"serving manifest {sequence}: {type(e).__name__}: {e}"
+            if isinstance(e, ServingRefused | IntegrityError):
+                self._refused = sequence
+            log.exception("drafter sync of %s: %s; the engines keep manifest %s", self.name,
+                          self.last_error, self.sequence)
             return None
         self.last_error = None
-        log.info("serving %s: manifest %s -> %d (%s)", self.name, self.sequence,
-                 new.manifest.sequence, new.manifest.target.name if new.manifest.target
-                 else "no drafter")
+        log.info("serving %s: manifest %s -> %d (%s)%s", self.name, self.sequence, sequence,
+                 new.manifest.target.name if new.manifest.target else "no drafter",
+                 "" if self.actuator_for else "; fetched only, the engines are unchanged "
+                                               "(AERIE_SYNC_MODE=fetch)")
         self.launch = new
         return new
 
@@ -98,8 +117,8 @@ class DrafterSync:
 
 
 def actuator_factory(mode: str, *, server_urls: list[str] | None = None,
-                     restart_command: list[str] | None = None, timeout_s: float = 600.0
-                     ) -> ActuatorFactory | None:
+                     restart_command: list[str] | None = None, timeout_s: float = 600.0,
+                     also: tuple[str, ...] = ()) -> ActuatorFactory | None:
     """What hands a drafter to the engines in ``mode`` (:data:`SYNC_MODES`)."""
     if mode == "fetch":
         return None
@@ -119,11 +138,13 @@ def actuator_factory(mode: str, *, server_urls: list[str] | None = None,
         RestartHook(restart_command, SpecParams(1, 1, 2), mode=mode)  # placeholders: now
         return lambda settings: RestartHook(restart_command, settings, timeout_s=timeout_s,
                                             mode=mode)
-    raise ValueError(f"sync mode {mode!r} is not one of {SYNC_MODES}")
+    raise ValueError(f"AERIE_SYNC_MODE {mode!r} is not one of {SYNC_MODES + also}")
 
 
-def sync_from_env(environ: Mapping[str, str] | None = None) -> DrafterSync:
-    """The :class:`DrafterSync` the ``AERIE_*`` variables describe (module docstring)."""
+def sync_from_env(environ: Mapping[str, str] | None = None, *,
+                  extra_modes: Mapping[str, ActuatorFactory] | None = None) -> DrafterSync:
+    """The :class:`DrafterSync` the ``AERIE_*`` variables describe (module docstring);
+    ``extra_modes``: modes only a framework's hook offers (verl's ``verl-replicas``)."""
     env = os.environ if environ is None else environ
     missing = [k for k in ("AERIE_STORAGE_URL", "AERIE_SERVING_NAME") if not env.get(k)]
     if missing:
@@ -138,8 +159,15 @@ def sync_from_env(environ: Mapping[str, str] | None = None) -> DrafterSync:
                              or not all(isinstance(a, str) for a in argv)):
         raise ValueError("AERIE_SYNC_RESTART_COMMAND must be a JSON list of strings")
     urls = [u.strip() for u in env.get("AERIE_SYNC_SERVER_URLS", "").split(",") if u.strip()]
-    factory = actuator_factory(env.get("AERIE_SYNC_MODE", "fetch"), server_urls=urls,
-                               restart_command=argv)
+    mode = env.get("AERIE_SYNC_MODE", "fetch")
+    if extra_modes and mode in extra_modes:
+        factory = extra_modes[mode]
+    else:
+        factory = actuator_factory(mode, server_urls=urls, restart_command=argv,
+                                   also=tuple(extra_modes or ()))
+    launched = env.get("AERIE_SYNC_LAUNCHED_WITH")
+    if launched is not None and not launched.isdigit():
+        raise ValueError(f"AERIE_SYNC_LAUNCHED_WITH {launched!r} is not a manifest number")
     cache = env.get("AERIE_SYNC_CACHE_DIR") or Path.home() / ".cache" / "aerie" / "drafters"
     return DrafterSync(Storage(env["AERIE_STORAGE_URL"]), env["AERIE_SERVING_NAME"], cache,
-                       factory)
+                       factory, launched_with=int(launched) if launched else None)

@@ -8,13 +8,18 @@ wait), ``POST /collective_rpc`` with ``aerie_load_draft_weights`` and the drafte
 shapes, aux layers and RoPE (vLLM re-reads the weights and ``d2t``, not the config); anything
 else needs ``vllm-restart``.
 
+The servers must import Aerie (``pip install aerie`` in vLLM's environment) for the
+extension to load.
+
 Invariants:
 
-- Refusals (no extension-compatible drafter, shapes/aux/RoPE differ, a tree topk, "no
-  drafter") come from ``check``/before the first request: nothing is sent.
-- A server that was paused is always resumed, also when its load failed.
-- A failure part-way re-loads the previous drafter into the servers already switched, so
-  the servers never run two drafters; the failure is then raised.
+- Refusals (shapes/aux/RoPE differ, a tree topk, "no drafter", a server without dev mode,
+  the extension or a drafter) come from ``check``, which only probes
+  (``aerie_draft_loader``): no server is paused or changed.
+- ``/resume`` follows every ``/pause`` attempt, also when the pause or the load failed.
+- A failure part-way re-loads the previous drafter into every server it may have reached
+  (the switched ones and the one that failed), all of them attempted; the failure is then
+  raised, naming any server left on an unrecorded drafter.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import requests
 from pipeline.eagle3.spec import SpecParams
 from pipeline.release.backend import ServingError, ServingRefused
 from pipeline.release.hotswap import hotswap_refusals
-from pipeline.release.vllm_worker import METHOD
+from pipeline.release.vllm_worker import EXTENSION, METHOD, PROBE
 from pipeline.serving_now import ServingTarget
 
 log = logging.getLogger(__name__)
@@ -57,19 +62,38 @@ class VllmReloadClient:
             raise ServingError(f"{self.base_url}{path}: HTTP {r.status_code}: {r.text[:500]}")
         return r.json() if r.content else {}
 
+    def rpc(self, method: str, **kwargs: Any) -> list[Any]:
+        """``method`` on every worker (``/collective_rpc``): their results."""
+        out = self.post("/collective_rpc", {"method": method, "kwargs": kwargs})
+        results = out.get("results") if isinstance(out, dict) else None
+        if not isinstance(results, list) or not results:
+            raise ServingError(f"{self.base_url}: {method} answered {str(out)[:300]}")
+        return results
+
+    def probe(self) -> None:
+        """Refuse a server that cannot reload a drafter, without changing anything."""
+        try:
+            results = self.rpc(PROBE)
+        except ServingRefused:
+            raise
+        except ServingError as e:
+            raise ServingRefused(f"{self.base_url}: the worker extension does not answer "
+                                 f"({e}); start vLLM with --worker-extension-cls "
+                                 f"{EXTENSION}") from e
+        if not all(isinstance(r, dict) and r.get("drafter") for r in results):
+            raise ServingRefused(f"{self.base_url}: a worker runs no EAGLE drafter "
+                                 f"({results}); start vLLM with --speculative-config")
+
     def load_draft(self, drafter_dir: Path) -> list[Any]:
         """Pause, load ``drafter_dir`` on every worker, resume; the workers' results."""
-        self.post("/pause?mode=wait")
         try:
-            out = self.post("/collective_rpc", {"method": METHOD,
-                                                "kwargs": {"path": str(drafter_dir)}})
+            self.post("/pause?mode=wait")
+            results = self.rpc(METHOD, path=str(drafter_dir))
         finally:
             self.post("/resume")
-        results = out.get("results")
-        if not isinstance(results, list) or not results or not all(
-                isinstance(r, dict) and r.get("tensors", 0) > 0 for r in results):
-            raise ServingError(f"{self.base_url}: {METHOD} answered {str(out)[:300]}; is the "
-                               f"worker extension loaded (--worker-extension-cls)?")
+        if not all(isinstance(r, dict) and isinstance(r.get("tensors"), int)
+                   and r["tensors"] > 0 for r in results):
+            raise ServingError(f"{self.base_url}: {METHOD} answered {results!r:.300}")
         return results
 
 
@@ -98,30 +122,35 @@ class VllmDraftReload:
         if reasons:
             raise ServingRefused("cannot reload in place: " + "; ".join(reasons)
                                  + " (use vllm-restart)")
+        for client in self.clients:
+            client.probe()
         self._current = current_dir
 
     def activate(self, new_dir: Path | None, target: ServingTarget | None) -> dict[str, str]:
         if new_dir is None:
             raise ServingRefused("vllm-reload cannot turn speculation off; use vllm-restart "
                                  "with no_drafter_command")
-        done: list[VllmReloadClient] = []
+        reached: list[VllmReloadClient] = []
         try:
             for client in self.clients:
+                reached.append(client)  # from the first request on, it may hold new weights
                 client.load_draft(new_dir)
-                done.append(client)
         except ServingError as e:
-            self._roll_back(done, e)
+            self._roll_back(reached, e)
             raise
-        log.info("vllm-reload: %d servers run %s", len(done), new_dir.name)
-        return {"servers": str(len(done))}
+        log.info("vllm-reload: %d servers run %s", len(reached), new_dir.name)
+        return {"servers": str(len(reached))}
 
-    def _roll_back(self, done: list[VllmReloadClient], error: Exception) -> None:
-        if not done or self._current is None:
+    def _roll_back(self, reached: list[VllmReloadClient], error: ServingError) -> None:
+        if self._current is None:
             return
-        for client in done:
+        stuck = []
+        for client in reached:
             try:
                 client.load_draft(self._current)
             except ServingError as again:
-                raise ServingError(f"vllm-reload failed ({error}) and {client.base_url} could "
-                                   f"not be given its previous drafter back ({again}); it runs "
-                                   "an unrecorded drafter") from again
+                stuck.append(f"{client.base_url} ({again})")
+        if stuck:
+            raise ServingError(f"vllm-reload failed ({error}) and the previous drafter could "
+                               f"not be reloaded into {', '.join(stuck)}: they run an "
+                               "unrecorded drafter") from error

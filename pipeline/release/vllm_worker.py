@@ -23,6 +23,8 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 METHOD = "aerie_load_draft_weights"
+PROBE = "aerie_draft_loader"  # answers {"loader": VERSION, "drafter": bool}: extension there?
+VERSION = 1
 EXTENSION = f"{__name__}.AerieDraftLoader"
 WEIGHTS = "model.safetensors"  # pipeline.eagle3.export.WEIGHTS_NAME, without its imports
 
@@ -30,12 +32,20 @@ WEIGHTS = "model.safetensors"  # pipeline.eagle3.export.WEIGHTS_NAME, without it
 class AerieDraftLoader:
     """Mixed into vLLM's GPU worker: ``self.model_runner.drafter.model`` is the drafter."""
 
+    def aerie_draft_loader(self) -> dict[str, int | bool]:
+        """That the extension is loaded, and whether this worker runs a drafter."""
+        return {"loader": VERSION, "drafter": self._aerie_drafter() is not None}
+
+    def _aerie_drafter(self):
+        drafter = getattr(getattr(self, "model_runner", None), "drafter", None)
+        model = getattr(drafter, "model", None)
+        return model if hasattr(model, "load_weights") else None
+
     def aerie_load_draft_weights(self, path: str) -> dict[str, int]:
         """Load ``path/model.safetensors`` into the running EAGLE-3 drafter; the number of
         tensors read, for the caller to check every worker took the whole drafter."""
-        drafter = getattr(getattr(self, "model_runner", None), "drafter", None)
-        model = getattr(drafter, "model", None)
-        if model is None or not hasattr(model, "load_weights"):
+        model = self._aerie_drafter()
+        if model is None:
             raise RuntimeError("this vLLM worker runs no EAGLE drafter: start it with "
                                "--speculative-config '{\"method\": \"eagle3\", ...}'")
         weights = load_file(str(Path(path) / WEIGHTS), device="cpu")

@@ -6,6 +6,8 @@ through slime's post-write hook, handing promoted drafters to a vLLM stand-in
 from __future__ import annotations
 
 import asyncio
+import os
+from types import SimpleNamespace
 
 import pytest
 import verl.checkpoint_engine.base as verl_base
@@ -14,10 +16,12 @@ from verl.workers.config import CheckpointEngineConfig
 
 from jobs import cli
 from pipeline.adapters import slime_hook
-from pipeline.adapters.verl_sync import MANIFEST_METRIC
+from pipeline.adapters.verl_sync import AerieCheckpointEngineManager
 from pipeline.adapters.weight_sync import sync_from_env
+from pipeline.release.vllm_worker import AerieDraftLoader
 from tests.release.helpers import Drafters
 from tests.vllm_contract.fixtures import served, vllm_server
+from tests.vllm_contract.server import Worker
 
 NAME = "aerie-drafter-demo"
 
@@ -75,6 +79,13 @@ def test_a_promotion_reaches_the_engines_at_the_next_sync_and_a_refusal_never_st
     assert sync() is None and served(url)["loads"] == 1  # a refusal is not retried
 
 
+def test_serving_args_fails_loudly_where_a_launch_would_silently_lose_the_drafter(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AERIE_STORAGE_URL", (tmp_path / "empty").as_uri())
+    assert cli.main(["serving-args", "vllm", "--name", "aerie-drafter-typo"]) == 1
+    assert "nothing was ever published" in capsys.readouterr().err
+
+
 def test_env_errors_name_the_variable(monkeypatch):
     with pytest.raises(ValueError, match="AERIE_STORAGE_URL and AERIE_SERVING_NAME"):
         sync_from_env({})
@@ -112,13 +123,73 @@ def test_verl_loads_the_manager_by_name_and_each_update_syncs_policy_then_drafte
                   replicas=[])
     assert manager.update_weights(1) == {} and actors.calls == [(1, "naive")]
     drafters.manifest.apply(drafters.targets["2"], reason="promote v2")
-    assert manager.update_weights(2) == {MANIFEST_METRIC: 2}  # as the trainer calls it
+    assert manager.update_weights(2) == {}  # as the trainer calls it: no loop running
     assert served(url)["digest"] == drafters.digest("2")
+    assert manager.drafter_sync.sequence == 2
 
     async def from_a_loop():  # verl's auto_await hands an awaiting caller the coroutine
         return await manager.update_weights(3)
 
     assert asyncio.run(from_a_loop()) == {} and actors.calls[-1] == (3, "naive")
+
+
+class _ServerActor:
+    """A verl vLLM server actor: ``collective_rpc`` runs a method on its engine's workers
+    (here the stand-in's workers with Aerie's loader mixed in, as vLLM mixes extensions)."""
+
+    def __init__(self, drafter_dir, fail: bool = False):
+        cls = type("Worker", (Worker, AerieDraftLoader), {})
+        self.workers = [cls(drafter_dir) for _ in range(2)]
+        self.fail = fail
+        self.collective_rpc = self  # verl calls handle.collective_rpc.remote(...)
+
+    def remote(self, method, kwargs):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("ray.exceptions.RayTaskError: CUDA out of memory")
+        for w in self.workers:
+            getattr(w, method)(**kwargs)
+        return None  # verl's collective_rpc returns nothing
+
+    def digest(self):
+        return {w.model_runner.drafter.model.digest() for w in self.workers}
+
+
+def test_verl_replicas_mode_reloads_every_server_actor_and_rolls_back_a_failure(
+        deployment, monkeypatch):
+    drafters, _ = deployment
+    monkeypatch.setenv("AERIE_SYNC_MODE", "verl-replicas")
+    monkeypatch.setattr(verl_base.ray, "get", lambda refs: refs)
+    servers = [_ServerActor(drafters.dirs["1"]), _ServerActor(drafters.dirs["1"])]
+    replicas = [SimpleNamespace(servers=[servers[0]]), SimpleNamespace(servers=[servers[1]])]
+    manager = AerieCheckpointEngineManager(config=CheckpointEngineConfig(backend="naive"),
+                                           actor_wg=_ActorGroup(), replicas=replicas)
+    drafters.manifest.apply(drafters.targets["2"], reason="promote v2")
+    servers[1].fail = True  # the second server's load fails once
+    assert manager.update_weights(2) == {}  # the RL run goes on
+    assert "CUDA out of memory" in manager.drafter_sync.last_error
+    assert [s.digest() for s in servers] == [{drafters.digest("1")}] * 2  # rolled back
+    manager.update_weights(3)  # tried again at the next sync
+    assert [s.digest() for s in servers] == [{drafters.digest("2")}] * 2
+    assert manager.drafter_sync.sequence == 2 and manager.drafter_sync.last_error is None
+
+
+def test_a_drafter_failing_verification_is_refused_once_and_the_run_goes_on(deployment):
+    drafters, url = deployment
+    sync = sync_from_env()
+    drafters.manifest.apply(drafters.targets["2"], reason="promote v2")
+    key = f"{drafters.storage.key_of(drafters.targets['2'].drafter_uri)}/model.safetensors"
+    drafters.storage.write_bytes(key, b"not the committed bytes")
+    assert sync() is None and "IntegrityError" in sync.last_error
+    assert sync() is None and served(url)["loads"] == 0 and sync.sequence == 1
+
+
+def test_the_launch_manifest_can_be_named(deployment):
+    drafters, url = deployment
+    drafters.manifest.apply(drafters.targets["2"], reason="promoted before the hook ran")
+    late = sync_from_env({**os.environ, "AERIE_SYNC_LAUNCHED_WITH": "1"})
+    assert late.sequence == 1 and late().manifest.sequence == 2
+    assert served(url)["digest"] == drafters.digest("2")
 
 
 def test_slimes_post_write_hook_syncs_on_rank_zero(deployment, monkeypatch, tmp_path):

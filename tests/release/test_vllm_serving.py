@@ -5,12 +5,13 @@ Aerie's worker extension, and the restarts' ``{speculative_config}``."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
 
 from pipeline.eagle3.spec import SpecParams
-from pipeline.release.backend import ServingRefused
+from pipeline.release.backend import ServingError, ServingRefused
 from pipeline.release.restart import RestartHook
 from pipeline.serving_now import read_serving, resolve_serving
 from resources.serving import ServingResource
@@ -55,15 +56,48 @@ def test_the_launch_flags_are_what_vllm_parses_and_a_reload_swaps_every_worker(d
             backend.restore(None, reason="undo")
 
 
-def test_a_server_without_dev_mode_is_refused_and_left_running(drafters, tmp_path):
-    with vllm_server(tmp_path, _launch_args(drafters, tmp_path), dev_mode=False) as url:
+@pytest.mark.parametrize("server, reason", [
+    ({"dev_mode": False}, "VLLM_SERVER_DEV_MODE=1"),
+    ({"extension": False}, "--worker-extension-cls pipeline.release.vllm_worker"),
+])
+def test_a_server_that_cannot_reload_is_refused_untouched(drafters, tmp_path, server, reason):
+    with vllm_server(tmp_path, _launch_args(drafters, tmp_path), **server) as url:
         backend = ServingResource(mode="vllm-reload", server_urls=[url],
                                   cache_dir=str(tmp_path / "cache")).build(drafters.storage,
                                                                            NAME)
-        with pytest.raises(ServingRefused, match="VLLM_SERVER_DEV_MODE=1"):
+        with pytest.raises(ServingRefused, match=re.escape(reason)):
             backend.apply(drafters.targets["2"], reason="promote v2")
-        assert served(url) == {"digest": drafters.digest("1"), "loads": 0, "paused": False}
+        assert served(url) == {"digest": drafters.digest("1"), "loads": 0, "paused": False,
+                               "pauses": 0}
         assert read_serving(drafters.storage, NAME).target.registry_version == "1"
+
+
+def test_a_load_failing_part_way_gives_every_reached_server_its_drafter_back(drafters,
+                                                                              tmp_path):
+    args = _launch_args(drafters, tmp_path)
+    with vllm_server(tmp_path, args) as first, \
+            vllm_server(tmp_path, args, fail_loads=1) as second:
+        backend = ServingResource(mode="vllm-reload", server_urls=[first, second],
+                                  cache_dir=str(tmp_path / "cache")).build(drafters.storage,
+                                                                           NAME)
+        with pytest.raises(ServingError, match="CUDA out of memory"):
+            backend.apply(drafters.targets["2"], reason="promote v2")
+        for url in (first, second):  # the second's worker 0 had loaded v2: reloaded too
+            now = served(url)
+            assert (now["digest"], now["paused"]) == (drafters.digest("1"), False), url
+        assert read_serving(drafters.storage, NAME).target.registry_version == "1"
+
+
+def test_a_server_that_cannot_take_its_drafter_back_is_named(drafters, tmp_path):
+    args = _launch_args(drafters, tmp_path)
+    with vllm_server(tmp_path, args, fail_loads=2) as url:
+        backend = ServingResource(mode="vllm-reload", server_urls=[url],
+                                  cache_dir=str(tmp_path / "cache")).build(drafters.storage,
+                                                                           NAME)
+        with pytest.raises(ServingError, match=f"could not be reloaded into {url}.*"
+                                               "unrecorded drafter"):
+            backend.apply(drafters.targets["2"], reason="promote v2")
+        assert served(url)["paused"] is False
 
 
 def test_vllm_restart_fills_the_speculative_config_and_refuses_a_tree(drafters, tmp_path):

@@ -19,14 +19,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @contextmanager
 def vllm_server(work: Path, args: Sequence[str], *, dev_mode: bool = True,
-                tensor_parallel_size: int = 2) -> Iterator[str]:
+                tensor_parallel_size: int = 2, extension: bool = True,
+                fail_loads: int = 0) -> Iterator[str]:
     """``vllm serve``'s stand-in with ``args`` (e.g. the ``--speculative-config`` pair) and
     Aerie's worker extension; its base URL."""
     port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0"}
     cmd = [sys.executable, "-m", "tests.vllm_contract.server", "--port", str(port),
-           "--worker-extension-cls", "pipeline.release.vllm_worker.AerieDraftLoader",
-           "--tensor-parallel-size", str(tensor_parallel_size), *args]
+           "--tensor-parallel-size", str(tensor_parallel_size),
+           "--fail-loads", str(fail_loads), *args]
+    if extension:
+        cmd += ["--worker-extension-cls", "pipeline.release.vllm_worker.AerieDraftLoader"]
     log = open(work / f"vllm-{port}.log", "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -16,8 +16,10 @@ It honours, as vLLM does (``vllm serve`` with ``--speculative-config`` and
   ``POST /collective_rpc {"method", "args", "kwargs"}`` -> ``{"results": [per worker]}``,
   registered only with ``VLLM_SERVER_DEV_MODE=1`` (else 404); a worker's exception is an
   HTTP 500.
-- Test-only: ``GET /_contract/drafter`` -> the digest of worker 0's drafter tensors, the
-  number of loads and whether the server is paused.
+- Test-only: ``--fail-loads N`` makes the first N ``aerie_load_draft_weights`` calls fail
+  part-way (worker 0 loads, worker 1 raises, as a worker out of memory would);
+  ``GET /_contract/drafter`` -> the digest of worker 0's drafter tensors, the
+  number of completed loads and of pauses, and whether the server is paused.
 """
 
 from __future__ import annotations
@@ -110,12 +112,14 @@ def speculative_drafter(spec_json: str) -> tuple[Path, int]:
 
 
 class Server(ThreadingHTTPServer):
-    def __init__(self, port: int, workers: list, dev_mode: bool):
+    def __init__(self, port: int, workers: list, dev_mode: bool, fail_loads: int = 0):
         super().__init__(("127.0.0.1", port), Handler)
         self.workers = workers
+        self.fail_loads = fail_loads
         self.dev_mode = dev_mode
         self.paused = False
         self.loads = 0
+        self.pauses = 0
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -140,7 +144,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, {"is_paused": self.server.paused})
         elif path == "/_contract/drafter":
             self._send(200, {"digest": self.server.workers[0].model_runner.drafter.model.digest(),
-                             "loads": self.server.loads, "paused": self.server.paused})
+                             "loads": self.server.loads, "paused": self.server.paused,
+                             "pauses": self.server.pauses})
         else:
             self._send(404, {"detail": "Not Found"})
 
@@ -153,6 +158,7 @@ class Handler(BaseHTTPRequestHandler):
             if mode not in ("abort", "wait", "keep"):
                 return self._send(422, {"detail": f"mode {mode}"})
             self.server.paused = True
+            self.server.pauses += 1
             return self._send(200, {"status": "paused"})
         if url.path == "/resume":
             self.server.paused = False
@@ -162,13 +168,19 @@ class Handler(BaseHTTPRequestHandler):
         self._send(404, {"detail": "Not Found"})
 
     def _rpc(self, body: dict) -> None:
+        loading = body["method"] == "aerie_load_draft_weights"
+        failing = loading and self.server.fail_loads > 0
+        results = []
         try:
-            results = [getattr(w, body["method"])(*body.get("args", []),
-                                                  **body.get("kwargs", {}))
-                       for w in self.server.workers]
+            for rank, w in enumerate(self.server.workers):
+                if failing and rank == 1:
+                    self.server.fail_loads -= 1
+                    raise RuntimeError("CUDA out of memory (stand-in)")
+                results.append(getattr(w, body["method"])(*body.get("args", []),
+                                                           **body.get("kwargs", {})))
         except Exception as e:  # vLLM answers a failed RPC with a server error
             return self._send(500, {"error": f"{type(e).__name__}: {e}"})
-        self.server.loads += 1
+        self.server.loads += loading
         self._send(200, {"results": results})
 
 
@@ -178,11 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--speculative-config", required=True)
     p.add_argument("--worker-extension-cls", default="")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--fail-loads", type=int, default=0)
     args = p.parse_args(argv)
     drafter, _ = speculative_drafter(args.speculative_config)
     cls = worker_class(args.worker_extension_cls)
     workers = [cls(drafter) for _ in range(args.tensor_parallel_size)]
-    server = Server(args.port, workers, os.environ.get("VLLM_SERVER_DEV_MODE") == "1")
+    server = Server(args.port, workers, os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
+                    args.fail_loads)
     server.serve_forever()
 
 
