@@ -15,8 +15,9 @@ processes, not Dagster):
 
 - ``AERIE_STORAGE_URL``, ``AERIE_SERVING_NAME`` (the registered model, e.g.
   ``aerie-drafter-llama``): which manifest;
-- ``AERIE_SYNC_MODE``: ``fetch`` (default), ``vllm-reload``, ``vllm-restart`` or
-  ``sglang-restart``; ``AERIE_SYNC_SERVER_URLS`` (comma-separated, ``vllm-reload``) or
+- ``AERIE_SYNC_MODE``: ``fetch`` (default; the engines are unchanged), ``vllm-reload``,
+  ``vllm-restart`` or ``sglang-restart`` (or a framework's own, e.g. verl's
+  ``verl-replicas``); ``AERIE_SYNC_SERVER_URLS`` (comma-separated, ``vllm-reload``) or
   ``AERIE_SYNC_RESTART_COMMAND`` (a JSON argv list with the restart placeholders);
 - ``AERIE_SYNC_LAUNCHED_WITH``: the manifest number the engines were launched with
   (``aerie serving-args`` prints it); unset, what is current when the hook first runs;
