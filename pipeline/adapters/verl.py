@@ -12,7 +12,9 @@ Steps: ``global_steps`` counts from 1 and the batch of step ``S`` was generated 
 policy after ``S - 1`` updates (version ``S - 1``); where the batch carries verl's own
 per-sample counter (``non_tensor_batch["min_global_steps"]``, the weight version the
 rollout server had when the sample began) that is the record's version, and the oldest of
-them the step's policy. ``_save_checkpoint`` writes the policy
+them the step's policy (a partial rollout continued across a sync, from ``min_global_steps``
+to ``max_global_steps``, is labelled with the oldest policy it was generated with).
+``_save_checkpoint`` writes the policy
 after ``S`` updates to ``{trainer.default_local_dir}/global_step_{S}``, whose
 ``actor/huggingface`` holds HF weights when ``actor.checkpoint.save_contents`` includes
 ``hf_model`` (else only the config: not a policy Aerie can publish).

@@ -24,6 +24,7 @@ from verl import DataProto
 from pipeline.adapters.verl import AerieTrainerMixin, VerlRecorder, VerlRecorderError
 from pipeline.layout import raw_prefix
 from pipeline.manifest import read_manifest
+from pipeline.parquet import read_table
 from pipeline.storage import Storage
 from tests.adapters.rollouts import conversation, copy_policy, snapshot_records
 
@@ -98,7 +99,7 @@ def test_batches_keep_exact_ids_tool_masks_rewards_and_the_generating_checkpoint
             {1: 0, 2: 0, 3: 2}[step]
 
 
-def test_verls_own_weight_version_counter_wins_and_bad_batches_name_the_key(world, tmp_path):
+def test_verls_own_weight_version_counter_wins_and_bad_rows_are_quarantined(world, tmp_path):
     tok, base = world
     storage = Storage((tmp_path / "store").as_uri())
     recorder = VerlRecorder(storage, tokenizer=tok, checkpoint_dir=tmp_path / "none",
@@ -108,6 +109,11 @@ def test_verls_own_weight_version_counter_wins_and_bad_batches_name_the_key(worl
     assert [r["generated_by_policy_version"] for r in records] == [3, 4]
     with pytest.raises(VerlRecorderError, match="row 1: min_global_steps 5"):
         recorder.records(_batch(tok, rows, [1.0, 1.0], versions=[3, 5]), 5)
+    bad = [rows[0], (rows[1][0], rows[1][1][:-1] + [10**6], rows[1][2])]  # beyond the vocab
+    summary = recorder.write(_batch(tok, bad, [1.0, 1.0]), 5)
+    assert (summary.accepted, summary.quarantined) == (1, 1)
+    [kept] = read_table(storage, f"{raw_prefix(5)}/quarantine.parquet").to_pylist()
+    assert "response_token_ids" in str(kept) and "verl-step000005-00001" in str(kept)
     batch = _batch(tok, rows, [1.0, 1.0])
     batch.batch.pop("response_mask")
     with pytest.raises(VerlRecorderError, match="no 'response_mask'"):
