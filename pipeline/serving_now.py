@@ -54,24 +54,28 @@ def vllm_speculative_config(settings: SpecParams, drafter_dir: str) -> str:
                        "num_speculative_tokens": settings.num_steps}, separators=(",", ":"))
 
 
-ENGINES = ("sglang", "vllm", "trl-vllm-serve", "nemo-rl")
+ENGINES = ("sglang", "vllm", "trl-vllm-serve", "nemo-rl", "verl")
+_HYDRA_KEYS = {  # where a trainer's config passes vLLM its speculative_config
+    "nemo-rl": "policy.generation.vllm_kwargs.speculative_config",
+    "verl": "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config",
+}
 
 
 def engine_args(engine: str, settings: SpecParams, drafter_dir: str) -> tuple[str, ...]:
     """The launch flags that serve the drafter in ``drafter_dir`` on ``engine``: SGLang's
     ``launch_server``, ``vllm serve``, TRL's ``trl vllm-serve`` (which forwards its
-    ``--speculative_config`` to vLLM), or NeMo-RL's config overrides (its vLLM workers pass
-    ``policy.generation.vllm_kwargs`` to the engine)."""
+    ``--speculative_config`` to vLLM), or the config overrides of NeMo-RL (its vLLM workers
+    pass ``policy.generation.vllm_kwargs`` to the engine) or verl (its vLLM servers take
+    ``rollout.engine_kwargs.vllm`` as engine arguments)."""
     if engine == "sglang":
         return serving_args(settings, drafter_dir)
     if engine == "vllm":
         return ("--speculative-config", vllm_speculative_config(settings, drafter_dir))
     if engine == "trl-vllm-serve":
         return ("--speculative_config", vllm_speculative_config(settings, drafter_dir))
-    if engine == "nemo-rl":
-        key = "++policy.generation.vllm_kwargs.speculative_config"
+    if engine in _HYDRA_KEYS:
         spec = json.loads(vllm_speculative_config(settings, drafter_dir))
-        return tuple(f"{key}.{k}={v}" for k, v in spec.items())
+        return tuple(f"++{_HYDRA_KEYS[engine]}.{k}={v}" for k, v in spec.items())
     raise ValueError(f"engine {engine!r} is not one of {ENGINES}")
 
 

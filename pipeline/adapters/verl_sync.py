@@ -10,8 +10,13 @@ promotion. ``AERIE_SYNC_MODE=verl-replicas`` reloads it in place into verl's own
 servers, through each replica's server actors (``collective_rpc``, the method of
 :class:`~pipeline.adapters.verl_vllm.AerieVerlWorkerExtension`; verl's servers listen on
 ports chosen at start, so there are no URLs to configure). The drafter's directory
-(``AERIE_SYNC_CACHE_DIR``) must be readable on the rollout nodes. Imports verl: only the
-verl process loads this module.
+(``AERIE_SYNC_CACHE_DIR``) must be readable on the rollout nodes.
+
+Colocated (hybrid) replicas sleep between steps, at level 2 unless MTP or LoRA is on, and
+verl's own note says drafter-only weights are not restored after a level-2 sleep: its sync
+pushes the policy only. So with hybrid replicas this mode reloads the current drafter after
+every sync, not only after a promotion. Imports verl: only the verl process loads this
+module.
 
     +actor_rollout_ref.rollout.checkpoint_manager_class=pipeline.adapters.verl_sync.AerieCheckpointEngineManager
 """
@@ -20,23 +25,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import ray
 from verl.checkpoint_engine import CheckpointEngineManager
 from verl.utils.ray_utils import auto_await
+from verl.workers.rollout.replica import RolloutMode
 
 from pipeline.adapters.weight_sync import DrafterSync, sync_from_env
 from pipeline.eagle3.spec import SpecParams
 from pipeline.release.backend import ServingError, ServingRefused
 from pipeline.release.hotswap import hotswap_refusals
-from pipeline.release.vllm_worker import METHOD
+from pipeline.release.vllm_worker import METHOD, PROBE
 from pipeline.serving_now import ServingTarget
 
 log = logging.getLogger(__name__)
 
 REPLICAS_MODE = "verl-replicas"
+VERL_EXTENSION = "pipeline.adapters.verl_vllm.AerieVerlWorkerExtension"
 
 
 class VerlReplicaReload:
@@ -47,9 +55,11 @@ class VerlReplicaReload:
     mode = REPLICAS_MODE
     compares_with_current = True
 
-    def __init__(self, replicas: list[Any], settings: SpecParams):
+    def __init__(self, replicas: list[Any], settings: SpecParams, *,
+                 timeout_s: float = 600.0):
         self.servers = [s for r in replicas for s in r.servers]
         self.settings = settings
+        self.timeout_s = timeout_s
         self._current: Path | None = None
 
     def check(self, new_dir: Path, current_dir: Path | None) -> None:
@@ -57,15 +67,25 @@ class VerlReplicaReload:
             raise ServingRefused("vLLM drafts EAGLE-3 as a chain only: eagle_topk must be 1")
         if current_dir is None:
             raise ServingRefused("the rollout servers run no recorded drafter to reload; "
-                                 "launch verl with one (aerie serving-args vllm)")
+                                 "launch verl with one (aerie serving-args verl)")
         reasons = hotswap_refusals(current_dir, new_dir, same_d2t=False)
         if reasons:
             raise ServingRefused("cannot reload in place: " + "; ".join(reasons))
+        for server in self.servers:
+            try:
+                self._call(server, PROBE, require_drafter=True)
+            except ray.exceptions.RayTaskError as e:  # the worker ran it and failed
+                raise ServingRefused(
+                    f"verl's vLLM workers cannot reload a drafter ({str(e)[:300]}); set "
+                    f"+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls="
+                    f"{VERL_EXTENSION} and a speculative_config") from e
         self._current = current_dir
 
     def activate(self, new_dir: Path | None, target: ServingTarget | None) -> dict[str, str]:
         if new_dir is None:
             raise ServingRefused("verl's servers cannot turn speculation off in place")
+        if self._current is None:  # a reload of the drafter they run (after a sync)
+            self._current = new_dir
         reached = []
         try:
             for server in self.servers:
@@ -80,9 +100,12 @@ class VerlReplicaReload:
                                    "; the previous drafter was reloaded")) from e
         return {"servers": str(len(reached))}
 
-    @staticmethod
-    def _load(server: Any, directory: Path) -> None:
-        ray.get(server.collective_rpc.remote(method=METHOD, kwargs={"path": str(directory)}))
+    def _call(self, server: Any, method: str, **kwargs: Any) -> None:
+        ray.get(server.collective_rpc.remote(method=method, kwargs=kwargs),
+                timeout=self.timeout_s)
+
+    def _load(self, server: Any, directory: Path) -> None:
+        self._call(server, METHOD, path=str(directory))
 
     def _roll_back(self, reached: list[Any]) -> int:
         stuck = 0
@@ -103,8 +126,13 @@ class AerieCheckpointEngineManager(CheckpointEngineManager):
         self.drafter_sync: DrafterSync = sync_from_env(extra_modes={
             REPLICAS_MODE: lambda settings: VerlReplicaReload(self.replicas, settings)})
 
+        self.reload_every_sync = os.environ.get("AERIE_SYNC_MODE") == REPLICAS_MODE and any(
+            getattr(r, "rollout_mode", None) == RolloutMode.HYBRID for r in self.replicas)
+
     @auto_await
     async def update_weights(self, global_steps: int | None = None) -> Any:
         metrics = await super().update_weights(global_steps)
-        await asyncio.to_thread(self.drafter_sync)
+        moved = await asyncio.to_thread(self.drafter_sync)
+        if moved is None and self.reload_every_sync:
+            await asyncio.to_thread(self.drafter_sync.reload_current)
         return metrics

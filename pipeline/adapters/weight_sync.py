@@ -57,7 +57,9 @@ class DrafterSync:
     serving-args`` prints it); None takes what is current when the sync is built. Each call
     compares against the last manifest handed over.
 
-    A hand-over that fails never stops the RL run: the engines keep the drafter they run,
+    Building it fails loudly (a wrong setting, an unreadable launch manifest: the run has
+    not started). After that, a hand-over that fails never stops the RL run: the engines
+    keep the drafter they run,
     the error is logged with its traceback and kept in :attr:`last_error`, and the next
     call tries again, except for a refusal (:class:`~pipeline.release.backend.ServingRefused`,
     or a drafter whose files fail verification), which waits for the manifest to move."""
@@ -93,7 +95,7 @@ class DrafterSync:
             self._hand_over(new)
         except Exception as e:  # never stops the RL run; see the class docstring
             self.last_error = f"serving manifest {sequence}: {type(e).__name__}: {e}"
-            if isinstance(e, ServingRefused | IntegrityError):
+            if isinstance(e, ServingRefused | IntegrityError) and sequence is not None:
                 self._refused = sequence
             log.exception("drafter sync of %s: %s; the engines keep manifest %s", self.name,
                           self.last_error, self.sequence)
@@ -105,6 +107,21 @@ class DrafterSync:
                                                "(AERIE_SYNC_MODE=fetch)")
         self.launch = new
         return new
+
+    def reload_current(self) -> bool:
+        """Hand the drafter of the current launch over again (for engines whose draft
+        weights do not survive a sync); False, with the error logged and kept, if that
+        failed or there is nothing to hand over."""
+        if self.launch is None or self.launch.drafter_dir is None or not self.actuator_for:
+            return False
+        try:
+            actuator = self.actuator_for(self.launch.manifest.settings)
+            actuator.activate(self.launch.drafter_dir, self.launch.manifest.target)
+        except Exception as e:  # never stops the RL run; see the class docstring
+            self.last_error = f"reloading manifest {self.sequence}: {type(e).__name__}: {e}"
+            log.exception("drafter sync of %s: %s", self.name, self.last_error)
+            return False
+        return True
 
     def _hand_over(self, new: ServingLaunch) -> None:
         if self.actuator_for is None:
@@ -166,7 +183,7 @@ def sync_from_env(environ: Mapping[str, str] | None = None, *,
     else:
         factory = actuator_factory(mode, server_urls=urls, restart_command=argv,
                                    also=tuple(extra_modes or ()))
-    launched = env.get("AERIE_SYNC_LAUNCHED_WITH")
+    launched = env.get("AERIE_SYNC_LAUNCHED_WITH") or None
     if launched is not None and not launched.isdigit():
         raise ValueError(f"AERIE_SYNC_LAUNCHED_WITH {launched!r} is not a manifest number")
     cache = env.get("AERIE_SYNC_CACHE_DIR") or Path.home() / ".cache" / "aerie" / "drafters"

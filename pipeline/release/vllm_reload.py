@@ -40,6 +40,14 @@ from pipeline.serving_now import ServingTarget
 log = logging.getLogger(__name__)
 
 
+class RPCFailed(ServingError):
+    """A server answered with an error status (``status``)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
 class VllmReloadClient:
     """One vLLM server's dev-mode routes."""
 
@@ -49,7 +57,7 @@ class VllmReloadClient:
         self.timeout_s = timeout_s
         self.session = session or requests.Session()
 
-    def post(self, path: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
+    def post(self, path: str, payload: dict[str, Any] | None = None) -> Any:
         try:
             r = self.session.post(f"{self.base_url}{path}", json=payload,
                                   timeout=self.timeout_s)
@@ -59,8 +67,12 @@ class VllmReloadClient:
             raise ServingRefused(f"{self.base_url}: no /collective_rpc; start vLLM with "
                                  "VLLM_SERVER_DEV_MODE=1")
         if r.status_code != 200:
-            raise ServingError(f"{self.base_url}{path}: HTTP {r.status_code}: {r.text[:500]}")
-        return r.json() if r.content else {}
+            raise RPCFailed(f"{self.base_url}{path}: HTTP {r.status_code}: {r.text[:500]}",
+                            r.status_code)
+        try:
+            return r.json() if r.content else {}
+        except ValueError as e:
+            raise ServingError(f"{self.base_url}{path}: not JSON: {r.text[:200]!r}") from e
 
     def rpc(self, method: str, **kwargs: Any) -> list[Any]:
         """``method`` on every worker (``/collective_rpc``): their results."""
@@ -74,9 +86,9 @@ class VllmReloadClient:
         """Refuse a server that cannot reload a drafter, without changing anything."""
         try:
             results = self.rpc(PROBE)
-        except ServingRefused:
-            raise
-        except ServingError as e:
+        except RPCFailed as e:
+            if e.status != 500:  # 500: the server ran the call and a worker had no method
+                raise
             raise ServingRefused(f"{self.base_url}: the worker extension does not answer "
                                  f"({e}); start vLLM with --worker-extension-cls "
                                  f"{EXTENSION}") from e
@@ -135,13 +147,15 @@ class VllmDraftReload:
             for client in self.clients:
                 reached.append(client)  # from the first request on, it may hold new weights
                 client.load_draft(new_dir)
-        except ServingError as e:
+        except Exception as e:  # whatever failed, the servers reached get their drafter back
             self._roll_back(reached, e)
-            raise
+            if isinstance(e, ServingError):
+                raise
+            raise ServingError(f"vllm-reload failed: {type(e).__name__}: {e}") from e
         log.info("vllm-reload: %d servers run %s", len(reached), new_dir.name)
         return {"servers": str(len(reached))}
 
-    def _roll_back(self, reached: list[VllmReloadClient], error: ServingError) -> None:
+    def _roll_back(self, reached: list[VllmReloadClient], error: Exception) -> None:
         if self._current is None:
             return
         stuck = []

@@ -32,9 +32,13 @@ WEIGHTS = "model.safetensors"  # pipeline.eagle3.export.WEIGHTS_NAME, without it
 class AerieDraftLoader:
     """Mixed into vLLM's GPU worker: ``self.model_runner.drafter.model`` is the drafter."""
 
-    def aerie_draft_loader(self) -> dict[str, int | bool]:
-        """That the extension is loaded, and whether this worker runs a drafter."""
-        return {"loader": VERSION, "drafter": self._aerie_drafter() is not None}
+    def aerie_draft_loader(self, require_drafter: bool = False) -> dict[str, int | bool]:
+        """That the extension is loaded, and whether this worker runs a drafter (an error
+        without one if ``require_drafter``: for callers that do not see the result)."""
+        has = self._aerie_drafter() is not None
+        if require_drafter and not has:
+            raise RuntimeError("this vLLM worker runs no EAGLE drafter")
+        return {"loader": VERSION, "drafter": has}
 
     def _aerie_drafter(self):
         drafter = getattr(getattr(self, "model_runner", None), "drafter", None)

@@ -152,8 +152,11 @@ def test_the_mixin_records_each_step_from_the_trainer_config_then_keeps_verls_du
 
 
 def _installed_verl_source(module: str) -> ast.Module:
-    spec = importlib.util.find_spec(module)
-    return ast.parse(Path(spec.origin).read_text())
+    """The installed verl's source of ``module``, read without importing it (its vLLM
+    modules import vLLM)."""
+    root = Path(importlib.util.find_spec("verl").origin).parent
+    path = root.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    return ast.parse(path.read_text())
 
 
 def test_the_hook_matches_the_installed_verl_trainer():
@@ -174,3 +177,22 @@ def test_the_hook_matches_the_installed_verl_trainer():
                                        "self._log_rollout_data")]
     assert order[-3:] == ["self._save_checkpoint", "self.checkpoint_manager.update_weights",
                           "self._log_rollout_data"]
+
+
+def test_verls_vllm_servers_take_the_worker_extension_from_engine_kwargs():
+    """``AerieVerlWorkerExtension`` (which imports vLLM, so it cannot load here) extends
+    verl's ``vLLMColocateWorkerExtension``, and ``engine_kwargs.vllm`` is spread after verl's
+    own ``worker_extension_cls`` in the server's engine arguments, so the setting wins."""
+    utils = _installed_verl_source("verl.workers.rollout.vllm_rollout.utils")
+    assert any(isinstance(n, ast.ClassDef) and n.name == "vLLMColocateWorkerExtension"
+               for n in utils.body)
+    server = _installed_verl_source("verl.workers.rollout.vllm_rollout.vllm_async_server")
+    [args] = [d for d in ast.walk(server) if isinstance(d, ast.Dict) and any(
+        isinstance(k, ast.Constant) and k.value == "worker_extension_cls" for k in d.keys)]
+    keys = [k.value if isinstance(k, ast.Constant) else f"**{ast.unparse(v)}"
+            for k, v in zip(args.keys, args.values, strict=True)]
+    assert keys.index("**engine_kwargs") > keys.index("worker_extension_cls")
+    ours = ast.parse(Path("pipeline/adapters/verl_vllm.py").read_text())
+    [cls] = [n for n in ours.body if isinstance(n, ast.ClassDef)]
+    assert [ast.unparse(b) for b in cls.bases] == ["vLLMColocateWorkerExtension",
+                                                   "AerieDraftLoader"]

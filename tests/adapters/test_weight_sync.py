@@ -11,14 +11,16 @@ from types import SimpleNamespace
 
 import pytest
 import verl.checkpoint_engine.base as verl_base
+from ray.exceptions import RayTaskError
 from verl.utils.import_utils import load_class_from_fqn
 from verl.workers.config import CheckpointEngineConfig
+from verl.workers.rollout.replica import RolloutMode
 
 from jobs import cli
 from pipeline.adapters import slime_hook
 from pipeline.adapters.verl_sync import AerieCheckpointEngineManager
 from pipeline.adapters.weight_sync import sync_from_env
-from pipeline.release.vllm_worker import AerieDraftLoader
+from pipeline.release.vllm_worker import METHOD, AerieDraftLoader
 from tests.release.helpers import Drafters
 from tests.vllm_contract.fixtures import served, vllm_server
 from tests.vllm_contract.server import Worker
@@ -57,6 +59,11 @@ def test_serving_args_for_each_launcher(deployment, tmp_path, capsys):
         "++policy.generation.vllm_kwargs.speculative_config.method=eagle3",
         f"++policy.generation.vllm_kwargs.speculative_config.model={drafter}",
         "++policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens=3"]
+    assert _serving_args("verl", cache, capsys) == [
+        "++actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.method=eagle3",
+        f"++actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.model={drafter}",
+        "++actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config."
+        "num_speculative_tokens=3"]
     assert _serving_args("sglang", cache, capsys) == [
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter),
         "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
@@ -76,7 +83,9 @@ def test_a_promotion_reaches_the_engines_at_the_next_sync_and_a_refusal_never_st
     drafters.manifest.apply(drafters.targets["3"], reason="promote v3")  # wider: no reload
     assert sync() is None
     assert "drafter shapes differ" in sync.last_error and sync.sequence == 2
-    assert sync() is None and served(url)["loads"] == 1  # a refusal is not retried
+    sync.last_error = None
+    assert sync() is None and sync.last_error is None  # a refusal is not retried
+    assert served(url)["loads"] == 1
 
 
 def test_serving_args_fails_loudly_where_a_launch_would_silently_lose_the_drafter(
@@ -135,43 +144,77 @@ def test_verl_loads_the_manager_by_name_and_each_update_syncs_policy_then_drafte
 
 class _ServerActor:
     """A verl vLLM server actor: ``collective_rpc`` runs a method on its engine's workers
-    (here the stand-in's workers with Aerie's loader mixed in, as vLLM mixes extensions)."""
+    (the stand-in's workers, with Aerie's loader mixed in as vLLM mixes an extension) and
+    returns nothing; a worker's exception reaches the caller as a ``RayTaskError``."""
 
-    def __init__(self, drafter_dir, fail: bool = False):
-        cls = type("Worker", (Worker, AerieDraftLoader), {})
+    def __init__(self, drafter_dir, *, extension: bool = True):
+        cls = type("Worker", (Worker, AerieDraftLoader), {}) if extension else Worker
         self.workers = [cls(drafter_dir) for _ in range(2)]
-        self.fail = fail
+        self.fail_loads = 0
+        self.loads = 0
         self.collective_rpc = self  # verl calls handle.collective_rpc.remote(...)
 
     def remote(self, method, kwargs):
-        if self.fail:
-            self.fail = False
-            raise RuntimeError("ray.exceptions.RayTaskError: CUDA out of memory")
-        for w in self.workers:
-            getattr(w, method)(**kwargs)
-        return None  # verl's collective_rpc returns nothing
+        try:
+            for rank, w in enumerate(self.workers):
+                if method == METHOD and self.fail_loads and rank == 1:
+                    self.fail_loads -= 1
+                    raise RuntimeError("CUDA out of memory (stand-in)")
+                getattr(w, method)(**kwargs)
+        except Exception as e:
+            raise RayTaskError("collective_rpc", repr(e), e) from e
+        self.loads += method == METHOD
+        return None
 
     def digest(self):
         return {w.model_runner.drafter.model.digest() for w in self.workers}
 
 
+def _verl_manager(drafters, monkeypatch, *actors, mode=RolloutMode.STANDALONE):
+    monkeypatch.setenv("AERIE_SYNC_MODE", "verl-replicas")
+    monkeypatch.setattr(verl_base.ray, "get", lambda refs, timeout=None: refs)
+    replicas = [SimpleNamespace(servers=[a], rollout_mode=mode) for a in actors]
+    return AerieCheckpointEngineManager(config=CheckpointEngineConfig(backend="naive"),
+                                        actor_wg=_ActorGroup(), replicas=replicas)
+
+
 def test_verl_replicas_mode_reloads_every_server_actor_and_rolls_back_a_failure(
         deployment, monkeypatch):
     drafters, _ = deployment
-    monkeypatch.setenv("AERIE_SYNC_MODE", "verl-replicas")
-    monkeypatch.setattr(verl_base.ray, "get", lambda refs: refs)
     servers = [_ServerActor(drafters.dirs["1"]), _ServerActor(drafters.dirs["1"])]
-    replicas = [SimpleNamespace(servers=[servers[0]]), SimpleNamespace(servers=[servers[1]])]
-    manager = AerieCheckpointEngineManager(config=CheckpointEngineConfig(backend="naive"),
-                                           actor_wg=_ActorGroup(), replicas=replicas)
+    manager = _verl_manager(drafters, monkeypatch, *servers)
     drafters.manifest.apply(drafters.targets["2"], reason="promote v2")
-    servers[1].fail = True  # the second server's load fails once
+    servers[1].fail_loads = 1  # its worker 0 takes v2, worker 1 fails
     assert manager.update_weights(2) == {}  # the RL run goes on
     assert "CUDA out of memory" in manager.drafter_sync.last_error
     assert [s.digest() for s in servers] == [{drafters.digest("1")}] * 2  # rolled back
     manager.update_weights(3)  # tried again at the next sync
     assert [s.digest() for s in servers] == [{drafters.digest("2")}] * 2
     assert manager.drafter_sync.sequence == 2 and manager.drafter_sync.last_error is None
+    loads = [s.loads for s in servers]
+    manager.update_weights(4)  # standalone servers keep their drafter across syncs
+    assert [s.loads for s in servers] == loads
+
+
+def test_verl_replicas_without_aeries_extension_are_refused_once(deployment, monkeypatch):
+    drafters, _ = deployment
+    server = _ServerActor(drafters.dirs["1"], extension=False)
+    manager = _verl_manager(drafters, monkeypatch, server)
+    drafters.manifest.apply(drafters.targets["2"], reason="promote v2")
+    manager.update_weights(2)
+    assert "worker_extension_cls=pipeline.adapters.verl_vllm" in \
+        manager.drafter_sync.last_error
+    assert server.digest() == {drafters.digest("1")}
+
+
+def test_hybrid_replicas_get_the_drafter_back_after_every_sync(deployment, monkeypatch):
+    """verl's colocated servers sleep between steps and its sync restores the policy only."""
+    drafters, _ = deployment
+    server = _ServerActor(drafters.dirs["1"])
+    manager = _verl_manager(drafters, monkeypatch, server, mode=RolloutMode.HYBRID)
+    for step in (1, 2, 3):
+        manager.update_weights(step)
+    assert server.loads == 3 and server.digest() == {drafters.digest("1")}
 
 
 def test_a_drafter_failing_verification_is_refused_once_and_the_run_goes_on(deployment):
@@ -181,7 +224,9 @@ def test_a_drafter_failing_verification_is_refused_once_and_the_run_goes_on(depl
     key = f"{drafters.storage.key_of(drafters.targets['2'].drafter_uri)}/model.safetensors"
     drafters.storage.write_bytes(key, b"not the committed bytes")
     assert sync() is None and "IntegrityError" in sync.last_error
-    assert sync() is None and served(url)["loads"] == 0 and sync.sequence == 1
+    sync.last_error = None
+    assert sync() is None and sync.last_error is None  # not fetched again
+    assert served(url)["loads"] == 0 and sync.sequence == 1
 
 
 def test_the_launch_manifest_can_be_named(deployment):
@@ -190,6 +235,7 @@ def test_the_launch_manifest_can_be_named(deployment):
     late = sync_from_env({**os.environ, "AERIE_SYNC_LAUNCHED_WITH": "1"})
     assert late.sequence == 1 and late().manifest.sequence == 2
     assert served(url)["digest"] == drafters.digest("2")
+    assert sync_from_env({**os.environ, "AERIE_SYNC_LAUNCHED_WITH": ""}).sequence == 2
 
 
 def test_slimes_post_write_hook_syncs_on_rank_zero(deployment, monkeypatch, tmp_path):

@@ -15,6 +15,7 @@ from pipeline.release.backend import ServingError, ServingRefused
 from pipeline.release.restart import RestartHook
 from pipeline.serving_now import read_serving, resolve_serving
 from resources.serving import ServingResource
+from tests.conftest import free_port
 from tests.release.helpers import SETTINGS, Drafters
 from tests.vllm_contract.fixtures import served, vllm_server
 
@@ -70,6 +71,16 @@ def test_a_server_that_cannot_reload_is_refused_untouched(drafters, tmp_path, se
         assert served(url) == {"digest": drafters.digest("1"), "loads": 0, "paused": False,
                                "pauses": 0}
         assert read_serving(drafters.storage, NAME).target.registry_version == "1"
+
+
+def test_a_server_that_does_not_answer_is_worth_another_try_not_a_refusal(drafters,
+                                                                           tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    backend = ServingResource(mode="vllm-reload", server_urls=[url], hotswap_timeout_s=5,
+                              cache_dir=str(tmp_path / "cache")).build(drafters.storage, NAME)
+    with pytest.raises(ServingError, match="ConnectionError") as raised:
+        backend.apply(drafters.targets["2"], reason="promote v2")
+    assert not isinstance(raised.value, ServingRefused)
 
 
 def test_a_load_failing_part_way_gives_every_reached_server_its_drafter_back(drafters,
