@@ -37,7 +37,7 @@ from verl.workers.rollout.replica import RolloutMode
 from pipeline.adapters.weight_sync import DrafterSync, sync_from_env
 from pipeline.eagle3.spec import SpecParams
 from pipeline.release.backend import ServingError, ServingRefused
-from pipeline.release.hotswap import hotswap_refusals
+from pipeline.release.vllm_reload import refuse_unreloadable
 from pipeline.release.vllm_worker import METHOD, PROBE
 from pipeline.serving_now import ServingTarget
 
@@ -63,14 +63,8 @@ class VerlReplicaReload:
         self._current: Path | None = None
 
     def check(self, new_dir: Path, current_dir: Path | None) -> None:
-        if self.settings.eagle_topk != 1:
-            raise ServingRefused("vLLM drafts EAGLE-3 as a chain only: eagle_topk must be 1")
-        if current_dir is None:
-            raise ServingRefused("the rollout servers run no recorded drafter to reload; "
-                                 "launch verl with one (aerie serving-args verl)")
-        reasons = hotswap_refusals(current_dir, new_dir, same_d2t=False)
-        if reasons:
-            raise ServingRefused("cannot reload in place: " + "; ".join(reasons))
+        refuse_unreloadable(self.settings, new_dir, current_dir,
+                            "launch verl with it (aerie serving-args verl)")
         for server in self.servers:
             try:
                 self._call(server, PROBE, require_drafter=True)

@@ -40,6 +40,21 @@ from pipeline.serving_now import ServingTarget
 log = logging.getLogger(__name__)
 
 
+def refuse_unreloadable(settings: SpecParams, new_dir: Path, current_dir: Path | None,
+                        how_to_launch: str) -> None:
+    """:class:`ServingRefused` unless vLLM can reload ``new_dir`` over ``current_dir`` in
+    place: a chain (vLLM drafts EAGLE-3 with topk 1 only), a drafter running, and the same
+    shapes, aux layers and RoPE (vLLM re-reads weights and ``d2t``, not the config)."""
+    if settings.eagle_topk != 1:
+        raise ServingRefused("vLLM drafts EAGLE-3 as a chain only: eagle_topk must be 1")
+    if current_dir is None:
+        raise ServingRefused(f"no recorded drafter runs to reload over; {how_to_launch}")
+    reasons = hotswap_refusals(current_dir, new_dir, same_d2t=False)
+    if reasons:
+        raise ServingRefused("cannot reload in place: " + "; ".join(reasons)
+                             + f"; {how_to_launch}")
+
+
 class RPCFailed(ServingError):
     """A server answered with an error status (``status``)."""
 
@@ -125,15 +140,8 @@ class VllmDraftReload:
         self._current: Path | None = None
 
     def check(self, new_dir: Path, current_dir: Path | None) -> None:
-        if self.settings.eagle_topk != 1:
-            raise ServingRefused("vLLM drafts EAGLE-3 as a chain only: eagle_topk must be 1")
-        if current_dir is None:
-            raise ServingRefused("vllm-reload overwrites the drafter a server runs; with none "
-                                 "recorded, start the servers with it (vllm-restart)")
-        reasons = hotswap_refusals(current_dir, new_dir, same_d2t=False)
-        if reasons:
-            raise ServingRefused("cannot reload in place: " + "; ".join(reasons)
-                                 + " (use vllm-restart)")
+        refuse_unreloadable(self.settings, new_dir, current_dir,
+                            "start the servers with it (vllm-restart)")
         for client in self.clients:
             client.probe()
         self._current = current_dir
