@@ -59,10 +59,10 @@ class DrafterSync:
 
     Building it fails loudly (a wrong setting, an unreadable launch manifest: the run has
     not started). After that, a hand-over that fails never stops the RL run: the engines
-    keep the drafter they run,
-    the error is logged with its traceback and kept in :attr:`last_error`, and the next
-    call tries again, except for a refusal (:class:`~pipeline.release.backend.ServingRefused`,
-    or a drafter whose files fail verification), which waits for the manifest to move."""
+    keep the drafter they run, the error is logged with its traceback and kept in
+    :attr:`last_error`, and the next call tries again, except for a refusal
+    (:class:`~pipeline.release.backend.ServingRefused`, or a drafter whose files fail
+    verification), which waits for the manifest to move."""
 
     def __init__(self, storage: Storage, name: str, cache_dir: str | Path,
                  actuator_for: ActuatorFactory | None = None, *,
