@@ -17,6 +17,8 @@ Invariants:
   input order, ``aux_hidden`` ``[T, len(ids)·H]`` and ``final_hidden`` ``[T, H]``, row ``t``
   for input token ``t``, dtype ``config.dtype`` (float32 by default: lossless for values that
   a bf16/fp16/fp32 server serialised).
+- Bodies are decoded by :func:`~pipeline.capture.sglang_decode.loads_generate` (simdjson
+  into arrays: no Python float per value; same values as ``json.loads``).
 - Every sample of every response is validated before it is used: ``T`` rows, the exact
   width, finite values, ``cached_tokens == 0``.
 - Retry policy: transport failures, HTTP 408/429/5xx, malformed bodies, a wrong row count
@@ -36,9 +38,11 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from pipeline.capture.base import CapturedStates
+from pipeline.capture.sglang_decode import loads_generate
 from pipeline.capture.sglang_http import (
     CallStats,
     JsonHttp,
@@ -159,14 +163,15 @@ def _sample_rows(out: Any, *, url: str, sample: int, length: int, width: int, ro
             f"{sample}, so its rows are misaligned: launch it with {_SERVER_FLAGS}")
     blocks = meta["hidden_states"]
     block = blocks[0] if isinstance(blocks, list) and blocks else None
-    if not isinstance(block, list):
+    if not isinstance(block, list | np.ndarray):
         raise TransientFailure("malformed response: hidden_states[0] is not a list of rows",
                                sample=sample)
     if len(block) != length:
         raise TransientFailure(f"{len(block)} rows for {length} input tokens ({_ROW_HINT})",
                                sample=sample)
     try:
-        rows = torch.tensor(block, dtype=torch.float32)
+        rows = (torch.from_numpy(block.astype(np.float32)) if isinstance(block, np.ndarray)
+                else torch.tensor(block, dtype=torch.float32))
     except TypeError:  # orjson writes NaN/inf as null
         bad = next(t for t, r in enumerate(block) if not isinstance(r, list) or None in r)
         raise TransientFailure(f"non-finite or null value in row {bad}", sample=sample) from None
@@ -339,7 +344,7 @@ class SGLangCaptureBackend:
         lengths = [len(seqs[i]) for i in samples]
 
         def attempt(url: str) -> list[torch.Tensor]:
-            body = self._http.post_json(url, "/generate", payload)
+            body = self._http.post_json(url, "/generate", payload, loads=loads_generate)
             return parse_generate_response(body, url=url, samples=samples, lengths=lengths,
                                            width=self._width(role), role=role,
                                            hidden_size=self.hidden_size)

@@ -146,18 +146,21 @@ class JsonHttp:
         for session in sessions:
             session.close()
 
-    def post_json(self, url: str, path: str, payload: Any) -> Any:
+    def post_json(self, url: str, path: str, payload: Any, *,
+                  loads: Callable[[bytes], Any] = json.loads) -> Any:
+        """The decoded answer; ``loads`` decodes the body (it raises ``ValueError`` on
+        malformed JSON, which is a :class:`TransientFailure`)."""
         body = json.dumps(payload, separators=(",", ":")).encode()
-        return self._call("POST", url, path, body)
+        return self._call("POST", url, path, body, loads=loads)
 
     def get_json(self, url: str, path: str) -> Any | None:
         """The decoded body, or ``None`` when the server has no such endpoint (404)."""
         return self._call("GET", url, path, None, missing_ok=True)
 
     def _call(self, method: str, url: str, path: str, body: bytes | None, *,
-              missing_ok: bool = False) -> Any:
+              missing_ok: bool = False, loads: Callable[[bytes], Any] = json.loads) -> Any:
         status, content = self.fetch(method, url, path, body)
-        return self._decode(status, content, url + path, missing_ok)
+        return self._decode(status, content, url + path, missing_ok, loads)
 
     def fetch(self, method: str, url: str, path: str, body: bytes | None = None
               ) -> tuple[int, bytes]:
@@ -192,12 +195,13 @@ class JsonHttp:
         return resp.status_code, content
 
     @staticmethod
-    def _decode(status: int, content: bytes, where: str, missing_ok: bool) -> Any:
+    def _decode(status: int, content: bytes, where: str, missing_ok: bool,
+                loads: Callable[[bytes], Any] = json.loads) -> Any:
         if status == 404 and missing_ok:
             return None
         raise_for_status(status, content, where)
         try:
-            return json.loads(content)
+            return loads(content)
         except ValueError as e:
             raise TransientFailure(f"malformed JSON: {e} (first bytes {content[:60]!r})") from e
 

@@ -16,7 +16,8 @@ process, so that tests load the model once for several servers. ``--wait-for-mod
 a test start the server (and its slow imports) before the model dir exists: the server
 polls until ``DIR`` appears (write it elsewhere and rename it into place).
 
-What it serves, as SGLang does (sources in docs/sglang.md):
+What it serves, as SGLang does (sources in docs/sglang.md), every answer written by orjson
+with SGLang's options:
 
 - ``POST /generate``: ``input_ids`` flat (answer: one object) or nested (answer: a list in
   input order); each object ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
@@ -63,11 +64,11 @@ Test controls: ``POST /_faults {"kind", "count": k (-1 = always), "every": n, "d
 faults the next k ``/generate`` requests (only every n-th). Kinds: ``http500``, ``drop``
 (close the socket without an answer), ``garbage`` (non-JSON 200), ``slow`` (answer after
 ``delay_s`` or at ``/_reset``, whichever comes first), ``short`` (drop the last row),
-``nan`` (NaN token in a row), ``null`` (null in a row, as orjson writes NaN), ``omit_hidden``
-(no ``hidden_states``), ``omit_spec`` (no ``spec_verify_ct``), ``short_output`` (drop the last
-output id); content faults hit the request's first sample. ``POST /_reset`` clears faults,
-counters (speculative ones included) and the prefix cache and releases slow replies;
-``GET /_stats``.
+``nan`` (NaN token in a row, as Python's json writes it), ``null`` (null in a row, as orjson
+writes NaN), ``omit_hidden`` (no ``hidden_states``), ``omit_spec`` (no ``spec_verify_ct``),
+``short_output`` (drop the last output id); content faults hit the request's first sample.
+``POST /_reset`` clears faults, counters (speculative ones included) and the prefix cache
+and releases slow replies; ``GET /_stats``.
 """
 
 from __future__ import annotations
@@ -83,11 +84,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import orjson
 import torch
 
 logger = logging.getLogger("sglang_contract")
 
 VERSION = "0.5.23"
+# SGLang 0.5.23 answers through orjson with these options (srt/utils/json_response.py):
+# floats as their shortest round-trip decimal, NaN and infinities as null
+ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 NO_HIDDEN = ("The server is not configured to return the hidden states. "
              "Please set `--enable-return-hidden-states` to enable this feature.")
 FAULT_KINDS = frozenset({"http500", "drop", "garbage", "slow", "short", "nan", "null",
@@ -332,7 +337,7 @@ class Handler(BaseHTTPRequestHandler):
         logger.debug(format, *args)
 
     def _send(self, status: int, body: Any, raw: bytes | None = None) -> None:
-        data = raw if raw is not None else json.dumps(body).encode()
+        data = raw if raw is not None else orjson.dumps(body, option=ORJSON_OPTIONS)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -455,8 +460,9 @@ class Handler(BaseHTTPRequestHandler):
             outputs.append({"text": "", "output_ids": out_ids, "meta_info": meta})
         with state.lock:
             state.samples += len(batch)
-        try:
-            self._send(200, outputs[0] if single else outputs)
+        answer = outputs[0] if single else outputs
+        try:  # "nan": a server whose JSON writer keeps NaN (Python's json), not orjson's null
+            self._send(200, answer, raw=json.dumps(answer).encode() if kind == "nan" else None)
         except (BrokenPipeError, ConnectionResetError):
             logger.debug("client left before the answer (slow reply)")
 
