@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from pipeline.capture.base import CapturedStates
+from pipeline.capture.provenance import provenance
 from pipeline.eagle3.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 from pipeline.layout import policy_prefix
 from pipeline.snapshot.policy import POLICY_KIND
@@ -87,6 +88,12 @@ class HFCaptureBackend:
         return {"backend": self.name, "model_dtype": str(params.dtype).removeprefix("torch."),
                 "output_dtype": str(self.output_dtype).removeprefix("torch."),
                 "num_layers": len(self.layers), "token_budget": self.token_budget}
+
+    def provenance(self) -> dict[str, Any]:
+        """Transformers computed the states; hooks on the aux layers themselves."""
+        import transformers
+
+        return provenance("transformers", transformers.__version__, self.aux_layer_ids)
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[CapturedStates]:
         out: list[CapturedStates] = []

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from pipeline.capture.base import CapturedStates
+from pipeline.capture.provenance import provenance
 from pipeline.capture.sglang_decode import loads_generate
 from pipeline.capture.sglang_http import (
     CallStats,
@@ -255,6 +256,8 @@ class SGLangCaptureBackend:
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="sglang")
         self._counters = {"aux": itertools.count(), "final": itertools.count()}
         self._checked: set[tuple[Role, str]] = set()
+        self._versions: set[str] = set()  # what /server_info reported
+        self._engine_ids: tuple[int, ...] | None = None  # the aux servers' own layer ids
         self._lock = threading.Lock()
 
     def __enter__(self) -> SGLangCaptureBackend:
@@ -299,9 +302,24 @@ class SGLangCaptureBackend:
             raise SGLangServerConfigError(
                 f"{role} server at {url} is misconfigured: " + "; ".join(problems)
                 + " (launch commands: docs/sglang.md)")
+        if info.get("version") is not None:
+            self._versions.add(str(info["version"]))
+        if role == "aux" and info.get("return_aux_hidden_state_layer_ids") is not None:
+            self._engine_ids = tuple(int(i) for i in info["return_aux_hidden_state_layer_ids"])
         if info.get("version") not in (None, SGLANG_VERSION):
             logger.warning("%s server %s runs SGLang %s; Aerie targets %s", role, url,
                            info.get("version"), SGLANG_VERSION)
+
+    def provenance(self) -> dict[str, Any]:
+        """SGLang computed the states: the version(s) its servers reported in preflight
+        (``unknown`` when none did) and the aux ids they were launched with, in SGLang's
+        numbering (its models capture ``id + 1`` on entry: Aerie's ids)."""
+        if self.config.preflight:
+            self.check_servers()
+        with self._lock:
+            version = ",".join(sorted(self._versions)) or "unknown"
+            engine_ids = self._engine_ids
+        return provenance("sglang", version, self.aux_layer_ids, engine_ids)
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[CapturedStates]:
         seqs = [[int(t) for t in seq] for seq in batch]

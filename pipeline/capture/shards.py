@@ -30,8 +30,10 @@ Invariants:
   ``row_group_bytes`` (a single bigger sample forms its own group); readers hold one row
   group at a time. Memory is bounded by the row-group budget, never by the shard or step.
 - **Self-describing.** The file's key-value metadata carries the schema version, ``H``,
-  ``3H``, the aux layer ids, the dtype, the layout, the step and (added at close) rows and
-  tokens. Page checksums are written and verified on every read.
+  ``3H``, the aux layer ids, the dtype, the layout, the step, the provenance (engine, its
+  version and the capture conventions, :mod:`pipeline.capture.provenance`: a shard in
+  other conventions is refused on read) and (added at close) rows and tokens. Page
+  checksums are written and verified on every read.
 - **Deterministic bytes.** Same rows, same options and same pyarrow version give the same
   file bytes (no timestamps anywhere).
 
@@ -45,6 +47,7 @@ import json
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -52,6 +55,7 @@ import pyarrow.parquet as pq
 import torch
 
 from pipeline.capture.config import DEFAULT_ROW_GROUP_BYTES
+from pipeline.capture.provenance import ENCODING, check_provenance
 from pipeline.contracts import Manifest
 from pipeline.layout import shards_prefix
 from pipeline.manifest import read_manifest
@@ -60,7 +64,7 @@ from pipeline.storage import Storage, WrittenObject
 
 SHARDS_KIND = "hidden_state_shards"
 SHARD_SCHEMA_VERSION = 1
-SHARD_DTYPE = "bfloat16"
+SHARD_DTYPE = ENCODING
 SHARD_LAYOUT = "aux_hidden, final_hidden: little-endian bf16 bits of a row-major (T, W) tensor"
 _MAX_VALUE_BYTES = (1 << 31) - 1  # a Parquet BYTE_ARRAY value has an int32 length
 _KEY = "aerie."  # prefix of Aerie's key-value metadata
@@ -102,6 +106,7 @@ class ShardSpec:
     hidden_size: int
     aux_layer_ids: tuple[int, ...]
     extra: Mapping[str, str] = field(default_factory=dict)
+    provenance: Mapping[str, Any] | None = None  # pipeline.capture.provenance.provenance()
 
     @property
     def aux_width(self) -> int:
@@ -126,6 +131,7 @@ class ShardInfo:
     tokens: int
     row_groups: int
     extra: dict[str, str] = field(default_factory=dict)
+    provenance: dict[str, Any] | None = None  # None: written before it was recorded
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,9 @@ def _spec_metadata(spec: ShardSpec) -> dict[str, str]:
         "dtype": SHARD_DTYPE,
         "layout": SHARD_LAYOUT,
     }
+    if spec.provenance is not None:
+        check_provenance(spec.provenance, spec.aux_layer_ids, "shard spec")
+        meta["provenance"] = json.dumps(dict(spec.provenance), sort_keys=True)
     clash = set(meta) & set(spec.extra)
     if clash:
         raise ValueError(f"extra shard metadata may not override {sorted(clash)}")
@@ -261,14 +270,18 @@ def _info(pf: pq.ParquetFile, url: str) -> ShardInfo:
         if meta["dtype"] != SHARD_DTYPE:
             raise ValueError(f"dtype {meta['dtype']!r} is not {SHARD_DTYPE}")
         known = {"kind", "schema_version", "step", "hidden_size", "aux_width",
-                 "aux_layer_ids", "dtype", "layout", "rows", "tokens"}
+                 "aux_layer_ids", "dtype", "layout", "rows", "tokens", "provenance"}
+        aux_layer_ids = tuple(json.loads(meta["aux_layer_ids"]))
+        record = json.loads(meta["provenance"]) if "provenance" in meta else None
+        if record is not None:
+            check_provenance(record, aux_layer_ids, "footer")
         info = ShardInfo(
             schema_version=version, step=int(meta["step"]),
             hidden_size=int(meta["hidden_size"]), aux_width=int(meta["aux_width"]),
-            aux_layer_ids=tuple(json.loads(meta["aux_layer_ids"])), dtype=meta["dtype"],
+            aux_layer_ids=aux_layer_ids, dtype=meta["dtype"],
             rows=int(meta["rows"]), tokens=int(meta["tokens"]),
             row_groups=pf.metadata.num_row_groups,
-            extra={k: v for k, v in meta.items() if k not in known})
+            extra={k: v for k, v in meta.items() if k not in known}, provenance=record)
     except (KeyError, ValueError) as e:
         raise ParquetFileError(f"{url}: not a readable hidden-state shard ({e})") from e
     if info.rows != pf.metadata.num_rows:

@@ -40,6 +40,7 @@ import torch
 from pipeline.capture.base import CaptureBackend, CapturedStates
 from pipeline.capture.config import ExtractConfig
 from pipeline.capture.heldout import HeldoutSplit
+from pipeline.capture.provenance import provenance
 from pipeline.capture.shards import (
     SHARD_DTYPE,
     SHARD_SCHEMA_VERSION,
@@ -102,6 +103,7 @@ class ExtractSummary:
     already_committed: bool = False
     schema_version: int = SHARD_SCHEMA_VERSION
     heldout: int = 0  # samples whose prompt is held out (not in the shards)
+    provenance: dict[str, Any] = field(default_factory=dict)  # empty: written before it
 
     @property
     def bytes_per_token(self) -> float:
@@ -137,10 +139,11 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
     except TokenizedReadError as e:
         raise ExtractionError(str(e)) from e
     identity = _backend_identity(backend)
-    spec = ShardSpec(step=step, hidden_size=int(backend.hidden_size),
-                     aux_layer_ids=tuple(int(i) for i in backend.aux_layer_ids),
+    aux_ids = tuple(int(i) for i in backend.aux_layer_ids)
+    spec = ShardSpec(step=step, hidden_size=int(backend.hidden_size), aux_layer_ids=aux_ids,
                      extra={"backend": json.dumps(identity, sort_keys=True),
-                            "policy_sha256": policy.sha256 if policy else ""})
+                            "policy_sha256": policy.sha256 if policy else ""},
+                     provenance=_backend_provenance(backend, identity, aux_ids))
     params = {
         "kind": SHARDS_KIND, "schema_version": SHARD_SCHEMA_VERSION, "step": step,
         "hidden_size": spec.hidden_size, "aux_layer_ids": list(spec.aux_layer_ids),
@@ -205,6 +208,7 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
                             "hidden_size": spec.hidden_size, "aux_width": spec.aux_width,
                             "aux_layer_ids": list(spec.aux_layer_ids),
                             "aux_capture": AUX_CAPTURE, "dtype": SHARD_DTYPE,
+                            "provenance": dict(spec.provenance or {}),
                             "backend": identity.get("backend", "?"), "backend_config": identity,
                             "policy_uri": policy.key if policy else None,
                             "policy_sha256": policy.sha256 if policy else None,
@@ -227,7 +231,7 @@ def _summary(storage: Storage, prefix: str, manifest: Manifest, *, shards_reused
         aux_layer_ids=tuple(m["aux_layer_ids"]), backend=m["backend"],
         backend_calls=backend_calls, seconds=time.perf_counter() - started,
         already_committed=already_committed, schema_version=manifest.kind_version,
-        heldout=m["heldout"]["samples"])
+        heldout=m["heldout"]["samples"], provenance=m.get("provenance", {}))
 
 
 def _without_heldout(samples: Iterator[TokenizedSample], split: HeldoutSplit, counts: _Counts
@@ -296,6 +300,15 @@ def _backend_identity(backend: CaptureBackend) -> dict[str, Any]:
     return identity
 
 
+def _backend_provenance(backend: CaptureBackend, identity: dict[str, Any],
+                        aux_ids: tuple[int, ...]) -> dict[str, Any]:
+    """The backend's own record (``provenance()``), or one that names it by its identity."""
+    own = getattr(backend, "provenance", None)
+    if callable(own):
+        return dict(own())
+    return provenance(str(identity["backend"]), "unknown", aux_ids)
+
+
 # -- capture ----------------------------------------------------------------------------
 def _write_one_shard(storage: Storage, key: str, spec: ShardSpec, fingerprint: str,
                      batches: Sequence[list[TokenizedSample]], backend: CaptureBackend,
@@ -303,7 +316,8 @@ def _write_one_shard(storage: Storage, key: str, spec: ShardSpec, fingerprint: s
     """Capture ``batches`` and publish them as shard ``key``, then its progress marker."""
     shard_spec = ShardSpec(step=spec.step, hidden_size=spec.hidden_size,
                            aux_layer_ids=spec.aux_layer_ids,
-                           extra={**spec.extra, "fingerprint": fingerprint})
+                           extra={**spec.extra, "fingerprint": fingerprint},
+                           provenance=spec.provenance)
     written = write_shard(storage, key, shard_spec,
                           _captured_rows(backend, batches, spec, counts),
                           row_group_bytes=config.row_group_bytes,

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from pipeline.capture.provenance import check_provenance
 from pipeline.capture.shards import read_shards_manifest
 from pipeline.contracts import Manifest
 from pipeline.eagle3.aux_layers import AUX_CAPTURE, check_aux_layer_ids
@@ -87,6 +88,12 @@ def shard_geometry(manifests: Mapping[int, Manifest]) -> tuple[int, tuple[int, .
             check_aux_layer_ids(m.meta["aux_layer_ids"])
         except ValueError as e:
             raise WindowError(f"step {step}: shards' {e}; capture the step again") from None
+        record = m.meta.get("provenance")
+        if record:  # absent on shards written before it was recorded
+            try:
+                check_provenance(record, m.meta["aux_layer_ids"], f"step {step} shards")
+            except ValueError as e:
+                raise WindowError(str(e)) from None
     seen = {(int(m.meta["hidden_size"]), tuple(m.meta["aux_layer_ids"]))
             for m in manifests.values()}
     if len(seen) != 1:

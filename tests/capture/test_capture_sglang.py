@@ -139,6 +139,15 @@ def test_bfloat16_output_is_the_rounded_reference(sglang_servers, hf_model):
     assert_matches_hf(hf_model, BATCH[:3], captured, dtype=torch.bfloat16)
 
 
+def test_provenance_names_the_servers_version_and_layer_ids(sglang_servers):
+    with backend(sglang_servers) as b:
+        record = b.provenance()
+    assert (record["engine"], record["engine_version"]) == ("sglang", "0.5.23")
+    assert record["aux_layer_ids"] == record["engine_aux_layer_ids"] == list(AUX_IDS)
+    with backend(sglang_servers, preflight=False) as b:  # nothing asked: nothing claimed
+        assert b.provenance()["engine_version"] == "unknown"
+
+
 def test_requests_go_round_robin_over_all_urls(sglang_servers):
     with backend(sglang_servers, final=("final", "final_b"), request_batch_size=1) as b:
         b.capture(BATCH[:4])

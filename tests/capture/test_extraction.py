@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+import transformers
 from dagster import AssetKey, instance_for_test, materialize
 
 from assets.shards import ShardsConfig, hidden_state_shards
@@ -20,7 +21,13 @@ from pipeline.capture.base import CapturedStates
 from pipeline.capture.config import ExtractConfig
 from pipeline.capture.heldout import HeldoutSplit, heldout_prompts
 from pipeline.capture.hf import HFCaptureBackend
-from pipeline.capture.shards import iter_shard, iter_step, read_shards_manifest
+from pipeline.capture.provenance import provenance
+from pipeline.capture.shards import (
+    iter_shard,
+    iter_step,
+    read_shard_info,
+    read_shards_manifest,
+)
 from pipeline.capture.stage import ExtractionError
 from pipeline.contracts import Manifest
 from pipeline.layout import shards_prefix, tokenized_prefix
@@ -83,6 +90,9 @@ class Recording:
     def describe(self):
         return self.inner.describe()
 
+    def provenance(self):
+        return self.inner.provenance()
+
     def capture(self, batch: Sequence[Sequence[int]]) -> list[CapturedStates]:
         alive = sum(r() is not None for r in self._outputs)
         self.max_alive = max(self.max_alive, alive)
@@ -123,6 +133,10 @@ def test_shards_hold_every_sample_with_its_states(tmp_path, model):
         storage, shards_prefix(STEP), manifest) == []
     assert manifest.meta["aux_layer_ids"] == [1, 2, 4] and manifest.meta["backend"] == "hf"
     assert manifest.meta["aux_capture"] == "layer_output"
+    assert manifest.meta["provenance"] == provenance("transformers", transformers.__version__,
+                                                     (1, 2, 4))
+    assert all(read_shard_info(storage, f"{shards_prefix(STEP)}/{f.path}").provenance
+               == manifest.meta["provenance"] for f in manifest.files)
     assert [s["rows"] for s in manifest.meta["shards"]] == [f.rows for f in manifest.files]
 
     by_id = {r["sample_id"]: r for r in rows}
@@ -332,6 +346,7 @@ def test_asset_materializes_a_step_with_its_own_policy(tmp_path, model):
         10, len(manifest.files), manifest.total_bytes)
     assert meta["aux_layer_ids"] == [0, 2, 4] and meta["hidden_size"] == H
     assert meta["backend"] == "hf" and meta["schema_version"] == 1
+    assert meta["provenance"]["engine"] == "transformers"
     assert meta["bytes_per_token"] == pytest.approx(manifest.total_bytes / meta["tokens"], 0.01)
     policy = load_policy_ref(storage, STEP)
     assert manifest.meta["policy_sha256"] == policy.sha256

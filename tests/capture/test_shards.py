@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -9,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline.capture.provenance import provenance
 from pipeline.capture.shards import (
     SHARD_SCHEMA_VERSION,
     SHARDS_KIND,
@@ -219,4 +222,55 @@ def test_an_error_from_the_row_source_publishes_nothing(local):
 
     with pytest.raises(RuntimeError, match="backend died"):
         write_shard(local, KEY, SPEC, rows(), row_group_bytes=1)
+    assert not local.exists(KEY)
+
+
+# ---- provenance ---------------------------------------------------------------------------
+
+
+def test_provenance_is_in_the_footer_and_read_back(local):
+    record = provenance("sglang", "0.5.23", (1, 2, 3))
+    spec = ShardSpec(step=4, hidden_size=H, aux_layer_ids=(1, 2, 3), provenance=record)
+    write_shard(local, KEY, spec, [sample(0, 3)])
+    info = read_shard_info(local, KEY)
+    assert info.provenance == record and "provenance" not in info.extra
+    assert record["engine_aux_layer_ids"] == [1, 2, 3]
+    assert (record["aux_capture"], record["final_capture"], record["encoding"]) == (
+        "layer_output", "post_norm", "bfloat16")
+    write_shard(local, KEY, SPEC, [sample(0, 3)])  # written before provenance existed
+    assert read_shard_info(local, KEY).provenance is None
+
+
+def _rewrite_footer(storage: Storage, key: str, **changes) -> None:
+    """The same rows under a footer whose provenance says something else (another writer)."""
+    path = storage.local_path(key)
+    table = pq.read_table(path)
+    meta = dict(table.schema.metadata)
+    record = json.loads(meta[b"aerie.provenance"])
+    meta[b"aerie.provenance"] = json.dumps({**record, **changes}).encode()
+    pq.write_table(table.replace_schema_metadata(meta), path)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("aux_capture", "layer_input"),         # vLLM's numbering: id k = input of layer k
+    ("final_capture", "pre_norm"),          # vLLM's last layer, before the final norm
+    ("encoding", "float8_e4m3fn"),
+    ("aux_layer_ids", [2, 3, 4]),           # an engine's +1 applied twice
+])
+def test_a_shard_in_other_conventions_is_refused_by_name(local, field, value):
+    spec = ShardSpec(step=4, hidden_size=H, aux_layer_ids=(1, 2, 3),
+                     provenance=provenance("transformers", "5.3.0", (1, 2, 3)))
+    write_shard(local, KEY, spec, [sample(0, 3)])
+    _rewrite_footer(local, KEY, **{field: value})
+    with pytest.raises(ParquetFileError, match=f"shard-00000.parquet.*provenance {field}"):
+        read_shard_info(local, KEY)
+    with pytest.raises(ParquetFileError, match=f"provenance {field}"):
+        list(iter_shard(local, KEY))
+
+
+def test_the_writer_refuses_a_provenance_in_other_conventions(local):
+    record = {**provenance("sglang", "0.5.23", (1, 2, 3)), "final_capture": "pre_norm"}
+    spec = ShardSpec(step=4, hidden_size=H, aux_layer_ids=(1, 2, 3), provenance=record)
+    with pytest.raises(ValueError, match="provenance final_capture is 'pre_norm'"):
+        write_shard(local, KEY, spec, [sample(0, 3)])
     assert not local.exists(KEY)

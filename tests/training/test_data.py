@@ -146,6 +146,13 @@ def test_shards_of_another_convention_or_unservable_ids_are_refused(storage):
                 for s, m in manifests.items()}
     with pytest.raises(WindowError, match="distinct and ascending.*capture the step again"):
         shard_geometry(repeated)
+    assert all(m.meta["provenance"]["engine"] == "transformers" for m in manifests.values())
+    pre_norm = {s: replace(m, meta={**m.meta, "provenance": {**m.meta["provenance"],
+                                                             "final_capture": "pre_norm"}})
+                if s == first else m for s, m in manifests.items()}
+    with pytest.raises(WindowError, match=f"step {first} shards: provenance final_capture is "
+                                          "'pre_norm'.*capture the step again"):
+        shard_geometry(pre_norm)
 
 
 def test_window_geometry_and_target_weights_come_from_the_policy(storage, world_root):

@@ -1,0 +1,66 @@
+"""Where a shard's states came from, and the conventions a reader must read them with.
+
+Every shard footer (``aerie.provenance``) and every shard manifest (``meta.provenance``)
+carries one :func:`provenance` record:
+
+=======================  ========================================================
+key                      meaning
+=======================  ========================================================
+engine                   what computed the states: ``transformers`` (the ``hf``
+                         backend) or ``sglang`` (its HTTP servers)
+engine_version           that engine's version (SGLang: what ``/server_info`` said;
+                         several, comma-joined, when the servers disagreed)
+aux_capture              what aux id ``l`` means: :data:`AUX_CAPTURE` (output of
+                         decoder layer ``l``, before any norm)
+aux_layer_ids            the ids in that convention
+engine_aux_layer_ids     the same layers as the engine was asked for them
+                         (SGLang: ``--return-aux-hidden-state-layer-ids``, which
+                         its models turn into ``id + 1`` on entry)
+final_capture            ``post_norm``: ``final_hidden`` is after the final norm
+encoding                 how the state bytes are stored: ``bfloat16``
+=======================  ========================================================
+
+The engine and its version are a record, not part of a step's fingerprint: upgrading an
+engine does not throw committed steps away. The conventions are checks:
+:func:`check_provenance` refuses a shard whose aux convention, final-state convention,
+encoding or layer ids differ from what the reader reads, naming the field. Shards written
+before provenance was recorded carry none and were written in these conventions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pipeline.eagle3.aux_layers import AUX_CAPTURE
+
+__all__ = ["ENCODING", "FINAL_CAPTURE", "check_provenance", "provenance"]
+
+FINAL_CAPTURE = "post_norm"
+ENCODING = "bfloat16"
+
+
+def provenance(engine: str, engine_version: str, aux_layer_ids: Sequence[int],
+               engine_aux_layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """One provenance record in Aerie's conventions (see the module table)."""
+    ids = [int(i) for i in aux_layer_ids]
+    return {"engine": engine, "engine_version": engine_version, "aux_capture": AUX_CAPTURE,
+            "aux_layer_ids": ids,
+            "engine_aux_layer_ids": [int(i) for i in (engine_aux_layer_ids
+                                                      if engine_aux_layer_ids is not None
+                                                      else ids)],
+            "final_capture": FINAL_CAPTURE, "encoding": ENCODING}
+
+
+def check_provenance(record: Mapping[str, Any], aux_layer_ids: Sequence[int], where: str
+                     ) -> None:
+    """Raise ``ValueError`` naming ``where`` and the field when ``record`` was not captured
+    in the conventions this release reads, or names other aux layers than ``aux_layer_ids``."""
+    expected = {"aux_capture": AUX_CAPTURE, "final_capture": FINAL_CAPTURE,
+                "encoding": ENCODING, "aux_layer_ids": [int(i) for i in aux_layer_ids]}
+    for key, want in expected.items():
+        got = record.get(key)
+        if got != want:
+            raise ValueError(f"{where}: provenance {key} is {got!r}; this release reads "
+                             f"{want!r} (states from {record.get('engine', '?')} "
+                             f"{record.get('engine_version', '?')}): capture the step again")
