@@ -6,6 +6,7 @@ from assets.drafter import drafter_checkpoint, vocab_mapping
 from assets.evaluation import acceptance_eval
 from assets.groups import DATA_ASSETS, REFRESH_ASSETS
 from assets.release import registered_drafter, serving_drafter
+from assets.retention import storage_retention
 from assets.shards import hidden_state_shards
 from assets.snapshots import rollout_snapshot
 from assets.tokenized import tokenized_rollouts
@@ -23,7 +24,8 @@ from resources.storage import storage_from_env
 from resources.trainer import TrainerResource
 
 FLOW = (rollout_snapshot, tokenized_rollouts, hidden_state_shards, vocab_mapping,
-        drafter_checkpoint, acceptance_eval, registered_drafter, serving_drafter)
+        drafter_checkpoint, acceptance_eval, registered_drafter, serving_drafter,
+        storage_retention)
 OWNERS = ["team:aerie"]
 
 

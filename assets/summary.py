@@ -21,7 +21,8 @@ def refresh_summary(instance: DagsterInstance, step: int) -> str:
     vocab, _ = _latest(instance, "vocab_mapping", step_key(step))
     window = list(vocab["window_steps"]) if vocab else [step]
     rows = ["| stage | RL steps | samples | tokens | wall s |", "|---|---|---|---|---|"]
-    stages = [(a, window) for a in DATA_ASSETS] + [(a, [step]) for a in REFRESH_ASSETS[:-1]]
+    stages = [(a, window) for a in DATA_ASSETS] + [(a, [step]) for a in REFRESH_ASSETS
+                                                   if a in _COUNTS]
     for asset, steps in stages:
         samples = tokens = seconds = 0.0
         for s in steps:

@@ -1,5 +1,5 @@
 """The drafter refresh job for one refresh step (partition = step): draft vocab, training,
-acceptance evaluation, registration and gated promotion.
+acceptance evaluation, registration, gated promotion and storage retention.
 
 Its default run config holds the training preset of the configured target family
 (:data:`pipeline.training.config.FAMILY_PRESETS`; the demo family's by default): the
@@ -28,4 +28,5 @@ drafter_refresh = define_asset_job(
     description="Choose the draft vocab of the window ending at the partition's RL step, "
                 "train and publish its EAGLE-3 drafter (warm-started from the previous one), "
                 "measure it against the champion on held-out prompts, register it in MLflow "
-                "and promote it to serving if the acceptance gate passes.")
+                "and promote it to serving if the acceptance gate passes; then delete the "
+                "shards of RL steps older than the refresh policy's retain_steps, if set.")

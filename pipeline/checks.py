@@ -44,6 +44,10 @@ def shard_integrity(storage: Storage, step: int) -> CheckOutcome:
     manifest = read_manifest(storage, prefix)
     if manifest is None:
         return CheckOutcome(False, f"{storage.url(prefix)}: no committed manifest")
+    deleted = manifest.meta.get("deleted")
+    if deleted:
+        return CheckOutcome(False, f"{storage.url(prefix)}: {deleted['files']} files deleted "
+                                   f"by storage retention at {deleted['at']} (manifest kept)")
     problems = verify_manifest(storage, prefix, manifest)
     files = len(manifest.files)
     text = (f"{files} files match their manifest checksums" if not problems

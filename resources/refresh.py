@@ -1,6 +1,8 @@
 """The refresh policy: how often the refresh sensor asks for a drafter refresh (every N RL
 steps), how many RL steps a refresh trains on (the window K), and when the drafter serving
-now counts as stale (the ``serving_staleness`` check on ``serving_drafter``)."""
+now counts as stale (the ``serving_staleness`` check on ``serving_drafter``), and how many RL
+steps of hidden-state shards storage keeps (``retain_steps``, applied by ``storage_retention``
+after each refresh)."""
 
 
 import os
@@ -10,8 +12,10 @@ from pydantic import Field
 
 _ENV = {"every": "AERIE_REFRESH_EVERY", "window": "AERIE_REFRESH_WINDOW",
         "stale_after_steps": "AERIE_STALE_AFTER_STEPS",
-        "max_tau_drop_percent": "AERIE_MAX_TAU_DROP_PERCENT"}
-_AT_LEAST = {"every": 1, "window": 1, "stale_after_steps": 0, "max_tau_drop_percent": 0}
+        "max_tau_drop_percent": "AERIE_MAX_TAU_DROP_PERCENT",
+        "retain_steps": "AERIE_RETAIN_STEPS"}
+_AT_LEAST = {"every": 1, "window": 1, "stale_after_steps": 0, "max_tau_drop_percent": 0,
+             "retain_steps": 0}
 
 
 class RefreshPolicyResource(ConfigurableResource):
@@ -29,16 +33,27 @@ class RefreshPolicyResource(ConfigurableResource):
                                 "measured τ is more than this many percent below its τ at "
                                 "promotion")
 
+    retain_steps: int = Field(
+        default=0, description="after each refresh, delete the hidden-state shards and "
+                               "training work dirs of RL steps older than the newest this "
+                               "many (never a step a queued or running refresh reads); 0 "
+                               "keeps everything, else at least the window K")
+
     def setup_for_execution(self, context: InitResourceContext) -> None:
         for name, least in _AT_LEAST.items():  # checked here: EnvVar values exist once resolved
             if getattr(self, name) < least:
                 raise ValueError(f"refresh policy: {name} must be >= {least}, got "
                                  f"{getattr(self, name)}")
+        if 0 < self.retain_steps < self.window:
+            raise ValueError(f"refresh policy: retain_steps {self.retain_steps} would delete "
+                             f"steps the next refresh's window of {self.window} reads: set it "
+                             f"to 0 (keep everything) or >= window")
 
 
 def refresh_policy_from_env() -> RefreshPolicyResource:
     """Every field from its variable (``AERIE_REFRESH_EVERY``, ``AERIE_REFRESH_WINDOW``,
-    ``AERIE_STALE_AFTER_STEPS``, ``AERIE_MAX_TAU_DROP_PERCENT``) where it is set."""
+    ``AERIE_STALE_AFTER_STEPS``, ``AERIE_MAX_TAU_DROP_PERCENT``, ``AERIE_RETAIN_STEPS``) where
+    it is set."""
     return RefreshPolicyResource(**{f: EnvVar.int(v) for f, v in _ENV.items()
                                     if v in os.environ})
 

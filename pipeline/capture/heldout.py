@@ -76,7 +76,8 @@ def heldout_prompts(storage: Storage, steps: Sequence[int], max_prompts: int
     must agree). The choice is deterministic: prompts sorted by key (a salted hash, so an
     unbiased sample), then cut. Raises ``ValueError`` when the steps hold no held-out prompt.
     """
-    splits = {s: _split_of(read_shards_manifest(storage, s), storage, s) for s in steps}
+    splits = {s: _split_of(read_shards_manifest(storage, s, data=False), storage, s)
+              for s in steps}
     if not splits:
         raise ValueError("heldout_prompts needs at least one step")
     if len(set(splits.values())) != 1:

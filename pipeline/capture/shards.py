@@ -390,8 +390,19 @@ def _require_little_endian() -> None:
 
 
 # -- datasets --------------------------------------------------------------------------
-def read_shards_manifest(storage: Storage, step: int) -> Manifest:
-    """The committed shard dataset of ``step``; raises when it is unfinished or foreign."""
+class ShardsDeletedError(FileNotFoundError):
+    """The step's shards were deleted by storage retention; its manifest remains."""
+
+
+def deleted_record(manifest: Manifest) -> dict[str, Any] | None:
+    """``meta.deleted`` of a shard manifest whose data retention deleted, else None."""
+    return manifest.meta.get("deleted")
+
+
+def read_shards_manifest(storage: Storage, step: int, *, data: bool = True) -> Manifest:
+    """The committed shard dataset of ``step``; raises when it is unfinished or foreign,
+    and (``data``: the caller reads the shards) :class:`ShardsDeletedError` when retention
+    deleted its files."""
     prefix = shards_prefix(step)
     manifest = read_manifest(storage, prefix)
     if manifest is None:
@@ -399,6 +410,12 @@ def read_shards_manifest(storage: Storage, step: int) -> Manifest:
     if manifest.kind != SHARDS_KIND or manifest.kind_version != SHARD_SCHEMA_VERSION:
         raise ValueError(f"{storage.url(prefix)}: {manifest.kind} v{manifest.kind_version} is "
                          f"not {SHARDS_KIND} v{SHARD_SCHEMA_VERSION}")
+    deleted = deleted_record(manifest)
+    if data and deleted is not None:
+        raise ShardsDeletedError(
+            f"{storage.url(prefix)}: shards deleted by storage retention at {deleted['at']} "
+            f"(after the refresh at step {deleted['by_refresh']}); extract the step again "
+            f"(re-run ingest_step for partition {step})")
     return manifest
 
 

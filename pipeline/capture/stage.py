@@ -48,6 +48,7 @@ from pipeline.capture.shards import (
     ShardSample,
     ShardSpec,
     WrittenShard,
+    deleted_record,
     shard_name,
     write_shard,
 )
@@ -154,6 +155,10 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
     run_fp = _sha256_json(params)
 
     existing = read_manifest(storage, out_prefix)
+    if existing is not None and deleted_record(existing) is not None:
+        log.info("step %d: shards were deleted by storage retention (%s); extracting again",
+                 step, deleted_record(existing))
+        existing = None
     damaged = (verify_manifest(storage, out_prefix, existing)
                if existing is not None and existing.meta.get("fingerprint") == run_fp else None)
     if damaged == []:

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from pipeline.capture.provenance import check_provenance
-from pipeline.capture.shards import read_shards_manifest
+from pipeline.capture.shards import ShardsDeletedError, read_shards_manifest
 from pipeline.contracts import Manifest
 from pipeline.eagle3.aux_layers import AUX_CAPTURE, check_aux_layer_ids
 from pipeline.layout import policy_prefix, shards_prefix
@@ -51,11 +51,17 @@ def read_window(storage: Storage, steps: Sequence[int],
     """The committed manifests of ``steps`` (via ``read``); raises naming every missing step."""
     found: dict[int, Manifest] = {}
     missing: list[int] = []
+    deleted: list[str] = []
     for s in steps:
         try:
             found[s] = read(storage, s)
+        except ShardsDeletedError as e:
+            deleted.append(str(e))
         except FileNotFoundError:
             missing.append(s)
+    if deleted:
+        raise WindowError(f"the window {list(steps)} reads steps whose {what} were deleted: "
+                          + "; ".join(deleted))
     if missing:
         raise WindowError(f"the window {list(steps)} lacks committed {what} for step(s) "
                           f"{missing} under {storage.url()}: ingest them first (job "

@@ -22,6 +22,7 @@ from pipeline.capture.config import ExtractConfig
 from pipeline.capture.heldout import HeldoutSplit, heldout_prompts
 from pipeline.capture.hf import HFCaptureBackend
 from pipeline.capture.provenance import provenance
+from pipeline.capture.retention import apply_retention
 from pipeline.capture.shards import (
     iter_shard,
     iter_step,
@@ -214,6 +215,20 @@ def test_a_committed_step_is_not_recomputed(tmp_path, model):
     assert again.calls == 0 and second.already_committed
     assert (second.samples, second.bytes, second.shards) == (first.samples, first.bytes,
                                                               first.shards)
+
+
+def test_a_step_deleted_by_retention_is_extracted_again_to_the_same_bytes(tmp_path, model):
+    storage = Storage(tmp_path.as_uri())
+    write_tokenized(storage, STEP, lengths(8))
+    first = capture_stage.run(storage, STEP, backend(model), CONFIG)
+    files = shard_files(storage)
+    assert apply_retention(storage, STEP + 4, 2).deleted_steps == (STEP,)
+    again = backend(model)
+    second = capture_stage.run(storage, STEP, again, CONFIG)
+    assert again.calls > 0 and not second.already_committed and second.shards_reused == 0
+    assert shard_files(storage) == files and second.bytes == first.bytes
+    assert "deleted" not in read_shards_manifest(storage, STEP).meta
+    assert sum(1 for _ in iter_step(storage, STEP)) == 8
 
 
 def test_a_damaged_committed_shard_is_re_extracted_alone(tmp_path, model):

@@ -22,7 +22,8 @@ def test_definitions_load_and_names_are_stable():
     repo = defs.get_repository_def()
     assert {k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()} == {
         "rollout_snapshot", "tokenized_rollouts", "hidden_state_shards", "vocab_mapping",
-        "drafter_checkpoint", "acceptance_eval", "registered_drafter", "serving_drafter"}
+        "drafter_checkpoint", "acceptance_eval", "registered_drafter", "serving_drafter",
+        "storage_retention"}
     assert {c.name for c in repo.asset_graph.asset_check_keys} == {
         "quarantine_ratio", "shard_integrity", "vocab_coverage", "training_loss",
         "acceptance_lossless", "serving_staleness"}
@@ -93,7 +94,7 @@ def test_run_config_defaults_mirror_the_stage_configs():
 def test_every_asset_has_an_owner_a_stage_and_every_trigger_a_description():
     specs = {spec.key.path[-1]: spec for spec in defs.resolve_all_asset_specs()}
     stages = [specs[name].tags["aerie/stage"] for name in (*DATA_ASSETS, *REFRESH_ASSETS)]
-    assert stages == [str(n) for n in range(1, 9)]
+    assert stages == [str(n) for n in range(1, 10)]
     assert all(spec.owners == ["team:aerie"] for spec in specs.values())
     for sensor in defs.sensors:
         assert sensor.description and "runs" in sensor.description

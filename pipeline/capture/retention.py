@@ -1,0 +1,127 @@
+"""Storage retention: after a refresh commits, the hidden-state shards and training work
+directories of RL steps older than the retention window are deleted.
+
+At H = 4096 a step's shards cost ~32 KiB per token; without retention every step ever
+extracted stays. :func:`apply_retention` keeps steps ``[refresh_step - retain_steps + 1,
+refresh_step]`` and every step a caller protects (the windows of refreshes that are queued
+or running), and deletes the rest.
+
+Invariants:
+
+- Only shard data goes. A deleted step keeps its ``_manifest.json`` (which files there
+  were, their hashes, the lineage), rewritten with ``meta.deleted = {"at", "by_refresh",
+  "files", "bytes_freed"}``; the marker is written before any file is deleted, so a crash
+  in between leaves a marked step whose leftovers the next pass deletes.
+- Readers that need the data refuse a deleted step (:class:`ShardsDeletedError` from
+  :func:`~pipeline.capture.shards.read_shards_manifest`); extracting the step again (its
+  ``ingest_step`` run) rebuilds it from the tokenized samples, which are kept.
+- Training work directories (``<work_root>/step=NNNNNN-<fingerprint>/``: checkpoints for
+  resuming, the export) of refresh steps before the cutoff are removed, protected ones
+  kept. A committed drafter lives in storage; its work directory is only a resume point.
+- Idempotent: a second pass over the same state deletes and reports nothing new.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pipeline.capture.shards import SHARDS_KIND, deleted_record
+from pipeline.contracts import MANIFEST_NAME
+from pipeline.layout import SHARDS, committed_steps, parse_step_dir, shards_prefix
+from pipeline.manifest import read_manifest, write_manifest
+from pipeline.storage import Storage
+
+__all__ = ["RetentionReport", "apply_retention", "keep_from"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetentionReport:
+    """What one pass deleted (steps ascending) and what it kept on purpose."""
+
+    refresh_step: int
+    keep_from: int  # steps >= this are inside the window
+    deleted_steps: tuple[int, ...]
+    shard_files_deleted: int
+    shard_bytes_freed: int
+    work_dirs_deleted: tuple[str, ...]
+    work_bytes_freed: int
+    protected: tuple[int, ...]  # older steps kept because a queued/running refresh reads them
+
+    @property
+    def bytes_freed(self) -> int:
+        return self.shard_bytes_freed + self.work_bytes_freed
+
+
+def keep_from(refresh_step: int, retain_steps: int) -> int:
+    """The oldest step the window ``retain_steps`` keeps after the refresh at ``refresh_step``."""
+    if retain_steps < 1:
+        raise ValueError(f"retain_steps must be >= 1, got {retain_steps}")
+    return refresh_step - retain_steps + 1
+
+
+def apply_retention(storage: Storage, refresh_step: int, retain_steps: int, *,
+                    protected: Iterable[int] = (), work_root: Path | None = None,
+                    now: datetime | None = None) -> RetentionReport:
+    """Delete the shards (and, under ``work_root``, the training work directories) of steps
+    before ``keep_from(refresh_step, retain_steps)`` that are not ``protected``."""
+    cutoff = keep_from(refresh_step, retain_steps)
+    keep = set(protected)
+    at = (now or datetime.now(UTC)).isoformat(timespec="seconds")
+    old = [s for s in committed_steps(storage.list(SHARDS), SHARDS) if s < cutoff]
+    deleted, files, freed = [], 0, 0
+    for step in old:
+        if step in keep:
+            continue
+        n, size = _delete_step(storage, step, refresh_step, at)
+        if n:
+            deleted.append(step)
+            files, freed = files + n, freed + size
+    dirs, work_freed = _delete_work_dirs(work_root, cutoff, keep) if work_root else ((), 0)
+    report = RetentionReport(refresh_step, cutoff, tuple(deleted), files, freed, dirs,
+                             work_freed, tuple(sorted(s for s in keep if s < cutoff)))
+    if deleted or dirs:
+        log.info("retention after the refresh at step %d: shards of steps %s (%d bytes) and "
+                 "%d work dir(s) (%d bytes) deleted", refresh_step, list(deleted), freed,
+                 len(dirs), work_freed)
+    return report
+
+
+def _delete_step(storage: Storage, step: int, refresh_step: int, at: str) -> tuple[int, int]:
+    """Mark the step deleted (first), then delete every file of it but the manifest."""
+    prefix = shards_prefix(step)
+    manifest = read_manifest(storage, prefix, kind=SHARDS_KIND)
+    if manifest is None:
+        return 0, 0
+    doomed = [k for k in storage.list(prefix) if k != f"{prefix}/{MANIFEST_NAME}"]
+    if not doomed:
+        return 0, 0
+    sizes = {f"{prefix}/{f.path}": f.bytes for f in manifest.files}
+    freed = sum(sizes.get(k) or storage.sha256(k)[0] for k in doomed)
+    if deleted_record(manifest) is None:
+        write_manifest(storage, prefix, replace(manifest, meta={
+            **manifest.meta, "deleted": {"at": at, "by_refresh": refresh_step,
+                                         "files": len(doomed), "bytes_freed": freed}}))
+    for key in doomed:
+        storage.delete(key)
+    return len(doomed), freed
+
+
+def _delete_work_dirs(root: Path, cutoff: int, keep: set[int]) -> tuple[tuple[str, ...], int]:
+    if not root.is_dir():
+        return (), 0
+    gone, freed = [], 0
+    for d in sorted(root.iterdir()):
+        step = parse_step_dir(d.name.split("-", 1)[0]) if d.is_dir() else None
+        if step is None or step >= cutoff or step in keep:
+            continue
+        freed += sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+        shutil.rmtree(d)
+        gone.append(d.name)
+    return tuple(gone), freed

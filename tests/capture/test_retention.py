@@ -1,0 +1,180 @@
+"""Storage retention on local and S3 storage (moto_server): which steps go, what stays
+(manifests marked deleted, protected steps, the window), bytes reported, crash leftovers,
+idempotence; readers refuse deleted data; the Dagster asset protects in-flight runs."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+import torch
+from dagster import DagsterRunStatus, instance_for_test, materialize
+from dagster._core.test_utils import create_run_for_test
+
+from assets.partitions import step_key
+from assets.retention import in_flight_steps, storage_retention
+from pipeline.capture.retention import apply_retention, keep_from
+from pipeline.capture.shards import (
+    SHARD_SCHEMA_VERSION,
+    SHARDS_KIND,
+    ShardSample,
+    ShardsDeletedError,
+    ShardSpec,
+    read_shards_manifest,
+    shard_name,
+    write_shard,
+)
+from pipeline.capture.window import WindowError, read_window
+from pipeline.contracts import Manifest
+from pipeline.layout import shards_prefix
+from pipeline.manifest import entry_for, read_manifest, write_manifest
+from pipeline.storage import Storage
+from resources.refresh import RefreshPolicyResource
+from resources.storage import StorageResource
+from resources.trainer import TrainerResource
+
+H = 8
+NOW = datetime(2026, 11, 24, 12, 0, tzinfo=UTC)
+
+
+def commit_step(storage: Storage, step: int, shards: int = 2) -> int:
+    """A committed shard step (plus a progress marker, as capture leaves one); its bytes."""
+    prefix = shards_prefix(step)
+    spec = ShardSpec(step=step, hidden_size=H, aux_layer_ids=(0, 1, 2))
+    entries = []
+    for i in range(shards):
+        t = 3 + i + step
+        sample = ShardSample(f"r{step}-{i}", step, torch.arange(t, dtype=torch.int32),
+                             torch.ones(t, dtype=torch.bool),
+                             torch.zeros(t, 3 * H, dtype=torch.bfloat16),
+                             torch.ones(t, H, dtype=torch.bfloat16))
+        written = write_shard(storage, f"{prefix}/{shard_name(i)}", spec, [sample])
+        entries.append(entry_for(prefix, written.obj, rows=1))
+    marker = storage.write_bytes(f"{prefix}/_progress/{shard_name(0)}.json", b"{}")
+    write_manifest(storage, prefix, Manifest(SHARDS_KIND, SHARD_SCHEMA_VERSION, tuple(entries),
+                                             meta={"step": step}))
+    return sum(e.bytes for e in entries) + marker.bytes
+
+
+def work_dirs(root, steps):
+    for s in steps:
+        d = root / f"step={s:06d}-0123456789abcdef" / "checkpoints"
+        d.mkdir(parents=True)
+        (d / "model.pt").write_bytes(b"x" * (100 + s))
+
+
+def test_old_steps_go_their_manifests_stay_marked(storage, tmp_path):
+    sizes = {s: commit_step(storage, s) for s in range(10)}
+    work_dirs(tmp_path / "training", [1, 3, 5, 7, 9])
+    report = apply_retention(storage, 9, 4, protected={2, 7}, work_root=tmp_path / "training",
+                             now=NOW)
+    assert keep_from(9, 4) == report.keep_from == 6
+    assert report.deleted_steps == (0, 1, 3, 4, 5) and report.protected == (2,)
+    assert report.shard_files_deleted == 5 * 3
+    assert report.shard_bytes_freed == sum(sizes[s] for s in (0, 1, 3, 4, 5))
+    assert report.work_dirs_deleted == ("step=000001-0123456789abcdef",
+                                        "step=000003-0123456789abcdef",
+                                        "step=000005-0123456789abcdef")
+    assert report.work_bytes_freed == 101 + 103 + 105
+    assert report.bytes_freed == report.shard_bytes_freed + report.work_bytes_freed
+    assert sorted(p.name for p in (tmp_path / "training").iterdir()) == [
+        "step=000007-0123456789abcdef", "step=000009-0123456789abcdef"]
+    for s in range(10):
+        keys = storage.list(shards_prefix(s))
+        manifest = read_manifest(storage, shards_prefix(s))
+        if s in report.deleted_steps:
+            assert keys == [f"{shards_prefix(s)}/_manifest.json"]
+            assert manifest.meta["deleted"] == {"at": "2026-11-24T12:00:00+00:00",
+                                                "by_refresh": 9, "files": 3,
+                                                "bytes_freed": sizes[s]}
+            assert len(manifest.files) == 2  # lineage: which files there were, their hashes
+        else:
+            assert len(keys) == 4 and "deleted" not in manifest.meta
+
+
+def test_readers_refuse_deleted_data_and_a_second_pass_is_a_no_op(storage):
+    for s in range(6):
+        commit_step(storage, s, shards=1)
+    apply_retention(storage, 5, 2, now=NOW)
+    with pytest.raises(ShardsDeletedError, match=r"step=000001: shards deleted by storage "
+                                                 r"retention at 2026-11-24T12:00:00\+00:00 "
+                                                 r"\(after the refresh at step 5\).*ingest_step"):
+        read_shards_manifest(storage, 1)
+    assert read_shards_manifest(storage, 1, data=False).meta["deleted"]["by_refresh"] == 5
+    with pytest.raises(WindowError, match=r"deleted: .*step=000003"):
+        read_window(storage, [3, 4, 5])
+    assert read_window(storage, [4, 5]).keys() == {4, 5}
+    again = apply_retention(storage, 5, 2, now=NOW)
+    assert again.deleted_steps == () and again.bytes_freed == 0
+
+
+def test_leftovers_of_a_crash_after_the_marker_are_swept(storage):
+    size = commit_step(storage, 0)
+    commit_step(storage, 5)
+    prefix = shards_prefix(0)
+    manifest = read_manifest(storage, prefix)
+    write_manifest(storage, prefix, Manifest(manifest.kind, manifest.kind_version,
+                                             manifest.files, {**manifest.meta, "deleted": {
+                                                 "at": "earlier", "by_refresh": 4, "files": 3,
+                                                 "bytes_freed": size}}))
+    storage.delete(f"{prefix}/{shard_name(0)}")  # the crash came after the first delete
+    report = apply_retention(storage, 5, 1, now=NOW)
+    assert report.deleted_steps == (0,) and report.shard_files_deleted == 2
+    assert storage.list(prefix) == [f"{prefix}/_manifest.json"]
+    assert read_manifest(storage, prefix).meta["deleted"]["at"] == "earlier"  # not rewritten
+
+
+def test_retain_steps_must_cover_the_window():
+    with pytest.raises(ValueError, match="retain_steps must be >= 1"):
+        keep_from(5, 0)
+    policy = RefreshPolicyResource(window=4, retain_steps=2)
+    with pytest.raises(ValueError, match="retain_steps 2 would delete steps the next "
+                                         "refresh's window of 4 reads"):
+        policy.setup_for_execution(None)
+    RefreshPolicyResource(window=4, retain_steps=0).setup_for_execution(None)
+
+
+def test_the_asset_keeps_what_queued_and_running_runs_read(tmp_path):
+    storage = Storage((tmp_path / "store").as_uri())
+    for s in range(10):
+        commit_step(storage, s, shards=1)
+    work_dirs(tmp_path / "training", [0, 9])
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("refresh_steps", [step_key(9)])
+        create_run_for_test(instance, job_name="drafter_refresh",  # a queued run needs an
+                            status=DagsterRunStatus.NOT_STARTED,  # origin; same claim
+                            tags={"dagster/partition": step_key(3)},
+                            run_config={"ops": {"vocab_mapping": {"config": {"window": 2}}}})
+        create_run_for_test(instance, job_name="ingest_step", status=DagsterRunStatus.STARTED,
+                            tags={"dagster/partition": step_key(0)})
+        create_run_for_test(instance, job_name="drafter_refresh",
+                            status=DagsterRunStatus.SUCCESS,
+                            tags={"dagster/partition": step_key(5)})  # finished: no claim
+        assert in_flight_steps(instance, "none", default_window=4) == {0, 2, 3}
+        result = materialize(
+            [storage_retention], instance=instance, partition_key=step_key(9),
+            resources={"storage": StorageResource(url=storage.url()),
+                       "refresh": RefreshPolicyResource(window=4, retain_steps=4),
+                       "trainer": TrainerResource(work_dir=str(tmp_path / "training"))})
+    meta = {k: v.value for k, v in result.asset_materializations_for_node(
+        "storage_retention")[0].metadata.items()}
+    assert meta["deleted"] == [1, 4, 5] and meta["protected"] == [0, 2, 3]
+    assert meta["keep_from_step"] == 6 and meta["shard_files_deleted"] == 6
+    assert meta["work_dirs_deleted"] == [] and meta["bytes_freed"] == meta["shard_bytes_freed"]
+    assert read_shards_manifest(storage, 2).meta.get("deleted") is None
+
+
+def test_retention_off_deletes_nothing(tmp_path):
+    storage = Storage((tmp_path / "store").as_uri())
+    for s in range(3):
+        commit_step(storage, s, shards=1)
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("refresh_steps", [step_key(2)])
+        result = materialize(
+            [storage_retention], instance=instance, partition_key=step_key(2),
+            resources={"storage": StorageResource(url=storage.url()),
+                       "refresh": RefreshPolicyResource(),
+                       "trainer": TrainerResource(work_dir=str(tmp_path / "training"))})
+    meta = result.asset_materializations_for_node("storage_retention")[0].metadata
+    assert meta["retain_steps"].value == 0 and meta["bytes_freed"].value == 0
+    assert all(len(storage.list(shards_prefix(s))) == 3 for s in range(3))
