@@ -35,13 +35,17 @@ class ShardsConfig(Config):
     heldout_fraction: float = Field(default=_E.heldout_fraction,
                                     description="share of prompts held out for evaluation "
                                                 "(never trained on)")
+    encoding: str = Field(default=_E.encoding,
+                          description="how states are stored: bfloat16, fp8-aux (aux states "
+                                      "as float8 e4m3 with a per-token scale: ~0.5x the "
+                                      "bytes) or fp8 (final states too)")
 
     def to_core(self) -> ExtractConfig:
         return ExtractConfig(
             token_budget=self.token_budget, max_batch_size=self.max_batch_size,
             shard_bytes=self.shard_bytes, row_group_bytes=self.row_group_bytes,
             compression=self.compression, sort_by_length=self.sort_by_length,
-            heldout_fraction=self.heldout_fraction)
+            heldout_fraction=self.heldout_fraction, encoding=self.encoding)
 
 
 @asset(partitions_def=rl_steps, group_name="data", kinds={"parquet", "pytorch"},

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.capture.provenance import ENCODINGS
+
 DEFAULT_TOKEN_BUDGET = 16384  # max padded tokens per backend call: B * T_max
 DEFAULT_ROW_GROUP_BYTES = 64 << 20
 
@@ -23,6 +25,7 @@ class ExtractConfig:
     compression: str = "zstd"  # Parquet codec: "zstd" (~20% smaller) or "none" (faster)
     sort_by_length: bool = True  # inside a shard: longest first, less padding
     heldout_fraction: float = 0.05  # prompts kept out of the shards for evaluation
+    encoding: str = "bfloat16"  # bfloat16 | fp8-aux | fp8: states as float8 e4m3 + scale
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_batch_size", "shard_bytes", "row_group_bytes"):
@@ -30,5 +33,7 @@ class ExtractConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.heldout_fraction <= 1.0:
             raise ValueError(f"heldout_fraction must be in [0, 1], got {self.heldout_fraction}")
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {ENCODINGS}, got {self.encoding!r}")
         if self.compression not in ("zstd", "none", "lz4", "snappy"):
             raise ValueError(f"unsupported compression {self.compression!r}")

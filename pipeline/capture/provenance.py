@@ -17,7 +17,9 @@ engine_aux_layer_ids     the same layers as the engine was asked for them
                          (SGLang: ``--return-aux-hidden-state-layer-ids``, which
                          its models turn into ``id + 1`` on entry)
 final_capture            ``post_norm``: ``final_hidden`` is after the final norm
-encoding                 how the state bytes are stored: ``bfloat16``
+encoding                 how the state bytes are stored (:data:`ENCODINGS`):
+                         ``bfloat16``, ``fp8-aux`` (aux states as float8
+                         e4m3 with a per-token scale) or ``fp8`` (both)
 =======================  ========================================================
 
 The engine and its version are a record, not part of a step's fingerprint: upgrading an
@@ -34,14 +36,16 @@ from typing import Any
 
 from pipeline.eagle3.aux_layers import AUX_CAPTURE
 
-__all__ = ["ENCODING", "FINAL_CAPTURE", "check_provenance", "provenance"]
+__all__ = ["ENCODING", "ENCODINGS", "FINAL_CAPTURE", "check_provenance", "provenance"]
 
 FINAL_CAPTURE = "post_norm"
-ENCODING = "bfloat16"
+ENCODING = "bfloat16"  # the default, and the dtype every reader hands states out in
+ENCODINGS = ("bfloat16", "fp8-aux", "fp8")
 
 
 def provenance(engine: str, engine_version: str, aux_layer_ids: Sequence[int],
-               engine_aux_layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
+               engine_aux_layer_ids: Sequence[int] | None = None,
+               encoding: str = ENCODING) -> dict[str, Any]:
     """One provenance record in Aerie's conventions (see the module table)."""
     ids = [int(i) for i in aux_layer_ids]
     return {"engine": engine, "engine_version": engine_version, "aux_capture": AUX_CAPTURE,
@@ -49,15 +53,16 @@ def provenance(engine: str, engine_version: str, aux_layer_ids: Sequence[int],
             "engine_aux_layer_ids": [int(i) for i in (engine_aux_layer_ids
                                                       if engine_aux_layer_ids is not None
                                                       else ids)],
-            "final_capture": FINAL_CAPTURE, "encoding": ENCODING}
+            "final_capture": FINAL_CAPTURE, "encoding": encoding}
 
 
-def check_provenance(record: Mapping[str, Any], aux_layer_ids: Sequence[int], where: str
-                     ) -> None:
+def check_provenance(record: Mapping[str, Any], aux_layer_ids: Sequence[int], where: str,
+                     encoding: str = ENCODING) -> None:
     """Raise ``ValueError`` naming ``where`` and the field when ``record`` was not captured
-    in the conventions this release reads, or names other aux layers than ``aux_layer_ids``."""
+    in the conventions this release reads, or names other aux layers than ``aux_layer_ids``
+    or another encoding than the data's own ``encoding``."""
     expected = {"aux_capture": AUX_CAPTURE, "final_capture": FINAL_CAPTURE,
-                "encoding": ENCODING, "aux_layer_ids": [int(i) for i in aux_layer_ids]}
+                "encoding": encoding, "aux_layer_ids": [int(i) for i in aux_layer_ids]}
     for key, want in expected.items():
         got = record.get(key)
         if got != want:

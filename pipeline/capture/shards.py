@@ -55,7 +55,7 @@ import pyarrow.parquet as pq
 import torch
 
 from pipeline.capture.config import DEFAULT_ROW_GROUP_BYTES
-from pipeline.capture.provenance import ENCODING, check_provenance
+from pipeline.capture.provenance import ENCODING, ENCODINGS, check_provenance
 from pipeline.contracts import Manifest
 from pipeline.layout import shards_prefix
 from pipeline.manifest import read_manifest
@@ -63,9 +63,15 @@ from pipeline.parquet import ParquetFileError, open_parquet
 from pipeline.storage import Storage, WrittenObject
 
 SHARDS_KIND = "hidden_state_shards"
-SHARD_SCHEMA_VERSION = 1
-SHARD_DTYPE = ENCODING
+SHARD_SCHEMA_VERSION = 1  # bf16 states; shards of this layout stay v1
+FP8_SCHEMA_VERSION = 2  # states may be float8 e4m3 with a per-token scale (``encoding``)
+READABLE_VERSIONS = (SHARD_SCHEMA_VERSION, FP8_SCHEMA_VERSION)
+SHARD_DTYPE = ENCODING  # what readers hand states out as, whatever the encoding
 SHARD_LAYOUT = "aux_hidden, final_hidden: little-endian bf16 bits of a row-major (T, W) tensor"
+FP8_LAYOUT = ("fp8-encoded columns: T little-endian float32 scales, then the float8 e4m3fn "
+              "bytes of the row-major (T, W) tensor divided row by row by its scale")
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_MIN_SCALE = 1e-12  # an all-zero row: any scale decodes it to zeros
 _MAX_VALUE_BYTES = (1 << 31) - 1  # a Parquet BYTE_ARRAY value has an int32 length
 _KEY = "aerie."  # prefix of Aerie's key-value metadata
 
@@ -107,6 +113,7 @@ class ShardSpec:
     aux_layer_ids: tuple[int, ...]
     extra: Mapping[str, str] = field(default_factory=dict)
     provenance: Mapping[str, Any] | None = None  # pipeline.capture.provenance.provenance()
+    encoding: str = ENCODING  # bfloat16 | fp8-aux | fp8 (pipeline.capture.provenance)
 
     @property
     def aux_width(self) -> int:
@@ -114,7 +121,18 @@ class ShardSpec:
 
     @property
     def state_bytes_per_token(self) -> int:
-        return 2 * (self.aux_width + self.hidden_size)  # bf16 aux + final
+        """Stored bytes per token: aux + final, each bf16 or fp8 with a 4-byte scale."""
+        return (_value_bytes(1, self.aux_width, self.encoding != ENCODING)
+                + _value_bytes(1, self.hidden_size, self.encoding == "fp8"))
+
+
+def _value_bytes(tokens: int, width: int, fp8: bool) -> int:
+    return tokens * (width + 4) if fp8 else 2 * tokens * width
+
+
+def _fp8_columns(encoding: str) -> tuple[bool, bool]:
+    """Whether ``aux_hidden`` and ``final_hidden`` are stored as fp8 under ``encoding``."""
+    return encoding != ENCODING, encoding == "fp8"
 
 
 @dataclass(frozen=True)
@@ -132,6 +150,7 @@ class ShardInfo:
     row_groups: int
     extra: dict[str, str] = field(default_factory=dict)
     provenance: dict[str, Any] | None = None  # None: written before it was recorded
+    encoding: str = ENCODING
 
 
 @dataclass(frozen=True)
@@ -166,7 +185,8 @@ def write_shard(storage: Storage, key: str, spec: ShardSpec, samples: Iterable[S
             for sample in samples:
                 size = _check_sample(sample, spec)
                 if pending and pending_bytes + size > row_group_bytes:
-                    writer.write_table(_row_group(pending, schema), row_group_size=len(pending))
+                    writer.write_table(_row_group(pending, schema, spec.encoding),
+                                       row_group_size=len(pending))
                     groups += 1
                     pending, pending_bytes = [], 0
                 pending.append(sample)
@@ -174,7 +194,8 @@ def write_shard(storage: Storage, key: str, spec: ShardSpec, samples: Iterable[S
                 rows += 1
                 tokens += sample.num_tokens
             if pending:
-                writer.write_table(_row_group(pending, schema), row_group_size=len(pending))
+                writer.write_table(_row_group(pending, schema, spec.encoding),
+                                       row_group_size=len(pending))
                 groups += 1
             pending = []
             writer.add_key_value_metadata({f"{_KEY}rows": str(rows), f"{_KEY}tokens": str(tokens)})
@@ -184,9 +205,12 @@ def write_shard(storage: Storage, key: str, spec: ShardSpec, samples: Iterable[S
 
 
 def _spec_metadata(spec: ShardSpec) -> dict[str, str]:
+    if spec.encoding not in ENCODINGS:
+        raise ValueError(f"shard encoding must be one of {ENCODINGS}, got {spec.encoding!r}")
+    fp8 = spec.encoding != ENCODING
     meta = {
         "kind": "hidden_state_shard",
-        "schema_version": str(SHARD_SCHEMA_VERSION),
+        "schema_version": str(FP8_SCHEMA_VERSION if fp8 else SHARD_SCHEMA_VERSION),
         "step": str(spec.step),
         "hidden_size": str(spec.hidden_size),
         "aux_width": str(spec.aux_width),
@@ -194,8 +218,10 @@ def _spec_metadata(spec: ShardSpec) -> dict[str, str]:
         "dtype": SHARD_DTYPE,
         "layout": SHARD_LAYOUT,
     }
+    if fp8:
+        meta.update(encoding=spec.encoding, layout=f"{SHARD_LAYOUT}; {FP8_LAYOUT}")
     if spec.provenance is not None:
-        check_provenance(spec.provenance, spec.aux_layer_ids, "shard spec")
+        check_provenance(spec.provenance, spec.aux_layer_ids, "shard spec", spec.encoding)
         meta["provenance"] = json.dumps(dict(spec.provenance), sort_keys=True)
     clash = set(meta) & set(spec.extra)
     if clash:
@@ -217,31 +243,54 @@ def _check_sample(s: ShardSample, spec: ShardSpec) -> int:
                          f"{s.input_ids.dtype}, {s.loss_mask.dtype}")
     if s.loss_mask.dtype == torch.int8 and bool(((s.loss_mask != 0) & (s.loss_mask != 1)).any()):
         raise ValueError(f"{where}: loss_mask values must be 0 or 1")
-    for name, x, width in (("aux_hidden", s.aux_hidden, spec.aux_width),
-                           ("final_hidden", s.final_hidden, spec.hidden_size)):
+    for name, x, width, fp8 in zip(("aux_hidden", "final_hidden"), (s.aux_hidden, s.final_hidden),
+                                   (spec.aux_width, spec.hidden_size),
+                                   _fp8_columns(spec.encoding), strict=True):
         if x.dtype != torch.bfloat16 or tuple(x.shape) != (t, width):
             raise ValueError(f"{where}: {name} must be bfloat16 ({t}, {width}), got "
                              f"{x.dtype} {tuple(x.shape)}")
+        if fp8 and not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{where}: {name} has non-finite values, which {spec.encoding} "
+                             "cannot scale; store it as bfloat16")
         if x.numel() * 2 > _MAX_VALUE_BYTES:
             raise ValueError(f"{where}: {name} is {x.numel() * 2} bytes; Parquet values are "
                              "limited to 2 GiB (shorten the sample)")
     return t * spec.state_bytes_per_token
 
 
-def _row_group(samples: list[ShardSample], schema: pa.Schema) -> pa.Table:
+def _row_group(samples: list[ShardSample], schema: pa.Schema, encoding: str) -> pa.Table:
     """Arrow columns over the samples' memory: one chunk per sample, no concatenation."""
     if not samples:
         return schema.empty_table()
     columns: dict[str, list[pa.Array]] = {name: [] for name in schema.names}
+    aux_fp8, final_fp8 = _fp8_columns(encoding)
     for s in samples:
         columns["sample_id"].append(pa.array([s.sample_id], pa.string()))
         columns["step"].append(pa.array([s.step], pa.int64()))
         columns["input_ids"].append(_list_of(s.input_ids, pa.int32()))
         columns["loss_mask"].append(_list_of(s.loss_mask.view(torch.int8), pa.int8()))
-        columns["aux_hidden"].append(_binary_of(s.aux_hidden))
-        columns["final_hidden"].append(_binary_of(s.final_hidden))
+        columns["aux_hidden"].append(_binary_of(_fp8_encode(s.aux_hidden) if aux_fp8
+                                                else s.aux_hidden))
+        columns["final_hidden"].append(_binary_of(_fp8_encode(s.final_hidden) if final_fp8
+                                                  else s.final_hidden))
     arrays = [pa.chunked_array(columns[f.name], f.type) for f in schema]
     return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _fp8_encode(x: torch.Tensor) -> torch.Tensor:
+    """``(T, W)`` states as one byte tensor: T float32 scales (each row's absolute maximum
+    over :data:`FP8_MAX`), then the rows divided by their scale in float8 e4m3fn."""
+    rows = x.detach().cpu().float()
+    scale = (rows.abs().amax(dim=1) / FP8_MAX).clamp_min(_MIN_SCALE)
+    values = (rows / scale[:, None]).to(torch.float8_e4m3fn)
+    return torch.cat([scale.view(torch.uint8), values.view(torch.uint8).reshape(-1)])
+
+
+def _fp8_decode(raw: torch.Tensor, tokens: int, width: int) -> torch.Tensor:
+    """The bf16 ``(T, W)`` states of :func:`_fp8_encode`'s bytes (a new tensor)."""
+    scale = raw[:4 * tokens].view(torch.float32)
+    values = raw[4 * tokens:].view(torch.float8_e4m3fn).view(tokens, width)
+    return (values.float() * scale[:, None]).to(torch.bfloat16)
 
 
 def _list_of(x: torch.Tensor, value_type: pa.DataType) -> pa.Array:
@@ -264,24 +313,28 @@ def _info(pf: pq.ParquetFile, url: str) -> ShardInfo:
     meta = {k[len(_KEY):]: v for k, v in raw.items()}
     try:
         version = int(meta["schema_version"])
-        if meta.get("kind") != "hidden_state_shard" or version != SHARD_SCHEMA_VERSION:
+        if meta.get("kind") != "hidden_state_shard" or version not in READABLE_VERSIONS:
             raise ValueError(f"kind {meta.get('kind')!r} version {version} is not a "
-                             f"hidden_state_shard v{SHARD_SCHEMA_VERSION}")
+                             f"hidden_state_shard of version {READABLE_VERSIONS}")
         if meta["dtype"] != SHARD_DTYPE:
             raise ValueError(f"dtype {meta['dtype']!r} is not {SHARD_DTYPE}")
+        encoding = meta.get("encoding", ENCODING) if version == FP8_SCHEMA_VERSION else ENCODING
+        if encoding not in ENCODINGS:
+            raise ValueError(f"encoding {encoding!r} is not one of {ENCODINGS}")
         known = {"kind", "schema_version", "step", "hidden_size", "aux_width",
-                 "aux_layer_ids", "dtype", "layout", "rows", "tokens", "provenance"}
+                 "aux_layer_ids", "dtype", "layout", "rows", "tokens", "provenance", "encoding"}
         aux_layer_ids = tuple(json.loads(meta["aux_layer_ids"]))
         record = json.loads(meta["provenance"]) if "provenance" in meta else None
         if record is not None:
-            check_provenance(record, aux_layer_ids, "footer")
+            check_provenance(record, aux_layer_ids, "footer", encoding)
         info = ShardInfo(
             schema_version=version, step=int(meta["step"]),
             hidden_size=int(meta["hidden_size"]), aux_width=int(meta["aux_width"]),
             aux_layer_ids=aux_layer_ids, dtype=meta["dtype"],
             rows=int(meta["rows"]), tokens=int(meta["tokens"]),
             row_groups=pf.metadata.num_row_groups,
-            extra={k: v for k, v in meta.items() if k not in known}, provenance=record)
+            extra={k: v for k, v in meta.items() if k not in known}, provenance=record,
+            encoding=encoding)
     except (KeyError, ValueError) as e:
         raise ParquetFileError(f"{url}: not a readable hidden-state shard ({e})") from e
     if info.rows != pf.metadata.num_rows:
@@ -334,25 +387,34 @@ def samples_of_batch(batch: pa.RecordBatch, info: ShardInfo, url: str = "<batch>
     mask = mask.view(torch.bool)
     aux_off, aux = _binary_views(batch.column("aux_hidden"))
     fin_off, fin = _binary_views(batch.column("final_hidden"))
+    aux_fp8, final_fp8 = _fp8_columns(info.encoding)
     sample_ids = batch.column("sample_id").to_pylist()
     steps = batch.column("step").to_pylist()
     out = []
     for r in range(batch.num_rows):
         t = int(ids_off[r + 1] - ids_off[r])
         if (int(mask_off[r + 1] - mask_off[r]) != t
-                or int(aux_off[r + 1] - aux_off[r]) != 2 * t * info.aux_width
-                or int(fin_off[r + 1] - fin_off[r]) != 2 * t * info.hidden_size):
+                or int(aux_off[r + 1] - aux_off[r]) != _value_bytes(t, info.aux_width, aux_fp8)
+                or int(fin_off[r + 1] - fin_off[r]) != _value_bytes(t, info.hidden_size,
+                                                                    final_fp8)):
             raise ParquetFileError(f"{url}: row {r} ({sample_ids[r]!r}) has inconsistent "
-                                   f"lengths for T={t}, H={info.hidden_size}")
+                                   f"lengths for T={t}, H={info.hidden_size} "
+                                   f"({info.encoding})")
         out.append(ShardSample(
             sample_id=sample_ids[r], step=steps[r],
             input_ids=ids[ids_off[r]:ids_off[r + 1]],
             loss_mask=mask[mask_off[r]:mask_off[r + 1]],
-            aux_hidden=aux[aux_off[r]:aux_off[r + 1]].view(torch.bfloat16)
-            .view(t, info.aux_width),
-            final_hidden=fin[fin_off[r]:fin_off[r + 1]].view(torch.bfloat16)
-            .view(t, info.hidden_size)))
+            aux_hidden=_states(aux[aux_off[r]:aux_off[r + 1]], t, info.aux_width, aux_fp8),
+            final_hidden=_states(fin[fin_off[r]:fin_off[r + 1]], t, info.hidden_size,
+                                 final_fp8)))
     return out
+
+
+def _states(raw: torch.Tensor, tokens: int, width: int, fp8: bool) -> torch.Tensor:
+    """bf16 ``(T, W)`` states of one value: a view of the bf16 bytes, or fp8 decoded."""
+    if fp8:
+        return _fp8_decode(raw, tokens, width)
+    return raw.view(torch.bfloat16).view(tokens, width)
 
 
 def _buffer_view(buf: pa.Buffer | None, dtype: torch.dtype, start: int, count: int
@@ -407,9 +469,9 @@ def read_shards_manifest(storage: Storage, step: int, *, data: bool = True) -> M
     manifest = read_manifest(storage, prefix)
     if manifest is None:
         raise FileNotFoundError(f"{storage.url(prefix)}: no committed hidden-state shards")
-    if manifest.kind != SHARDS_KIND or manifest.kind_version != SHARD_SCHEMA_VERSION:
+    if manifest.kind != SHARDS_KIND or manifest.kind_version not in READABLE_VERSIONS:
         raise ValueError(f"{storage.url(prefix)}: {manifest.kind} v{manifest.kind_version} is "
-                         f"not {SHARDS_KIND} v{SHARD_SCHEMA_VERSION}")
+                         f"not {SHARDS_KIND} of version {READABLE_VERSIONS}")
     deleted = deleted_record(manifest)
     if data and deleted is not None:
         raise ShardsDeletedError(

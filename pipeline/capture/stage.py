@@ -42,6 +42,7 @@ from pipeline.capture.config import ExtractConfig
 from pipeline.capture.heldout import HeldoutSplit
 from pipeline.capture.provenance import provenance
 from pipeline.capture.shards import (
+    FP8_SCHEMA_VERSION,
     SHARD_DTYPE,
     SHARD_SCHEMA_VERSION,
     SHARDS_KIND,
@@ -144,12 +145,19 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
     spec = ShardSpec(step=step, hidden_size=int(backend.hidden_size), aux_layer_ids=aux_ids,
                      extra={"backend": json.dumps(identity, sort_keys=True),
                             "policy_sha256": policy.sha256 if policy else ""},
-                     provenance=_backend_provenance(backend, identity, aux_ids))
+                     provenance={**_backend_provenance(backend, identity, aux_ids),
+                                 "encoding": config.encoding},
+                     encoding=config.encoding)
+    schema_version = (SHARD_SCHEMA_VERSION if config.encoding == SHARD_DTYPE
+                      else FP8_SCHEMA_VERSION)
+    settings = asdict(config)
+    if config.encoding == SHARD_DTYPE:  # added later: bf16 steps committed before keep
+        del settings["encoding"]        # their fingerprint
     params = {
-        "kind": SHARDS_KIND, "schema_version": SHARD_SCHEMA_VERSION, "step": step,
+        "kind": SHARDS_KIND, "schema_version": schema_version, "step": step,
         "hidden_size": spec.hidden_size, "aux_layer_ids": list(spec.aux_layer_ids),
         "backend": identity, "policy_sha256": policy.sha256 if policy else None,
-        "config": asdict(config),
+        "config": settings,
         "tokenized": [[f.path, f.sha256] for f in tokenized.files],
     }
     run_fp = _sha256_json(params)
@@ -203,7 +211,7 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
                                   "row_groups": written.row_groups, "fingerprint": shard_fp})
         entries.append(entry_for(out_prefix, written.obj, rows=written.rows))
 
-    manifest = Manifest(kind=SHARDS_KIND, kind_version=SHARD_SCHEMA_VERSION,
+    manifest = Manifest(kind=SHARDS_KIND, kind_version=schema_version,
                         files=tuple(entries), meta={
                             "step": step, "fingerprint": run_fp,
                             "samples": counts.samples, "tokens": counts.tokens,
@@ -213,6 +221,7 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
                             "hidden_size": spec.hidden_size, "aux_width": spec.aux_width,
                             "aux_layer_ids": list(spec.aux_layer_ids),
                             "aux_capture": AUX_CAPTURE, "dtype": SHARD_DTYPE,
+                            "encoding": config.encoding,
                             "provenance": dict(spec.provenance or {}),
                             "backend": identity.get("backend", "?"), "backend_config": identity,
                             "policy_uri": policy.key if policy else None,
@@ -322,7 +331,7 @@ def _write_one_shard(storage: Storage, key: str, spec: ShardSpec, fingerprint: s
     shard_spec = ShardSpec(step=spec.step, hidden_size=spec.hidden_size,
                            aux_layer_ids=spec.aux_layer_ids,
                            extra={**spec.extra, "fingerprint": fingerprint},
-                           provenance=spec.provenance)
+                           provenance=spec.provenance, encoding=spec.encoding)
     written = write_shard(storage, key, shard_spec,
                           _captured_rows(backend, batches, spec, counts),
                           row_group_bytes=config.row_group_bytes,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pipeline.capture.provenance import check_provenance
+from pipeline.capture.provenance import ENCODING, check_provenance
 from pipeline.capture.shards import ShardsDeletedError, read_shards_manifest
 from pipeline.contracts import Manifest
 from pipeline.eagle3.aux_layers import AUX_CAPTURE, check_aux_layer_ids
@@ -97,7 +97,8 @@ def shard_geometry(manifests: Mapping[int, Manifest]) -> tuple[int, tuple[int, .
         record = m.meta.get("provenance")
         if record:  # absent on shards written before it was recorded
             try:
-                check_provenance(record, m.meta["aux_layer_ids"], f"step {step} shards")
+                check_provenance(record, m.meta["aux_layer_ids"], f"step {step} shards",
+                                 m.meta.get("encoding", ENCODING))
             except ValueError as e:
                 raise WindowError(str(e)) from None
     seen = {(int(m.meta["hidden_size"]), tuple(m.meta["aux_layer_ids"]))

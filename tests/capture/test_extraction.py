@@ -231,6 +231,23 @@ def test_a_step_deleted_by_retention_is_extracted_again_to_the_same_bytes(tmp_pa
     assert sum(1 for _ in iter_step(storage, STEP)) == 8
 
 
+def test_fp8_encoding_is_a_configuration_its_manifest_and_provenance_say_so(tmp_path, model):
+    storage = Storage(tmp_path.as_uri())
+    write_tokenized(storage, STEP, lengths(8))
+    bf16 = capture_stage.run(storage, STEP, backend(model), CONFIG)
+    reference = {s.sample_id: s.aux_hidden.clone() for s in iter_step(storage, STEP)}
+    fp8 = capture_stage.run(storage, STEP, backend(model), replace(CONFIG, encoding="fp8"))
+    manifest = read_shards_manifest(storage, STEP)
+    assert (fp8.schema_version, manifest.kind_version, manifest.meta["encoding"]) == (
+        2, 2, "fp8")
+    assert manifest.meta["provenance"]["encoding"] == "fp8"
+    assert fp8.bytes < 0.75 * bf16.bytes and not fp8.already_committed
+    for s in iter_step(storage, STEP):
+        want = reference[s.sample_id].float()
+        scale = want.abs().amax(dim=1, keepdim=True)
+        assert bool(((s.aux_hidden.float() - want).abs() <= scale / 16).all())
+
+
 def test_a_damaged_committed_shard_is_re_extracted_alone(tmp_path, model):
     storage = Storage(tmp_path.as_uri())
     write_tokenized(storage, STEP, lengths(20))

@@ -274,3 +274,66 @@ def test_the_writer_refuses_a_provenance_in_other_conventions(local):
     with pytest.raises(ValueError, match="provenance final_capture is 'pre_norm'"):
         write_shard(local, KEY, spec, [sample(0, 3)])
     assert not local.exists(KEY)
+
+
+# ---- fp8 encoding ---------------------------------------------------------------------------
+
+E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()
+E4M3 = torch.unique(E4M3[torch.isfinite(E4M3)])  # every finite float8 e4m3fn value, sorted
+
+
+def reference_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Per-token scaled e4m3 by enumeration: each row's scale is its float32 amax/448; each
+    float32 quotient may go to any e4m3 value nearest to it (both on a tie), decoded as
+    value × scale in float32, then bf16. Returns which decoded values are allowed and
+    those values, ``(T, W, 253)``."""
+    rows = x.float()
+    scale = (rows.abs().amax(dim=1) / 448).clamp_min(1e-12)
+    distance = (rows / scale[:, None]).double()[..., None].sub(E4M3).abs()
+    nearest = distance <= distance.min(dim=-1, keepdim=True).values
+    decoded = (E4M3.float() * scale[:, None, None]).to(torch.bfloat16).double()
+    return nearest, decoded
+
+
+@pytest.mark.parametrize("encoding", ["fp8-aux", "fp8"])
+def test_fp8_shards_decode_to_the_nearest_e4m3_value_per_token(local, encoding):
+    spec = ShardSpec(step=4, hidden_size=H, aux_layer_ids=(1, 2, 3), encoding=encoding)
+    rows = [sample(i, t, seed=3) for i, t in enumerate((5, 1, 9))]
+    rows[1] = ShardSample(rows[1].sample_id, 4, rows[1].input_ids, rows[1].loss_mask,
+                          torch.zeros_like(rows[1].aux_hidden), rows[1].final_hidden)
+    write_shard(local, KEY, spec, rows, row_group_bytes=1)
+    info = read_shard_info(local, KEY)
+    assert (info.schema_version, info.encoding, info.dtype) == (2, encoding, "bfloat16")
+    for original, back in zip(rows, iter_shard(local, KEY), strict=True):
+        assert back.aux_hidden.dtype == back.final_hidden.dtype == torch.bfloat16
+        assert torch.equal(back.input_ids, original.input_ids)
+        for name, fp8 in (("aux_hidden", True), ("final_hidden", encoding == "fp8")):
+            x, got = getattr(original, name), getattr(back, name)
+            if not fp8:
+                assert torch.equal(bits(got), bits(x))
+                continue
+            nearest, decoded = reference_fp8(x)
+            allowed = nearest & (decoded == got.double()[..., None])
+            assert bool(allowed.any(dim=-1).all()), name
+    assert not bool(next(iter_shard(local, KEY)).aux_hidden.isnan().any())
+    assert bool((list(iter_shard(local, KEY))[1].aux_hidden == 0).all())  # zeros stay zeros
+
+
+def test_fp8_bytes_per_token_and_the_schema_version_of_each_encoding():
+    h4096 = {e: ShardSpec(step=0, hidden_size=4096, aux_layer_ids=(1, 2, 3), encoding=e)
+             for e in ("bfloat16", "fp8-aux", "fp8")}
+    assert h4096["bfloat16"].state_bytes_per_token == 32768  # 32 KiB, as the issue measured
+    assert h4096["fp8-aux"].state_bytes_per_token == 12288 + 4 + 8192
+    assert h4096["fp8"].state_bytes_per_token == 12288 + 4 + 4096 + 4  # 0.50x
+
+
+def test_fp8_refuses_non_finite_states_and_unknown_encodings(local):
+    bad = sample(0, 4)
+    bad.aux_hidden[1, 2] = float("inf")
+    spec = ShardSpec(step=4, hidden_size=H, aux_layer_ids=(1, 2, 3), encoding="fp8-aux")
+    with pytest.raises(ValueError, match="sample 'r4-0': aux_hidden has non-finite values"):
+        write_shard(local, KEY, spec, [bad])
+    with pytest.raises(ValueError, match="encoding must be one of"):
+        write_shard(local, KEY, ShardSpec(step=4, hidden_size=H, aux_layer_ids=(1, 2, 3),
+                                          encoding="int4"), [sample(0, 4)])
+    assert not local.exists(KEY)
