@@ -172,6 +172,17 @@ def test_request_token_budget_splits_requests(sglang_servers):
     assert sglang_servers["final"].stats()["generate_requests"] == 3  # [0,1] [2] [3]
 
 
+def test_request_float_budget_bounds_json_bodies(sglang_servers):
+    aux_width = HIDDEN * len(AUX_IDS)
+    with backend(sglang_servers, request_batch_size=8, request_float_budget=10 * aux_width
+                 + aux_width - 1) as b:  # 10 tokens of aux rows
+        assert b.request_tokens == 10
+        b.capture([[1] * 6, [2] * 3, [3] * 4, [4] * 20])
+    assert sglang_servers["final"].stats()["generate_requests"] == 3  # [0,1] [2] [3]
+    with backend(sglang_servers) as b:
+        assert b.request_tokens == min(16384, (1 << 21) // aux_width)
+
+
 # ---- faults ------------------------------------------------------------------------------
 
 
