@@ -14,13 +14,21 @@ aux_hidden     large_binary           bf16 bits of the ``(T, 3H)`` aux states
 final_hidden   large_binary           bf16 bits of the ``(T, H)`` post-norm final state
 =============  =====================  ==============================================
 
+FP8 (opt-in, ``ShardSpec.encoding``: ``fp8-aux`` for ``aux_hidden``, ``fp8`` for both):
+such a column holds, per sample, T little-endian float32 scales (each token's absolute
+maximum over 448, e4m3's largest value) followed by the ``(T, W)`` float8 e4m3fn bytes of the
+states divided by their token's scale, ``T · (W + 4)`` bytes instead of ``2 · T · W``. Those
+shards are schema version 2 and their footer names the encoding; readers decode them to
+bf16 (value × scale in float32, then bf16), so every consumer sees the same dtype.
+
 Invariants:
 
-- **Exact bf16 bits.** Arrow has no bf16, so a state tensor is stored as the raw bytes of
-  its row-major ``(T, W)`` bf16 tensor, little-endian, one binary value per sample. Every
-  bit pattern (NaN payloads, ±inf, subnormals, -0) round-trips unchanged.
-- **One copy on read.** The Parquet decoder writes each value into an Arrow buffer (after
-  I/O and zstd decompression, which any Parquet read does); the tensors handed out are
+- **Exact bf16 bits** (bf16 columns). Arrow has no bf16, so a state tensor is stored as
+  the raw bytes of its row-major ``(T, W)`` bf16 tensor, little-endian, one binary value
+  per sample. Every bit pattern (NaN payloads, ±inf, subnormals, -0) round-trips unchanged.
+- **One copy on read** (bf16 columns; an fp8 column is decoded into a new tensor). The
+  Parquet decoder writes each value into an Arrow buffer (after I/O and zstd
+  decompression, which any Parquet read does); the tensors handed out are
   ``torch.frombuffer`` views of those Arrow buffers — ``data_ptr`` lies inside them, no
   further copy. They share memory with their row group and keep all of it alive: clone a
   sample to keep it past its group, or to modify it in place. (A ``list<uint16>`` layout
