@@ -384,6 +384,15 @@ def test_asset_materializes_a_step_with_its_own_policy(tmp_path, model):
     assert manifest.meta["policy_sha256"] == policy.sha256
     assert manifest.meta["policy_uri"] == policy.key == "policies/step=000003"  # movable
     assert manifest.meta["backend_config"]["model_dtype"] == "float32"
+    run_config["ops"]["hidden_state_shards"]["config"]["encoding"] = "fp8-aux"  # run config
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_steps", ["step-000003"])
+        result = materialize([hidden_state_shards], partition_key="step-000003",
+                             instance=instance, resources=resources, run_config=run_config)
+        (event,) = result.get_asset_materialization_events()
+        meta = {k: v.value for k, v in event.materialization.metadata.items()}
+    assert meta["schema_version"] == 2 and meta["provenance"]["encoding"] == "fp8-aux"
+    assert read_shards_manifest(storage, STEP).meta["encoding"] == "fp8-aux"
 
 
 def test_open_backend_refuses_unknown_kinds_and_builds_sglang_from_the_policy(tmp_path, model):
