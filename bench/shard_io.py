@@ -13,7 +13,9 @@ whole, timed in wall seconds (median of ``--reps``, ways interleaved):
   ``torch.load(weights_only=True)``: measured only, never Aerie's storage format.
 
 Throughput is counted in tokens/s and in bf16-equivalent state bytes/s (what the states
-are worth before encoding), so the ways compare on the same work.
+are worth before encoding), so the ways compare on the same work. For the fp8 encodings it
+also prints the decoded states' relative RMS error and the share of non-zero values that
+decode to zero (small channels under a token's large scale).
 """
 
 from __future__ import annotations
@@ -62,6 +64,24 @@ def shard_way(storage: Storage, rows: list[ShardSample], hidden: int, encoding: 
         return sum(s.num_tokens for s in iter_shard(storage, key))
 
     return write, read
+
+
+def relative_error(storage: Storage, key: str, rows: list[ShardSample]) -> dict[str, float]:
+    """RMS error of the decoded states over their RMS, aux and final, and the share of
+    values that decode to zero although they are not (lost under their token's scale)."""
+    err = {"aux": [0.0, 0.0], "final": [0.0, 0.0]}
+    flushed = total = 0
+    for original, back in zip(rows, iter_shard(storage, key), strict=True):
+        for name, a, b in (("aux", original.aux_hidden, back.aux_hidden),
+                           ("final", original.final_hidden, back.final_hidden)):
+            a, b = a.float(), b.float()
+            err[name][0] += float(((b - a) ** 2).sum())
+            err[name][1] += float((a ** 2).sum())
+            flushed += int(((b == 0) & (a != 0)).sum())
+            total += a.numel()
+    out = {f"{n}_rel_rms_error": (e / s) ** 0.5 for n, (e, s) in err.items()}
+    out["flushed_to_zero"] = flushed / total
+    return out
 
 
 def torch_save_way(root: Path, rows: list[ShardSample]
@@ -114,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
                 start = time.perf_counter()
                 assert read() == tokens
                 times[name]["read"].append(time.perf_counter() - start)
+        errors = {e: relative_error(storage, f"bench/{e}-zstd.parquet", rows)
+                  for e in ("fp8-aux", "fp8")}
     report = {"command": " ".join(["python", "bench/shard_io.py", *(argv or sys.argv[1:])]),
               "hidden": args.hidden, "tokens": tokens, "ways": {}}
     base = sizes["bfloat16 zstd"]
@@ -130,6 +152,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {row['bytes_per_token']:.0f} | {row['vs_bf16_zstd']:.2f}x | "
               f"{row['write_mb_s']:.0f} ({row['write_tokens_s']:.0f}) | "
               f"{row['read_mb_s']:.0f} ({row['read_tokens_s']:.0f}) |")
+    for encoding, e in errors.items():
+        report["ways"][f"{encoding} zstd"].update(e)
+        print(f"{encoding}: relative RMS error aux {e['aux_rel_rms_error']:.4f}, final "
+              f"{e['final_rel_rms_error']:.4f}; {e['flushed_to_zero']:.2%} of values "
+              f"decoded to zero")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
