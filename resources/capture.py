@@ -1,6 +1,7 @@
 """The capture resource: which backend produces hidden states (``hf`` or ``sglang``)."""
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,9 @@ class CaptureResource(ConfigurableResource):
                                   "unset: EAGLE-3's [1, N//2-1, N-4]")
     hf_dtype: str = Field(default="float32", description="hf: compute dtype "
                                                          "(float32 | bfloat16)")
+    hf_device: str = Field(default="cpu", description="hf: where the policy runs: cpu, "
+                                                      "cuda, cuda:N, or auto (CUDA when "
+                                                      "present)")
     sglang_aux_urls: list[str] = Field(default_factory=list,
                                        description="sglang: aux-capture server URLs")
     sglang_final_urls: list[str] = Field(default_factory=list,
@@ -42,6 +46,9 @@ class CaptureResource(ConfigurableResource):
             return (f"capture backend {self.backend!r} is unknown: set {where}.backend to "
                     f"'hf' or 'sglang'")
         if self.backend == "hf":
+            if not re.fullmatch(r"cpu|auto|cuda(:[0-9]+)?", self.hf_device):
+                return (f"{where}.hf_device {self.hf_device!r} is not a device: set it to "
+                        f"'cpu', 'cuda', 'cuda:N' or 'auto'")
             return None
         missing = [name for name in ("sglang_aux_urls", "sglang_final_urls")
                    if not getattr(self, name)]
@@ -65,6 +72,7 @@ class CaptureResource(ConfigurableResource):
 
         with open_backend(storage, step, self.backend, aux_layer_ids=self.aux_layer_ids,
                           token_budget=token_budget, hf_dtype=self.hf_dtype,
+                          hf_device=self.hf_device,
                           sglang_aux_urls=self.sglang_aux_urls,
                           sglang_final_urls=self.sglang_final_urls) as backend:
             yield backend

@@ -19,16 +19,30 @@ from pipeline.verified import committed, read_verified
 BACKENDS = ("hf", "sglang")
 
 
+def resolve_device(device: str) -> torch.device:
+    """``auto``: CUDA when torch sees a GPU, else the CPU; a CUDA device that is not there
+    is refused by name rather than left to fail inside the first forward."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"capture device {device!r}: torch sees no CUDA device here; use "
+                         f"'cpu' or 'auto'")
+    return resolved
+
+
 @contextlib.contextmanager
 def open_backend(storage: Storage, step: int, kind: str = "hf", *,
                  aux_layer_ids: Sequence[int] | None = None,
                  token_budget: int = DEFAULT_TOKEN_BUDGET, hf_dtype: str = "float32",
+                 hf_device: str = "cpu",
                  sglang_aux_urls: Sequence[str] = (), sglang_final_urls: Sequence[str] = ()
                  ) -> Iterator[CaptureBackend]:
     """The capture backend for ``step``'s policy checkpoint, closed on exit.
 
-    ``hf`` loads ``policies/step=NNNNNN/`` in-process (``hf_dtype``: float32 | bfloat16) and
-    hands states out as bf16. ``sglang`` talks to servers already serving that checkpoint
+    ``hf`` loads ``policies/step=NNNNNN/`` in-process (``hf_dtype``: float32 | bfloat16) on
+    ``hf_device`` (cpu, cuda, cuda:N, or auto: CUDA when present) and hands states out as
+    bf16 on the CPU. ``sglang`` talks to servers already serving that checkpoint
     (an aux-capture server and a final-state server, see ``capture/sglang.py``); H and the
     default aux ids come from the checkpoint's ``config.json``.
     """
@@ -40,7 +54,8 @@ def open_backend(storage: Storage, step: int, kind: str = "hf", *,
             raise ValueError(f"hf_dtype must be one of {sorted(dtypes)}, got {hf_dtype!r}")
         with hf_backend_for_step(storage, step, aux_layer_ids=aux_layer_ids,
                                  dtype=dtypes[hf_dtype], output_dtype=torch.bfloat16,
-                                 token_budget=token_budget) as backend:
+                                 token_budget=token_budget,
+                                 device=resolve_device(hf_device)) as backend:
             yield backend
     elif kind == "sglang":
         from pipeline.capture.sglang import SGLangCaptureConfig

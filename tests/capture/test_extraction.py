@@ -16,7 +16,7 @@ from dagster import AssetKey, instance_for_test, materialize
 
 from assets.shards import ShardsConfig, hidden_state_shards
 from pipeline.capture import stage as capture_stage
-from pipeline.capture.backends import open_backend
+from pipeline.capture.backends import open_backend, resolve_device
 from pipeline.capture.base import CapturedStates
 from pipeline.capture.config import ExtractConfig
 from pipeline.capture.heldout import HeldoutSplit, heldout_prompts
@@ -347,6 +347,14 @@ def test_missing_or_corrupt_input_is_named(tmp_path, model):
 
 
 # -- the asset --------------------------------------------------------------------------
+def test_auto_device_is_the_gpu_when_there_is_one_and_a_missing_gpu_is_named():
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="capture device 'cuda:0': torch sees no CUDA"):
+            resolve_device("cuda:0")
+
+
 def test_dagster_config_mirrors_the_core_config():
     core = ShardsConfig().to_core()
     assert core == ExtractConfig()
@@ -362,7 +370,7 @@ def test_asset_materializes_a_step_with_its_own_policy(tmp_path, model):
     run_config = {"ops": {"hidden_state_shards": {"config": {
         "token_budget": 48, "shard_bytes": 60 * TOKEN_BYTES}}}}
     resources = {"storage": StorageResource(url=url),
-                 "capture": CaptureResource(aux_layer_ids=[0, 2, 4])}
+                 "capture": CaptureResource(aux_layer_ids=[0, 2, 4], hf_device="auto")}
     with instance_for_test() as instance:
         instance.add_dynamic_partitions("rl_steps", ["step-000003"])
         result = materialize([hidden_state_shards], partition_key="step-000003",

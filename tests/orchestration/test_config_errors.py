@@ -80,6 +80,10 @@ def test_sglang_without_urls_names_the_fields(instance, tmp_path):
     assert "aux_urls must be" not in message  # the field's name, not the client's
     assert CaptureResource(backend="sglng").problem().startswith(
         "capture backend 'sglng' is unknown: set resources.capture.config.backend")
+    assert CaptureResource(hf_device="gpu0").problem() == (
+        "resources.capture.config.hf_device 'gpu0' is not a device: set it to 'cpu', "
+        "'cuda', 'cuda:N' or 'auto'")
+    assert CaptureResource(hf_device="cuda:1").problem() is None
 
 
 def test_a_refresh_of_a_step_never_ingested_says_to_ingest_it(instance, tmp_path):
