@@ -1,12 +1,23 @@
 """``storage_retention``: after a refresh, delete the hidden-state shards and training work
 dirs of RL steps older than the refresh policy's ``retain_steps``
 (:func:`pipeline.capture.retention.apply_retention`), never a step that a queued or running
-``drafter_refresh`` (its window) or ``ingest_step`` (its step) reads. ``retain_steps = 0``
-(the default) keeps everything and materializes with nothing deleted."""
+run reads, whatever launched it: a ``drafter_refresh`` or a run of ``vocab_mapping`` /
+``drafter_checkpoint`` (its window), an ``ingest_step`` or a run of ``hidden_state_shards``
+(its step). This refresh's own window counts too, when its run config widened it past
+``retain_steps``. Each deleted step is recorded as an observation of its
+``hidden_state_shards`` partition. ``retain_steps = 0`` (the default) keeps everything and
+materializes with nothing deleted.
+
+A run launched between the check and the deletes is not seen; the refresh job runs one at a
+time (tag ``aerie/serial``), so only a run started by hand in that second can meet a deleted
+step, and it fails naming the step and how to extract it again."""
 
 from dagster import (
     AssetExecutionContext,
+    AssetKey,
+    AssetObservation,
     DagsterInstance,
+    DagsterRun,
     DagsterRunStatus,
     MaterializeResult,
     MetadataValue,
@@ -14,13 +25,15 @@ from dagster import (
     asset,
 )
 
-from assets.partitions import refresh_steps, step_of
+from assets.partitions import refresh_steps, step_key, step_of
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
 from resources.trainer import TrainerResource
 
 _IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
               DagsterRunStatus.STARTED]
+_WINDOW_READERS = {"vocab_mapping", "drafter_checkpoint"}  # read a window's shard files
+_STEP_WRITERS = {"hidden_state_shards"}
 
 
 @asset(partitions_def=refresh_steps, group_name="release", deps=["serving_drafter"],
@@ -38,8 +51,13 @@ def storage_retention(context: AssetExecutionContext, storage: StorageResource,
         return MaterializeResult(metadata={"retain_steps": 0, "deleted_steps": 0,
                                            "bytes_freed": 0})
     protected = in_flight_steps(context.instance, context.run.run_id, refresh.window)
-    report = apply_retention(storage.build(), step, refresh.retain_steps,
+    retain = max(refresh.retain_steps, window_of(context.run, refresh.window))
+    report = apply_retention(storage.build(), step, retain,
                              protected=protected, work_root=trainer.work_root())
+    for deleted in report.deleted_steps:
+        context.log_event(AssetObservation(
+            asset_key=AssetKey("hidden_state_shards"), partition=step_key(deleted),
+            metadata={"deleted_by_retention": True, "by_refresh": step}))
     context.log.info(f"kept steps >= {keep_from(step, refresh.retain_steps)} and "
                      f"{list(report.protected)}; deleted the shards of "
                      f"{list(report.deleted_steps)} and {len(report.work_dirs_deleted)} work "
@@ -58,22 +76,28 @@ def storage_retention(context: AssetExecutionContext, storage: StorageResource,
     })
 
 
+def window_of(run: DagsterRun, default_window: int) -> int:
+    """K of a refresh run: its run config's ``vocab_mapping`` window, else the default."""
+    config = (run.run_config or {}).get("ops", {}).get("vocab_mapping", {}).get("config") or {}
+    return int(config.get("window") or default_window)
+
+
 def in_flight_steps(instance: DagsterInstance, own_run_id: str, default_window: int
                     ) -> set[int]:
-    """RL steps that other queued or running runs read: each ``drafter_refresh``'s window
-    (its run config's ``vocab_mapping`` window, else ``default_window``) and each
-    ``ingest_step``'s step."""
+    """RL steps that other queued or running runs read: the window of each run of the
+    refresh's training assets (``drafter_refresh``, or an asset run selecting them) and the
+    step of each run that extracts shards (``ingest_step``, or an asset run of
+    ``hidden_state_shards``)."""
     steps: set[int] = set()
     for record in instance.get_run_records(RunsFilter(statuses=_IN_FLIGHT)):
         run = record.dagster_run
         key = run.tags.get("dagster/partition")
         if run.run_id == own_run_id or key is None:
             continue
-        if run.job_name == "drafter_refresh":
-            config = ((run.run_config or {}).get("ops", {}).get("vocab_mapping", {})
-                      .get("config") or {})
-            window = config.get("window") or default_window
-            steps.update(range(max(0, step_of(key) - window + 1), step_of(key) + 1))
-        elif run.job_name == "ingest_step":
+        assets = {k.to_user_string() for k in (run.asset_selection or ())}
+        if run.job_name == "drafter_refresh" or assets & _WINDOW_READERS:
+            step, window = step_of(key), window_of(run, default_window)
+            steps.update(range(max(0, step - window + 1), step + 1))
+        if run.job_name == "ingest_step" or assets & _STEP_WRITERS:
             steps.add(step_of(key))
     return steps

@@ -8,6 +8,7 @@ from assets.checks import result, spec
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.capture.config import ExtractConfig
+from pipeline.capture.provenance import Encoding
 from pipeline.checks import shard_integrity
 from resources.capture import CaptureResource
 from resources.storage import StorageResource
@@ -35,10 +36,10 @@ class ShardsConfig(Config):
     heldout_fraction: float = Field(default=_E.heldout_fraction,
                                     description="share of prompts held out for evaluation "
                                                 "(never trained on)")
-    encoding: str = Field(default=_E.encoding,
-                          description="how states are stored: bfloat16, fp8-aux (aux states "
-                                      "as float8 e4m3 with a per-token scale: ~0.5x the "
-                                      "bytes) or fp8 (final states too)")
+    encoding: Encoding = Field(default=_E.encoding,
+                               description="how states are stored: bfloat16, fp8-aux (aux "
+                                           "states as float8 e4m3 with a per-token scale) "
+                                           "or fp8 (final states too: ~0.5x the bytes)")
 
     def to_core(self) -> ExtractConfig:
         return ExtractConfig(

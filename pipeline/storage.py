@@ -337,6 +337,10 @@ class Storage:
                 size += len(chunk)
         return size, sha.hexdigest()
 
+    def size(self, key: str) -> int:
+        """Bytes of the stored object (metadata only: nothing is read)."""
+        return int(self.fs.size(self.path(key)))
+
     def exists(self, key: str) -> bool:
         return bool(self.fs.exists(self.path(key)))
 

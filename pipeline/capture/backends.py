@@ -25,9 +25,11 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"capture device {device!r}: torch sees no CUDA device here; use "
-                         f"'cpu' or 'auto'")
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (resolved.index or 0) >= count:
+            raise ValueError(f"capture device {device!r}: torch sees {count} CUDA device(s) "
+                             f"here; use 'cpu', 'auto' or an index below {count}")
     return resolved
 
 

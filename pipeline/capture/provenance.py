@@ -32,15 +32,17 @@ before provenance was recorded carry none and were written in these conventions.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pipeline.eagle3.aux_layers import AUX_CAPTURE
 
-__all__ = ["ENCODING", "ENCODINGS", "FINAL_CAPTURE", "check_provenance", "provenance"]
+__all__ = ["ENCODING", "ENCODINGS", "FINAL_CAPTURE", "Encoding", "check_provenance",
+           "provenance"]
 
 FINAL_CAPTURE = "post_norm"
 ENCODING = "bfloat16"  # the default, and the dtype every reader hands states out in
-ENCODINGS = ("bfloat16", "fp8-aux", "fp8")
+Encoding = Literal["bfloat16", "fp8-aux", "fp8"]
+ENCODINGS: tuple[str, ...] = get_args(Encoding)
 
 
 def provenance(engine: str, engine_version: str, aux_layer_ids: Sequence[int],

@@ -16,9 +16,10 @@ Invariants:
   :func:`~pipeline.capture.shards.read_shards_manifest`); extracting the step again (its
   ``ingest_step`` run) rebuilds it from the tokenized samples, which are kept.
 - Training work directories (``<work_root>/step=NNNNNN-<fingerprint>/``: checkpoints for
-  resuming, the export) of refresh steps before the cutoff are removed, protected ones
-  kept. A committed drafter lives in storage; its work directory is only a resume point.
-- Idempotent: a second pass over the same state deletes and reports nothing new.
+  resuming, the export) of refresh steps before the cutoff are removed once that step's
+  drafter is committed in this storage (its work directory is then only a copy). A refresh
+  that failed keeps its directory: it is the point a re-run resumes from.
+- Idempotent, and safe beside another pass: a file already gone counts as deleted.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ from pathlib import Path
 
 from pipeline.capture.shards import SHARDS_KIND, deleted_record
 from pipeline.contracts import MANIFEST_NAME
-from pipeline.layout import SHARDS, committed_steps, parse_step_dir, shards_prefix
+from pipeline.layout import (
+    SHARDS,
+    committed_steps,
+    drafter_prefix,
+    parse_step_dir,
+    shards_prefix,
+)
 from pipeline.manifest import read_manifest, write_manifest
 from pipeline.storage import Storage
 
@@ -83,7 +90,8 @@ def apply_retention(storage: Storage, refresh_step: int, retain_steps: int, *,
         if n:
             deleted.append(step)
             files, freed = files + n, freed + size
-    dirs, work_freed = _delete_work_dirs(work_root, cutoff, keep) if work_root else ((), 0)
+    dirs, work_freed = (_delete_work_dirs(storage, work_root, cutoff, keep) if work_root
+                        else ((), 0))
     report = RetentionReport(refresh_step, cutoff, tuple(deleted), files, freed, dirs,
                              work_freed, tuple(sorted(s for s in keep if s < cutoff)))
     if deleted or dirs:
@@ -103,17 +111,21 @@ def _delete_step(storage: Storage, step: int, refresh_step: int, at: str) -> tup
     if not doomed:
         return 0, 0
     sizes = {f"{prefix}/{f.path}": f.bytes for f in manifest.files}
-    freed = sum(sizes.get(k) or storage.sha256(k)[0] for k in doomed)
+    freed = sum(sizes[k] if k in sizes else storage.size(k) for k in doomed)
     if deleted_record(manifest) is None:
         write_manifest(storage, prefix, replace(manifest, meta={
             **manifest.meta, "deleted": {"at": at, "by_refresh": refresh_step,
                                          "files": len(doomed), "bytes_freed": freed}}))
     for key in doomed:
-        storage.delete(key)
+        try:
+            storage.delete(key)
+        except FileNotFoundError:  # another pass deleted it first: the goal, reached
+            log.info("%s: already deleted", storage.url(key))
     return len(doomed), freed
 
 
-def _delete_work_dirs(root: Path, cutoff: int, keep: set[int]) -> tuple[tuple[str, ...], int]:
+def _delete_work_dirs(storage: Storage, root: Path, cutoff: int, keep: set[int]
+                      ) -> tuple[tuple[str, ...], int]:
     if not root.is_dir():
         return (), 0
     gone, freed = [], 0
@@ -121,6 +133,8 @@ def _delete_work_dirs(root: Path, cutoff: int, keep: set[int]) -> tuple[tuple[st
         step = parse_step_dir(d.name.split("-", 1)[0]) if d.is_dir() else None
         if step is None or step >= cutoff or step in keep:
             continue
+        if read_manifest(storage, drafter_prefix(step)) is None:
+            continue  # not committed here (failed, or another storage's): a resume point
         freed += sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
         shutil.rmtree(d)
         gone.append(d.name)

@@ -84,8 +84,9 @@ class SGLangCaptureConfig:
     max_concurrency: int = 8
     request_batch_size: int = 8
     request_token_budget: int = 16384  # tokens per request: JSON bodies grow with T·width
-    # floats per request (T · aux width): ~12 bytes of JSON each; past ~3M floats per body
-    # decoding slows down (bench/sglang_decode.py: 11.9x json.loads at 1.6M, 8.6x at 12.6M)
+    # floats per batched request (T · aux width, ~12 bytes of JSON each; a longer sample goes
+    # alone): decoding slows as bodies grow (bench/sglang_decode.py: 12.1x json.loads at
+    # 2.1M floats, 10.2x at 6.3M, 8.6x at 12.6M)
     request_float_budget: int = 1 << 21
     timeout_s: float = 600.0
     connect_timeout_s: float = 10.0

@@ -13,12 +13,17 @@ Invariants:
 - Same values as ``json.loads``: simdjson rounds every decimal to the nearest float64, as
   ``json.loads`` does, so the arrays equal ``numpy.array(json.loads(body)...)`` exactly.
 - A block comes back as an ``ndarray`` only when it is a non-empty rectangle of numbers; any
-  other block (a null where orjson wrote NaN, ragged rows, a flat row, strings) comes back as
-  the plain list, for the caller's validation to name the bad row.
+  other block (a null where orjson wrote NaN, ragged rows, a flat row, strings, rows of
+  lists) comes back as the plain list, for the caller's validation to name the bad row. One
+  malformation goes unseen: arrays nested inside a row whose numbers add up to the row's
+  length (``[1, [2]]`` reads as ``[1, 2]``), because simdjson's buffer flattens them and a
+  check per value would cost more than the decoding. SGLang writes ``tolist()`` rows.
 - A body simdjson refuses (not JSON, or NaN/Infinity literals, which ``json.loads`` accepts)
   is handed to ``json.loads``: it raises ``ValueError`` exactly when ``json.loads`` would.
 - Each thread keeps one parser (reusing its buffers saves a third of the time on large
-  bodies); no proxy into it outlives a call.
+  bodies); no proxy into it outlives a call. A call that fails drops its thread's parser
+  (a traceback may keep proxies into it alive), and bodies over :data:`KEEP_PARSER_BYTES`
+  get a parser of their own, so no thread holds buffers sized for its largest body.
 """
 
 from __future__ import annotations
@@ -30,24 +35,32 @@ from typing import Any
 import numpy as np
 import simdjson
 
-__all__ = ["loads_generate"]
+__all__ = ["KEEP_PARSER_BYTES", "loads_generate"]
 
+KEEP_PARSER_BYTES = 64 << 20  # larger bodies are parsed by a parser that is not kept
 _local = threading.local()
 
 
 def loads_generate(content: bytes) -> Any:
     """``json.loads(content)``, except that each ``meta_info.hidden_states[0]`` block of numbers
     is a 2-D float64 ``ndarray`` (see the module invariants)."""
-    parser = getattr(_local, "parser", None)
+    keep = len(content) <= KEEP_PARSER_BYTES
+    parser = getattr(_local, "parser", None) if keep else None
     if parser is None:
-        parser = _local.parser = simdjson.Parser()
+        parser = simdjson.Parser()
+        if keep:
+            _local.parser = parser
     try:
-        doc = parser.parse(content)
-    except ValueError:
-        return json.loads(content)
-    if isinstance(doc, simdjson.Array):
-        return [_output(item) for item in doc]
-    return _output(doc)
+        try:
+            doc = parser.parse(content)
+        except ValueError:  # not JSON to simdjson (NaN literals, ...): json.loads decides
+            return json.loads(content)
+        if isinstance(doc, simdjson.Array):
+            return [_output(item) for item in doc]
+        return _output(doc)
+    except BaseException:
+        _local.parser = None  # proxies in the traceback may pin it: the next call starts anew
+        raise
 
 
 def _plain(value: Any) -> Any:

@@ -296,7 +296,7 @@ def _fp8_encode(x: torch.Tensor) -> torch.Tensor:
 
 def _fp8_decode(raw: torch.Tensor, tokens: int, width: int) -> torch.Tensor:
     """The bf16 ``(T, W)`` states of :func:`_fp8_encode`'s bytes (a new tensor)."""
-    scale = raw[:4 * tokens].view(torch.float32)
+    scale = raw[:4 * tokens].clone().view(torch.float32)  # a value may start at any byte
     values = raw[4 * tokens:].view(torch.float8_e4m3fn).view(tokens, width)
     return (values.float() * scale[:, None]).to(torch.bfloat16)
 

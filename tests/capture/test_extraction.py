@@ -351,8 +351,10 @@ def test_auto_device_is_the_gpu_when_there_is_one_and_a_missing_gpu_is_named():
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="capture device 'cuda:0': torch sees no CUDA"):
+        with pytest.raises(ValueError, match="capture device 'cuda:0': torch sees 0 CUDA"):
             resolve_device("cuda:0")
+    with pytest.raises(ValueError, match="capture device 'cuda:99': torch sees"):
+        resolve_device("cuda:99")
 
 
 def test_dagster_config_mirrors_the_core_config():

@@ -8,11 +8,11 @@ from datetime import UTC, datetime
 
 import pytest
 import torch
-from dagster import DagsterRunStatus, instance_for_test, materialize
+from dagster import AssetKey, DagsterRunStatus, instance_for_test, materialize
 from dagster._core.test_utils import create_run_for_test
 
 from assets.partitions import step_key
-from assets.retention import in_flight_steps, storage_retention
+from assets.retention import in_flight_steps, storage_retention, window_of
 from pipeline.capture.retention import apply_retention, keep_from
 from pipeline.capture.shards import (
     SHARD_SCHEMA_VERSION,
@@ -26,7 +26,7 @@ from pipeline.capture.shards import (
 )
 from pipeline.capture.window import WindowError, read_window
 from pipeline.contracts import Manifest
-from pipeline.layout import shards_prefix
+from pipeline.layout import drafter_prefix, shards_prefix
 from pipeline.manifest import entry_for, read_manifest, write_manifest
 from pipeline.storage import Storage
 from resources.refresh import RefreshPolicyResource
@@ -63,9 +63,15 @@ def work_dirs(root, steps):
         (d / "model.pt").write_bytes(b"x" * (100 + s))
 
 
+def commit_drafter(storage: Storage, step: int) -> None:
+    write_manifest(storage, drafter_prefix(step), Manifest("eagle3_drafter", 1, (), {}))
+
+
 def test_old_steps_go_their_manifests_stay_marked(storage, tmp_path):
     sizes = {s: commit_step(storage, s) for s in range(10)}
     work_dirs(tmp_path / "training", [1, 3, 5, 7, 9])
+    for s in (1, 5, 7, 9):
+        commit_drafter(storage, s)  # the refresh at step 3 failed: its dir is a resume point
     report = apply_retention(storage, 9, 4, protected={2, 7}, work_root=tmp_path / "training",
                              now=NOW)
     assert keep_from(9, 4) == report.keep_from == 6
@@ -73,12 +79,12 @@ def test_old_steps_go_their_manifests_stay_marked(storage, tmp_path):
     assert report.shard_files_deleted == 5 * 3
     assert report.shard_bytes_freed == sum(sizes[s] for s in (0, 1, 3, 4, 5))
     assert report.work_dirs_deleted == ("step=000001-0123456789abcdef",
-                                        "step=000003-0123456789abcdef",
                                         "step=000005-0123456789abcdef")
-    assert report.work_bytes_freed == 101 + 103 + 105
+    assert report.work_bytes_freed == 101 + 105
     assert report.bytes_freed == report.shard_bytes_freed + report.work_bytes_freed
     assert sorted(p.name for p in (tmp_path / "training").iterdir()) == [
-        "step=000007-0123456789abcdef", "step=000009-0123456789abcdef"]
+        "step=000003-0123456789abcdef", "step=000007-0123456789abcdef",
+        "step=000009-0123456789abcdef"]
     for s in range(10):
         keys = storage.list(shards_prefix(s))
         manifest = read_manifest(storage, shards_prefix(s))
@@ -150,18 +156,35 @@ def test_the_asset_keeps_what_queued_and_running_runs_read(tmp_path):
         create_run_for_test(instance, job_name="drafter_refresh",
                             status=DagsterRunStatus.SUCCESS,
                             tags={"dagster/partition": step_key(5)})  # finished: no claim
-        assert in_flight_steps(instance, "none", default_window=4) == {0, 2, 3}
+        create_run_for_test(instance, job_name="__ASSET_JOB", status=DagsterRunStatus.STARTED,
+                            tags={"dagster/partition": step_key(5)},  # from the asset UI
+                            asset_selection=frozenset({AssetKey("drafter_checkpoint")}))
+        create_run_for_test(instance, job_name="__ASSET_JOB", status=DagsterRunStatus.STARTED,
+                            tags={"dagster/partition": step_key(8)},
+                            asset_selection=frozenset({AssetKey("acceptance_eval")}))
+        assert in_flight_steps(instance, "none", default_window=2) == {0, 2, 3, 4, 5}
         result = materialize(
             [storage_retention], instance=instance, partition_key=step_key(9),
             resources={"storage": StorageResource(url=storage.url()),
                        "refresh": RefreshPolicyResource(window=4, retain_steps=4),
                        "trainer": TrainerResource(work_dir=str(tmp_path / "training"))})
+        observed = instance.fetch_observations(AssetKey("hidden_state_shards"), 10).records
+        observed = sorted(r.partition_key for r in observed)
     meta = {k: v.value for k, v in result.asset_materializations_for_node(
         "storage_retention")[0].metadata.items()}
-    assert meta["deleted"] == [1, 4, 5] and meta["protected"] == [0, 2, 3]
-    assert meta["keep_from_step"] == 6 and meta["shard_files_deleted"] == 6
+    assert meta["deleted"] == [1] and meta["protected"] == [0, 2, 3, 4, 5]
+    assert observed == [step_key(1)]  # the partition says its data is gone
+    assert meta["keep_from_step"] == 6 and meta["shard_files_deleted"] == 2
     assert meta["work_dirs_deleted"] == [] and meta["bytes_freed"] == meta["shard_bytes_freed"]
     assert read_shards_manifest(storage, 2).meta.get("deleted") is None
+
+
+def test_a_refresh_run_config_that_widens_its_window_widens_what_is_kept():
+    with instance_for_test() as instance:
+        wide = create_run_for_test(instance, job_name="drafter_refresh", run_config={
+            "ops": {"vocab_mapping": {"config": {"window": 6}}}})
+        plain = create_run_for_test(instance, job_name="drafter_refresh")
+    assert (window_of(wide, 4), window_of(plain, 4)) == (6, 4)
 
 
 def test_retention_off_deletes_nothing(tmp_path):

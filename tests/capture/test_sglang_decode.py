@@ -136,6 +136,26 @@ def test_validation_names_the_row_after_fast_decoding(rows, reason, dumps):
                                 role="final", hidden_size=2)
 
 
+def test_a_failed_call_leaves_no_parser_behind_and_big_bodies_get_their_own(monkeypatch):
+    import pipeline.capture.sglang_decode as decode
+
+    body = sglang_body([[[[0.5, 1.5]]]])
+    loads_generate(body)
+    kept = decode._local.parser
+    loads_generate(body)
+    assert decode._local.parser is kept  # reused within the thread
+    monkeypatch.setattr(decode, "_output", lambda doc: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        loads_generate(body)
+    assert decode._local.parser is None
+    monkeypatch.undo()
+    same(loads_generate(body), json.loads(body))  # a fresh parser, not "re-use" errors
+    monkeypatch.setattr(decode, "KEEP_PARSER_BYTES", len(body) - 1)
+    fresh = decode._local.parser
+    same(loads_generate(body), json.loads(body))
+    assert decode._local.parser is fresh  # the big body's parser was not kept
+
+
 def test_the_parser_is_reused_across_calls_and_threads():
     from concurrent.futures import ThreadPoolExecutor
 

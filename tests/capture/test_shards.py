@@ -319,6 +319,22 @@ def test_fp8_shards_decode_to_the_nearest_e4m3_value_per_token(local, encoding):
     assert bool((list(iter_shard(local, KEY))[1].aux_hidden == 0).all())  # zeros stay zeros
 
 
+def test_fp8_values_at_unaligned_offsets_decode(local):
+    """Odd widths and lengths put a sample's float32 scales at any byte offset."""
+    spec = ShardSpec(step=4, hidden_size=5, aux_layer_ids=(1, 2, 3), encoding="fp8")
+    g = torch.Generator().manual_seed(7)
+    rows = [ShardSample(f"r4-{i}", 4, torch.arange(t, dtype=torch.int32),
+                        torch.ones(t, dtype=torch.bool),
+                        torch.randn(t, 15, generator=g).to(torch.bfloat16),
+                        torch.randn(t, 5, generator=g).to(torch.bfloat16))
+            for i, t in enumerate((3, 1, 5, 2))]
+    write_shard(local, KEY, spec, rows)
+    for original, back in zip(rows, iter_shard(local, KEY), strict=True):
+        nearest, decoded = reference_fp8(original.aux_hidden)
+        assert bool((nearest & (decoded == back.aux_hidden.double()[..., None]))
+                    .any(dim=-1).all())
+
+
 def test_fp8_bytes_per_token_and_the_schema_version_of_each_encoding():
     h4096 = {e: ShardSpec(step=0, hidden_size=4096, aux_layer_ids=(1, 2, 3), encoding=e)
              for e in ("bfloat16", "fp8-aux", "fp8")}
