@@ -85,9 +85,13 @@ class HFCaptureBackend:
     def describe(self) -> dict[str, Any]:
         """What identifies this backend's output (goes into shard lineage)."""
         params = next(self.model.parameters())
-        return {"backend": self.name, "model_dtype": str(params.dtype).removeprefix("torch."),
-                "output_dtype": str(self.output_dtype).removeprefix("torch."),
-                "num_layers": len(self.layers), "token_budget": self.token_budget}
+        identity = {"backend": self.name,
+                    "model_dtype": str(params.dtype).removeprefix("torch."),
+                    "output_dtype": str(self.output_dtype).removeprefix("torch."),
+                    "num_layers": len(self.layers), "token_budget": self.token_budget}
+        if self.device.type != "cpu":  # CPU steps committed before keep their fingerprint;
+            identity["device"] = self.device.type  # a step never mixes CPU and GPU shards
+        return identity
 
     def provenance(self) -> dict[str, Any]:
         """Transformers computed the states; hooks on the aux layers themselves."""

@@ -164,3 +164,11 @@ def test_backend_for_a_step_loads_its_published_policy(model, tmp_path):
     with pytest.raises(FileNotFoundError):
         with hf_backend_for_step(storage, 8):
             pass
+
+
+def test_the_device_is_part_of_a_gpu_backends_identity_only():
+    """CPU steps committed before the device was recorded keep their fingerprint; a step
+    captured on another device type gets another fingerprint, so it never mixes shards."""
+    on_cpu = HFCaptureBackend(tiny_llama(layers=4)).describe()
+    elsewhere = HFCaptureBackend(tiny_llama(layers=4), device="meta").describe()
+    assert "device" not in on_cpu and elsewhere == {**on_cpu, "device": "meta"}
