@@ -80,6 +80,10 @@ FP8_LAYOUT = ("fp8-encoded columns: T little-endian float32 scales, then the flo
               "bytes of the row-major (T, W) tensor divided row by row by its scale")
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _MIN_SCALE = 1e-12  # an all-zero row: any scale decodes it to zeros
+# float32 value of each of the 256 e4m3fn bytes: a table lookup decodes ~2x faster than
+# torch's float8 -> float32 conversion on CPU, to the same bits
+_E4M3_VALUES = (torch.arange(256, dtype=torch.int32).to(torch.uint8)
+                .view(torch.float8_e4m3fn).float().numpy())
 _MAX_VALUE_BYTES = (1 << 31) - 1  # a Parquet BYTE_ARRAY value has an int32 length
 _KEY = "aerie."  # prefix of Aerie's key-value metadata
 
@@ -297,8 +301,8 @@ def _fp8_encode(x: torch.Tensor) -> torch.Tensor:
 def _fp8_decode(raw: torch.Tensor, tokens: int, width: int) -> torch.Tensor:
     """The bf16 ``(T, W)`` states of :func:`_fp8_encode`'s bytes (a new tensor)."""
     scale = raw[:4 * tokens].clone().view(torch.float32)  # a value may start at any byte
-    values = raw[4 * tokens:].view(torch.float8_e4m3fn).view(tokens, width)
-    return (values.float() * scale[:, None]).to(torch.bfloat16)
+    values = torch.from_numpy(_E4M3_VALUES[raw[4 * tokens:].numpy()]).view(tokens, width)
+    return values.mul_(scale[:, None]).to(torch.bfloat16)
 
 
 def _list_of(x: torch.Tensor, value_type: pa.DataType) -> pa.Array:
