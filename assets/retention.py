@@ -26,6 +26,7 @@ from dagster import (
 )
 
 from assets.partitions import refresh_steps, step_key, step_of
+from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
 from resources.trainer import TrainerResource
@@ -37,6 +38,7 @@ _STEP_WRITERS = {"hidden_state_shards"}
 
 
 @asset(partitions_def=refresh_steps, group_name="release", deps=["serving_drafter"],
+       retry_policy=SERVICE_RETRY,  # storage may be S3; a pass is idempotent
        description="Storage retention after the refresh: shards and training work dirs of RL "
                    "steps older than the last retain_steps (refresh resource, "
                    "AERIE_RETAIN_STEPS; 0 keeps everything) are deleted, their manifests "
@@ -52,8 +54,9 @@ def storage_retention(context: AssetExecutionContext, storage: StorageResource,
                                            "bytes_freed": 0})
     protected = in_flight_steps(context.instance, context.run.run_id, refresh.window)
     retain = max(refresh.retain_steps, window_of(context.run, refresh.window))
-    report = apply_retention(storage.build(), step, retain,
-                             protected=protected, work_root=trainer.work_root())
+    with fail_fast_on_permanent_errors():
+        report = apply_retention(storage.build(), step, retain,
+                                 protected=protected, work_root=trainer.work_root())
     for deleted in report.deleted_steps:
         context.log_event(AssetObservation(
             asset_key=AssetKey("hidden_state_shards"), partition=step_key(deleted),
