@@ -15,11 +15,9 @@ final_hidden   large_binary           bf16 bits of the ``(T, H)`` post-norm fina
 =============  =====================  ==============================================
 
 FP8 (opt-in, ``ShardSpec.encoding``: ``fp8-aux`` for ``aux_hidden``, ``fp8`` for both):
-such a column holds, per sample, T little-endian float32 scales (each token's absolute
-maximum over 448, e4m3's largest value) followed by the ``(T, W)`` float8 e4m3fn bytes of the
-states divided by their token's scale, ``T · (W + 4)`` bytes instead of ``2 · T · W``. Those
-shards are schema version 2 and their footer names the encoding; readers decode them to
-bf16 (value × scale in float32, then bf16), so every consumer sees the same dtype.
+such a column holds :mod:`pipeline.capture.fp8`'s bytes, float8 e4m3 with a float32 scale
+per token; those shards are schema version 2, their footer names the encoding, and readers
+decode them to bf16, so every consumer sees the same dtype.
 
 Invariants:
 
@@ -57,12 +55,13 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from pipeline.capture.arrow_tensors import binary_array, binary_views, list_array, list_views
 from pipeline.capture.config import DEFAULT_ROW_GROUP_BYTES
+from pipeline.capture.fp8 import FP8_LAYOUT, fp8_columns, fp8_decode, fp8_encode, value_bytes
 from pipeline.capture.provenance import ENCODING, ENCODINGS, check_provenance
 from pipeline.contracts import Manifest
 from pipeline.layout import shards_prefix
@@ -76,14 +75,6 @@ FP8_SCHEMA_VERSION = 2  # states may be float8 e4m3 with a per-token scale (``en
 READABLE_VERSIONS = (SHARD_SCHEMA_VERSION, FP8_SCHEMA_VERSION)
 SHARD_DTYPE = ENCODING  # what readers hand states out as, whatever the encoding
 SHARD_LAYOUT = "aux_hidden, final_hidden: little-endian bf16 bits of a row-major (T, W) tensor"
-FP8_LAYOUT = ("fp8-encoded columns: T little-endian float32 scales, then the float8 e4m3fn "
-              "bytes of the row-major (T, W) tensor divided row by row by its scale")
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-_MIN_SCALE = 1e-12  # an all-zero row: any scale decodes it to zeros
-# float32 value of each of the 256 e4m3fn bytes: a table lookup decodes ~2x faster than
-# torch's float8 -> float32 conversion on CPU, to the same bits
-_E4M3_VALUES = (torch.arange(256, dtype=torch.int32).to(torch.uint8)
-                .view(torch.float8_e4m3fn).float().numpy())
 _MAX_VALUE_BYTES = (1 << 31) - 1  # a Parquet BYTE_ARRAY value has an int32 length
 _KEY = "aerie."  # prefix of Aerie's key-value metadata
 
@@ -134,17 +125,8 @@ class ShardSpec:
     @property
     def state_bytes_per_token(self) -> int:
         """Stored bytes per token: aux + final, each bf16 or fp8 with a 4-byte scale."""
-        return (_value_bytes(1, self.aux_width, self.encoding != ENCODING)
-                + _value_bytes(1, self.hidden_size, self.encoding == "fp8"))
-
-
-def _value_bytes(tokens: int, width: int, fp8: bool) -> int:
-    return tokens * (width + 4) if fp8 else 2 * tokens * width
-
-
-def _fp8_columns(encoding: str) -> tuple[bool, bool]:
-    """Whether ``aux_hidden`` and ``final_hidden`` are stored as fp8 under ``encoding``."""
-    return encoding != ENCODING, encoding == "fp8"
+        return (value_bytes(1, self.aux_width, self.encoding != ENCODING)
+                + value_bytes(1, self.hidden_size, self.encoding == "fp8"))
 
 
 @dataclass(frozen=True)
@@ -257,7 +239,7 @@ def _check_sample(s: ShardSample, spec: ShardSpec) -> int:
         raise ValueError(f"{where}: loss_mask values must be 0 or 1")
     for name, x, width, fp8 in zip(("aux_hidden", "final_hidden"), (s.aux_hidden, s.final_hidden),
                                    (spec.aux_width, spec.hidden_size),
-                                   _fp8_columns(spec.encoding), strict=True):
+                                   fp8_columns(spec.encoding), strict=True):
         if x.dtype != torch.bfloat16 or tuple(x.shape) != (t, width):
             raise ValueError(f"{where}: {name} must be bfloat16 ({t}, {width}), got "
                              f"{x.dtype} {tuple(x.shape)}")
@@ -275,47 +257,18 @@ def _row_group(samples: list[ShardSample], schema: pa.Schema, encoding: str) -> 
     if not samples:
         return schema.empty_table()
     columns: dict[str, list[pa.Array]] = {name: [] for name in schema.names}
-    aux_fp8, final_fp8 = _fp8_columns(encoding)
+    aux_fp8, final_fp8 = fp8_columns(encoding)
     for s in samples:
         columns["sample_id"].append(pa.array([s.sample_id], pa.string()))
         columns["step"].append(pa.array([s.step], pa.int64()))
-        columns["input_ids"].append(_list_of(s.input_ids, pa.int32()))
-        columns["loss_mask"].append(_list_of(s.loss_mask.view(torch.int8), pa.int8()))
-        columns["aux_hidden"].append(_binary_of(_fp8_encode(s.aux_hidden) if aux_fp8
+        columns["input_ids"].append(list_array(s.input_ids, pa.int32()))
+        columns["loss_mask"].append(list_array(s.loss_mask.view(torch.int8), pa.int8()))
+        columns["aux_hidden"].append(binary_array(fp8_encode(s.aux_hidden) if aux_fp8
                                                 else s.aux_hidden))
-        columns["final_hidden"].append(_binary_of(_fp8_encode(s.final_hidden) if final_fp8
+        columns["final_hidden"].append(binary_array(fp8_encode(s.final_hidden) if final_fp8
                                                   else s.final_hidden))
     arrays = [pa.chunked_array(columns[f.name], f.type) for f in schema]
     return pa.Table.from_arrays(arrays, schema=schema)
-
-
-def _fp8_encode(x: torch.Tensor) -> torch.Tensor:
-    """``(T, W)`` states as one byte tensor: T float32 scales (each row's absolute maximum
-    over :data:`FP8_MAX`), then the rows divided by their scale in float8 e4m3fn."""
-    rows = x.detach().cpu().float()
-    scale = (rows.abs().amax(dim=1) / FP8_MAX).clamp_min(_MIN_SCALE)
-    values = (rows / scale[:, None]).to(torch.float8_e4m3fn)
-    return torch.cat([scale.view(torch.uint8), values.view(torch.uint8).reshape(-1)])
-
-
-def _fp8_decode(raw: torch.Tensor, tokens: int, width: int) -> torch.Tensor:
-    """The bf16 ``(T, W)`` states of :func:`_fp8_encode`'s bytes (a new tensor)."""
-    scale = raw[:4 * tokens].clone().view(torch.float32)  # a value may start at any byte
-    values = torch.from_numpy(_E4M3_VALUES[raw[4 * tokens:].numpy()]).view(tokens, width)
-    return values.mul_(scale[:, None]).to(torch.bfloat16)
-
-
-def _list_of(x: torch.Tensor, value_type: pa.DataType) -> pa.Array:
-    values = pa.array(x.detach().cpu().contiguous().numpy(), value_type)
-    return pa.ListArray.from_arrays(pa.array([0, len(values)], pa.int32()), values)
-
-
-def _binary_of(x: torch.Tensor) -> pa.Array:
-    """A one-value large_binary array over the tensor's bytes (zero-copy when contiguous)."""
-    raw = x.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
-    offsets = np.array([0, raw.nbytes], dtype=np.int64)
-    return pa.Array.from_buffers(pa.large_binary(), 1,
-                                 [None, pa.py_buffer(offsets), pa.py_buffer(raw)])
 
 
 # -- reading ---------------------------------------------------------------------------
@@ -392,22 +345,22 @@ def iter_shard(storage: Storage, key: str) -> Iterator[ShardSample]:
 def samples_of_batch(batch: pa.RecordBatch, info: ShardInfo, url: str = "<batch>"
                      ) -> list[ShardSample]:
     """Tensors over ``batch``'s Arrow buffers, one :class:`ShardSample` per row, no copies."""
-    ids_off, ids = _list_views(batch.column("input_ids"), torch.int32)
-    mask_off, mask = _list_views(batch.column("loss_mask"), torch.int8)
+    ids_off, ids = list_views(batch.column("input_ids"), torch.int32)
+    mask_off, mask = list_views(batch.column("loss_mask"), torch.int8)
     if bool(((mask != 0) & (mask != 1)).any()):
         raise ParquetFileError(f"{url}: loss_mask values outside 0/1")
     mask = mask.view(torch.bool)
-    aux_off, aux = _binary_views(batch.column("aux_hidden"))
-    fin_off, fin = _binary_views(batch.column("final_hidden"))
-    aux_fp8, final_fp8 = _fp8_columns(info.encoding)
+    aux_off, aux = binary_views(batch.column("aux_hidden"))
+    fin_off, fin = binary_views(batch.column("final_hidden"))
+    aux_fp8, final_fp8 = fp8_columns(info.encoding)
     sample_ids = batch.column("sample_id").to_pylist()
     steps = batch.column("step").to_pylist()
     out = []
     for r in range(batch.num_rows):
         t = int(ids_off[r + 1] - ids_off[r])
         if (int(mask_off[r + 1] - mask_off[r]) != t
-                or int(aux_off[r + 1] - aux_off[r]) != _value_bytes(t, info.aux_width, aux_fp8)
-                or int(fin_off[r + 1] - fin_off[r]) != _value_bytes(t, info.hidden_size,
+                or int(aux_off[r + 1] - aux_off[r]) != value_bytes(t, info.aux_width, aux_fp8)
+                or int(fin_off[r + 1] - fin_off[r]) != value_bytes(t, info.hidden_size,
                                                                     final_fp8)):
             raise ParquetFileError(f"{url}: row {r} ({sample_ids[r]!r}) has inconsistent "
                                    f"lengths for T={t}, H={info.hidden_size} "
@@ -425,36 +378,8 @@ def samples_of_batch(batch: pa.RecordBatch, info: ShardInfo, url: str = "<batch>
 def _states(raw: torch.Tensor, tokens: int, width: int, fp8: bool) -> torch.Tensor:
     """bf16 ``(T, W)`` states of one value: a view of the bf16 bytes, or fp8 decoded."""
     if fp8:
-        return _fp8_decode(raw, tokens, width)
+        return fp8_decode(raw, tokens, width)
     return raw.view(torch.bfloat16).view(tokens, width)
-
-
-def _buffer_view(buf: pa.Buffer | None, dtype: torch.dtype, start: int, count: int
-                 ) -> torch.Tensor:
-    """``count`` elements of ``buf`` from element ``start``: a tensor sharing its memory."""
-    if count == 0 or buf is None:
-        return torch.empty(0, dtype=dtype)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return torch.frombuffer(buf, dtype=dtype, count=count, offset=start * itemsize)
-
-
-def _list_views(arr: pa.Array, dtype: torch.dtype) -> tuple[np.ndarray, torch.Tensor]:
-    """Row offsets (relative to the returned values) and the flat values of a list array."""
-    offsets = arr.offsets.to_numpy()  # honours arr.offset; zero-copy
-    child = arr.values  # the unsliced child array
-    base = int(offsets[0])
-    values = _buffer_view(child.buffers()[1], dtype, child.offset + base,
-                          int(offsets[-1]) - base)
-    return offsets - base, values
-
-
-def _binary_views(arr: pa.Array) -> tuple[np.ndarray, torch.Tensor]:
-    """Byte offsets (relative to the returned bytes) and the bytes of a large_binary array."""
-    _, off_buf, data_buf = arr.buffers()
-    offsets = np.frombuffer(off_buf, dtype=np.int64, count=len(arr) + 1, offset=arr.offset * 8)
-    base = int(offsets[0])
-    data = _buffer_view(data_buf, torch.uint8, base, int(offsets[-1]) - base)
-    return offsets - base, data
 
 
 def _require_little_endian() -> None:
