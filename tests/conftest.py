@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -37,21 +39,35 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> N
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
+@contextmanager
+def local_server(cmd: Sequence[str], log_path: Path, ports: Iterable[int], *,
+                 timeout: float = 60.0, group: bool = False,
+                 ready: Callable[[], None] | None = None, **popen) -> Iterator[None]:
+    """Run ``cmd`` (output to ``log_path``) until every one of ``ports`` on 127.0.0.1
+    accepts connections (``ready()`` runs first, while it starts), then yield; on exit stop
+    it by PID (its whole process group with ``group``)."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=group, **popen)
+        try:
+            if ready is not None:
+                ready()
+            for port in ports:
+                wait_for_port(port, proc, timeout)
+            yield
+        finally:
+            (os.killpg if group else os.kill)(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+
+
 @pytest.fixture(scope="session")
 def moto_endpoint(tmp_path_factory) -> str:
     """A real S3 HTTP API on 127.0.0.1, stopped by PID at the end of the session."""
     exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
     port = free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log,
-                            stderr=subprocess.STDOUT)
-    try:
-        wait_for_port(port, proc)
+    with local_server([exe, "-H", "127.0.0.1", "-p", str(port)],
+                      tmp_path_factory.mktemp("moto") / "moto.log", [port]):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-        log.close()
 
 
 def s3_options(endpoint: str) -> dict:

@@ -46,16 +46,16 @@ ENCODINGS: tuple[str, ...] = get_args(Encoding)
 
 
 def provenance(engine: str, engine_version: str, aux_layer_ids: Sequence[int],
-               engine_aux_layer_ids: Sequence[int] | None = None,
-               encoding: str = ENCODING) -> dict[str, Any]:
-    """One provenance record in Aerie's conventions (see the module table)."""
+               engine_aux_layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """One provenance record in Aerie's conventions (see the module table), of bf16 states;
+    the capture stage sets ``encoding`` to what it stores."""
     ids = [int(i) for i in aux_layer_ids]
     return {"engine": engine, "engine_version": engine_version, "aux_capture": AUX_CAPTURE,
             "aux_layer_ids": ids,
             "engine_aux_layer_ids": [int(i) for i in (engine_aux_layer_ids
                                                       if engine_aux_layer_ids is not None
                                                       else ids)],
-            "final_capture": FINAL_CAPTURE, "encoding": encoding}
+            "final_capture": FINAL_CAPTURE, "encoding": ENCODING}
 
 
 def check_provenance(record: Mapping[str, Any], aux_layer_ids: Sequence[int], where: str,

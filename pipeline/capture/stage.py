@@ -145,8 +145,8 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
     spec = ShardSpec(step=step, hidden_size=int(backend.hidden_size), aux_layer_ids=aux_ids,
                      extra={"backend": json.dumps(identity, sort_keys=True),
                             "policy_sha256": policy.sha256 if policy else ""},
-                     provenance={**_backend_provenance(backend, identity, aux_ids),
-                                 "encoding": config.encoding},
+                     provenance=_backend_provenance(backend, identity, aux_ids,
+                                                    config.encoding),
                      encoding=config.encoding)
     schema_version = (SHARD_SCHEMA_VERSION if config.encoding == SHARD_DTYPE
                       else FP8_SCHEMA_VERSION)
@@ -315,12 +315,13 @@ def _backend_identity(backend: CaptureBackend) -> dict[str, Any]:
 
 
 def _backend_provenance(backend: CaptureBackend, identity: dict[str, Any],
-                        aux_ids: tuple[int, ...]) -> dict[str, Any]:
-    """The backend's own record (``provenance()``), or one that names it by its identity."""
+                        aux_ids: tuple[int, ...], encoding: str) -> dict[str, Any]:
+    """The backend's own record (``provenance()``), or one that names it by its identity,
+    with the ``encoding`` the shards store."""
     own = getattr(backend, "provenance", None)
-    if callable(own):
-        return dict(own())
-    return provenance(str(identity["backend"]), "unknown", aux_ids)
+    record = dict(own()) if callable(own) else provenance(str(identity["backend"]),
+                                                          "unknown", aux_ids)
+    return {**record, "encoding": encoding}
 
 
 # -- capture ----------------------------------------------------------------------------

@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,7 +32,7 @@ from pipeline.storage import Storage
 from pipeline.training import stage as training_stage
 from pipeline.training.config import TrainConfig
 from resources.mlflow import mlflow_from_environment
-from tests.conftest import free_port, ver, wait_for_port
+from tests.conftest import free_port, local_server, ver
 from tests.e2e.loop import REFRESHES, Loop
 
 pytestmark = pytest.mark.slow
@@ -237,25 +235,18 @@ def test_a_damaged_shard_is_refused_by_training_and_repaired_by_a_rerun(storage_
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 GROUPS = {"data": ("rollout_snapshot", "tokenized_rollouts", "hidden_state_shards"),
           "drafter": ("vocab_mapping", "drafter_checkpoint", "acceptance_eval"),
-          "release": ("registered_drafter", "serving_drafter")}
+          "release": ("registered_drafter", "serving_drafter", "storage_retention")}
 
 
 @pytest.fixture(scope="module")
 def webserver(loop, tmp_path_factory):
     """``dagster-webserver`` on 127.0.0.1 over the loop's instance; stopped by PID."""
     port = free_port()
-    log = open(tmp_path_factory.mktemp("web") / "webserver.log", "wb")
     exe = Path(sys.executable).with_name("dagster-webserver")
-    proc = subprocess.Popen([str(exe), "-h", "127.0.0.1", "-p", str(port), "-w",
-                             "workspace.yaml"], cwd=Path(__file__).parents[2], env=os.environ,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_for_port(port, proc, timeout=180)
+    with local_server([str(exe), "-h", "127.0.0.1", "-p", str(port), "-w", "workspace.yaml"],
+                      tmp_path_factory.mktemp("web") / "webserver.log", [port], timeout=180,
+                      group=True, cwd=Path(__file__).parents[2], env=os.environ):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -24,7 +21,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.conftest import free_port, wait_for_port
+from tests.conftest import free_port, local_server
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS, HIDDEN, VOCAB = 8, 64, 128
@@ -102,18 +99,10 @@ def contract_process(work: Path, model_dir: Path, endpoints: Mapping[str, Mappin
            "--wait-for-model", "120"]
     for name, settings in endpoints.items():
         cmd += ["--endpoint", json.dumps({"port": ports[name], **settings})]
-    log = open(work / "server.log", "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        prepare()
-        for port in ports.values():
-            wait_for_port(port, proc, timeout=120)
+    with local_server(cmd, work / "server.log", ports.values(), timeout=120, ready=prepare,
+                      cwd=ROOT):
         yield {name: ContractServer(name, f"http://127.0.0.1:{port}")
                for name, port in ports.items()}
-    finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-        log.close()
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -12,7 +10,7 @@ from pathlib import Path
 
 import requests
 
-from tests.conftest import free_port, wait_for_port
+from tests.conftest import free_port, local_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,15 +28,8 @@ def vllm_server(work: Path, args: Sequence[str], *, dev_mode: bool = True,
            "--fail-loads", str(fail_loads), *args]
     if extension:
         cmd += ["--worker-extension-cls", "pipeline.release.vllm_worker.AerieDraftLoader"]
-    log = open(work / f"vllm-{port}.log", "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_for_port(port, proc, timeout=120)
+    with local_server(cmd, work / f"vllm-{port}.log", [port], timeout=120, cwd=ROOT, env=env):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-        log.close()
 
 
 def served(url: str) -> dict:
