@@ -35,7 +35,7 @@ SERVICE_RETRY = service_retry_policy()
 def permanent_errors() -> tuple[type[BaseException], ...]:
     """The error types no retry can fix. Imported on the first failure, not when the
     definitions load: the stage modules that define them pull in torch."""
-    from pipeline.capture.sglang_http import SGLangRejectedError, SGLangServerConfigError
+    from pipeline.capture.engine_http import EngineConfigError, EngineRejectedError
     from pipeline.capture.stage import ExtractionError
     from pipeline.release.backend import ServingRefused
     from pipeline.release.promotion import PromotionError
@@ -45,7 +45,7 @@ def permanent_errors() -> tuple[type[BaseException], ...]:
     from pipeline.training.launch import TrainingFailed
 
     return (ValueError, TypeError, LookupError, FileNotFoundError, NotADirectoryError,
-            SnapshotError, ExtractionError, SGLangServerConfigError, SGLangRejectedError,
+            SnapshotError, ExtractionError, EngineConfigError, EngineRejectedError,
             TrainingFailed, ReleaseError, PromotionError, ServingRefused, StorageError)
 
 

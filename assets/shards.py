@@ -57,14 +57,16 @@ class ShardsConfig(Config):
 def hidden_state_shards(context: AssetExecutionContext, config: ShardsConfig,
                         storage: StorageResource, capture: CaptureResource) -> MaterializeResult:
     """Aux-layer and post-norm final states per token, captured with the step's own policy."""
-    from pipeline.capture import stage as capture_stage
+    from pipeline.capture import parallel
     from pipeline.snapshot.policy import load_policy_ref
 
     store, step = storage.build(), step_of(context.partition_key)
     with fail_fast_on_permanent_errors():
         policy = load_policy_ref(store, step)
         with capture.open(store, step, config.token_budget) as backend:
-            s = capture_stage.run(store, step, backend, config.to_core(), policy=policy)
+            s = parallel.run(store, step, backend, config.to_core(), policy=policy,
+                             processes=capture.processes,
+                             open_args=capture.open_args(config.token_budget))
         integrity = shard_integrity(store, step)
     context.log.info(f"step {step}: {s.shards} shards ({s.shards_reused} kept), "
                      f"{s.backend_calls} backend calls, {s.seconds:.1f}s")

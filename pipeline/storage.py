@@ -129,7 +129,8 @@ class Storage:
         if protocol not in DURABLE_PROTOCOLS and not allow_ephemeral:
             raise StorageError(f"{self.root_url}: {protocol}:// is not a durable store; use "
                                f"one of {sorted(DURABLE_PROTOCOLS)}")
-        self.fs, root_path = fsspec.core.url_to_fs(self.root_url, **dict(storage_options or {}))
+        self._options = dict(storage_options or {})
+        self.fs, root_path = fsspec.core.url_to_fs(self.root_url, **self._options)
         self._root = root_path.rstrip("/")
         self.is_local = "file" in _protocols(self.fs)
         if self.is_local:
@@ -141,6 +142,19 @@ class Storage:
         self.cache_dir = Path(cache_dir) if cache_dir else (
             Path(tempfile.gettempdir()) / f"aerie-cache-{os.getuid()}")
         self.cache_max_bytes = cache_max_bytes
+
+    def spec(self) -> dict[str, Any]:
+        """What rebuilds this storage in another process (:meth:`from_spec`), as JSON.
+
+        It carries the storage options, credentials included: hand it over a pipe, never
+        on a command line, in a log or in metadata."""
+        return {"root_url": self.root_url, "storage_options": self._options,
+                "cache_dir": str(self.cache_dir), "cache_max_bytes": self.cache_max_bytes}
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> Storage:
+        return cls(spec["root_url"], spec["storage_options"], cache_dir=spec["cache_dir"],
+                   cache_max_bytes=spec["cache_max_bytes"])
 
     def __repr__(self) -> str:
         return f"Storage({self.root_url!r})"

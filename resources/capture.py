@@ -3,7 +3,7 @@
 import contextlib
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dagster import ConfigurableResource, Failure, InitResourceContext
 from pydantic import Field
@@ -27,6 +27,10 @@ class CaptureResource(ConfigurableResource):
     hf_device: str = Field(default="cpu", description="hf: where the policy runs: cpu, "
                                                       "cuda, cuda:N, or auto (CUDA when "
                                                       "present)")
+    hf_processes: int = Field(default=1, ge=1, description="hf: processes that extract a "
+                                                           "step together (shard i in "
+                                                           "process i mod N): one per GPU, "
+                                                           "or CPU workers sharing the cores")
     sglang_aux_urls: list[str] = Field(default_factory=list,
                                        description="sglang: aux-capture server URLs")
     sglang_final_urls: list[str] = Field(default_factory=list,
@@ -50,6 +54,10 @@ class CaptureResource(ConfigurableResource):
                 return (f"{where}.hf_device {self.hf_device!r} is not a device: set it to "
                         f"'cpu', 'cuda', 'cuda:N' or 'auto'")
             return None
+        if self.hf_processes > 1:
+            return (f"{where}.hf_processes is {self.hf_processes}, but only the 'hf' backend "
+                    f"runs in processes: SGLang's parallelism is its servers (list more in "
+                    f"sglang_aux_urls and sglang_final_urls)")
         missing = [name for name in ("sglang_aux_urls", "sglang_final_urls")
                    if not getattr(self, name)]
         bad = [u for u in self.sglang_aux_urls + self.sglang_final_urls
@@ -65,14 +73,22 @@ class CaptureResource(ConfigurableResource):
                     f"got {bad}")
         return None
 
+    @property
+    def processes(self) -> int:
+        return self.hf_processes if self.backend == "hf" else 1
+
+    def open_args(self, token_budget: int) -> dict[str, Any]:
+        """``open_backend``'s keyword arguments (JSON: a data-parallel extraction hands
+        them to its other processes)."""
+        return {"kind": self.backend, "aux_layer_ids": self.aux_layer_ids,
+                "token_budget": token_budget, "hf_dtype": self.hf_dtype,
+                "hf_device": self.hf_device, "sglang_aux_urls": list(self.sglang_aux_urls),
+                "sglang_final_urls": list(self.sglang_final_urls)}
+
     @contextlib.contextmanager
     def open(self, storage: Storage, step: int, token_budget: int
              ) -> Iterator["CaptureBackend"]:
         from pipeline.capture.backends import open_backend
 
-        with open_backend(storage, step, self.backend, aux_layer_ids=self.aux_layer_ids,
-                          token_budget=token_budget, hf_dtype=self.hf_dtype,
-                          hf_device=self.hf_device,
-                          sglang_aux_urls=self.sglang_aux_urls,
-                          sglang_final_urls=self.sglang_final_urls) as backend:
+        with open_backend(storage, step, **self.open_args(token_budget)) as backend:
             yield backend

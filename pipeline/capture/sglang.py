@@ -25,7 +25,7 @@ Invariants:
   and non-finite values are retried (a flaky server can produce each once; a wrong row count
   that persists points at radix cache / chunked prefill and the final error says so).
   Missing ``hidden_states``, a wrong width, ``cached_tokens > 0`` and preflight findings are
-  deterministic misconfigurations: raised at once as :class:`SGLangServerConfigError`.
+  deterministic misconfigurations: raised at once as :class:`EngineConfigError`.
 """
 
 from __future__ import annotations
@@ -42,22 +42,22 @@ import numpy as np
 import torch
 
 from pipeline.capture.base import CapturedStates
-from pipeline.capture.provenance import provenance
-from pipeline.capture.sglang_decode import loads_generate
-from pipeline.capture.sglang_http import (
+from pipeline.capture.engine_http import (
     CallStats,
+    EngineConfigError,
+    EngineError,
+    EngineRequestError,
     JsonHttp,
     RetryPolicy,
-    SGLangError,
-    SGLangRequestError,
-    SGLangServerConfigError,
     TransientFailure,
     call_with_retries,
 )
+from pipeline.capture.provenance import provenance
+from pipeline.capture.sglang_decode import loads_generate
 from pipeline.eagle3.aux_layers import check_aux_layer_ids, engine_default_ids
 
 __all__ = ["SGLANG_VERSION", "CallStats", "SGLangCaptureBackend", "SGLangCaptureConfig",
-           "SGLangError", "SGLangRequestError", "SGLangServerConfigError", "plan_requests"]
+           "EngineError", "EngineRequestError", "EngineConfigError", "plan_requests"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,12 +160,12 @@ def _sample_rows(out: Any, *, url: str, sample: int, length: int, width: int, ro
     if not isinstance(meta, dict):
         raise TransientFailure("malformed response: an output without meta_info", sample=sample)
     if meta.get("hidden_states") is None:
-        raise SGLangServerConfigError(
+        raise EngineConfigError(
             f"server at {url} returned no meta_info.hidden_states for sample {sample}: it was "
             "not started with --enable-return-hidden-states (or --return-hidden-states-mode "
             "full)")
     if meta.get("cached_tokens"):
-        raise SGLangServerConfigError(
+        raise EngineConfigError(
             f"server at {url} reused {meta['cached_tokens']} cached prefix tokens for sample "
             f"{sample}, so its rows are misaligned: launch it with {_SERVER_FLAGS}")
     blocks = meta["hidden_states"]
@@ -190,7 +190,7 @@ def _sample_rows(out: Any, *, url: str, sample: int, length: int, width: int, ro
     if rows.ndim != 2:
         raise TransientFailure(f"rows have shape {tuple(rows.shape)}", sample=sample)
     if rows.shape[1] != width:
-        raise SGLangServerConfigError(_width_message(url, sample, rows.shape[1], width, role,
+        raise EngineConfigError(_width_message(url, sample, rows.shape[1], width, role,
                                                      hidden_size))
     finite = np.isfinite(rows.numpy())  # numpy: ~10x faster than torch.isfinite here
     if not finite.all():
@@ -288,7 +288,7 @@ class SGLangCaptureBackend:
 
     def check_servers(self) -> None:
         """Preflight every URL once: read ``/server_info`` (or the older ``/get_server_info``)
-        and raise :class:`SGLangServerConfigError` on a launch-flag problem. A server that
+        and raise :class:`EngineConfigError` on a launch-flag problem. A server that
         exposes neither, or cannot be reached now, is only logged: per-response validation
         still guards it."""
         with self._lock:
@@ -302,7 +302,7 @@ class SGLangCaptureBackend:
         try:
             info = (self._http.get_json(url, "/server_info")
                     or self._http.get_json(url, "/get_server_info"))
-        except (TransientFailure, SGLangRequestError) as e:
+        except (TransientFailure, EngineRequestError) as e:
             logger.warning("preflight of %s server %s failed (%s); relying on response checks",
                            role, url, e)
             return
@@ -312,7 +312,7 @@ class SGLangCaptureBackend:
             return
         problems = check_server_info(info, role, self.config)
         if problems:
-            raise SGLangServerConfigError(
+            raise EngineConfigError(
                 f"{role} server at {url} is misconfigured: " + "; ".join(problems)
                 + " (launch commands: docs/sglang.md)")
         if info.get("version") is not None:

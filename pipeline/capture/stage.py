@@ -18,6 +18,9 @@ Invariants:
   computes only the rest. A committed manifest with the same run fingerprint makes the
   whole call a no-op; a manifest from a different configuration is withdrawn first, so
   readers never see a half-rewritten dataset as committed.
+- **Data-parallel.** :func:`start` fixes the run fingerprint; :func:`run_part` writes only
+  the shards of one part (``index % of``) and commits nothing; the final :func:`run`
+  finds every shard finished and commits (``capture.parallel`` drives the processes).
 - **Bounded memory.** At any time: one shard's token ids, one batch of captured states and
   at most one row group of pending rows — never the step.
 - **Validated states.** Per sample: one result per input, ``aux_hidden`` ``(T, 3H)`` and
@@ -31,7 +34,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,6 +43,8 @@ import torch
 from pipeline.capture.base import CaptureBackend, CapturedStates
 from pipeline.capture.config import ExtractConfig
 from pipeline.capture.heldout import HeldoutSplit
+from pipeline.capture.plan import cut_shards, plan_batches, shard_fingerprint
+from pipeline.capture.progress import finished_shard, write_marker
 from pipeline.capture.provenance import provenance
 from pipeline.capture.shards import (
     FP8_SCHEMA_VERSION,
@@ -66,7 +71,7 @@ from pipeline.manifest import (
 )
 from pipeline.records import to_dict
 from pipeline.snapshot.policy import PolicyRef
-from pipeline.storage import Storage, WrittenObject
+from pipeline.storage import Storage
 from pipeline.tokenize.reader import (
     TokenizedReadError,
     TokenizedSample,
@@ -75,9 +80,6 @@ from pipeline.tokenize.reader import (
 )
 
 log = logging.getLogger(__name__)
-
-PROGRESS_DIR = "_progress"
-
 
 class ExtractionError(RuntimeError):
     """The inputs or a backend's output break the contract; the message says where."""
@@ -125,6 +127,44 @@ class _Counts:
     shard_meta: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Part:
+    """Which shards one process of a data-parallel extraction writes: ``index % of``."""
+
+    index: int = 0
+    of: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.of:
+            raise ValueError(f"part {self.index} of {self.of}: need 0 <= index < of")
+
+    def owns(self, shard: int) -> bool:
+        return shard % self.of == self.index
+
+
+@dataclass(frozen=True)
+class PartSummary:
+    """What one process wrote of a step (``run_part``); nothing is committed by it."""
+
+    part: Part
+    shards_written: int
+    shards_kept: int
+    backend_calls: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What fixes a step's bytes: the shard layout, the run fingerprint, the inputs."""
+
+    step: int
+    spec: ShardSpec
+    fingerprint: str
+    schema_version: int
+    identity: dict[str, Any]
+    tokenized: Manifest
+    policy: PolicyRef | None
+
+
 def run(storage: Storage, step: int, backend: CaptureBackend,
         config: ExtractConfig = ExtractConfig(), *,
         policy: PolicyRef | None = None) -> ExtractSummary:
@@ -135,7 +175,64 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
     that break the contract; whatever shards were finished stay for the next call.
     """
     started = time.perf_counter()
-    in_prefix, out_prefix = tokenized_prefix(step), shards_prefix(step)
+    plan = _plan(storage, step, backend, config, policy)
+    committed = _committed_or_withdrawn(storage, plan, started)
+    if committed is not None:
+        return committed
+    counts = _Counts()
+    entries, reused = _extract(storage, plan, backend, config, counts, Part())
+    return _commit(storage, plan, config, counts, entries, reused, started)
+
+
+@dataclass(frozen=True)
+class Started:
+    """A step ready for its parts: the fingerprint each must match, how many shards."""
+
+    fingerprint: str
+    shards: int
+
+
+def start(storage: Storage, step: int, backend: CaptureBackend,
+          config: ExtractConfig = ExtractConfig(), *,
+          policy: PolicyRef | None = None) -> ExtractSummary | Started:
+    """What a data-parallel extraction does before its processes start: the committed
+    summary when there is nothing to do, else what its parts need (a manifest from another
+    configuration is withdrawn, leftovers swept, inputs checked)."""
+    started = time.perf_counter()
+    plan = _plan(storage, step, backend, config, policy)
+    committed = _committed_or_withdrawn(storage, plan, started)
+    if committed is not None:
+        return committed
+    samples = _without_heldout(_tokenized(storage, step, plan.tokenized),
+                               HeldoutSplit(config.heldout_fraction), _Counts())
+    tokens_per_shard = max(1, config.shard_bytes // plan.spec.state_bytes_per_token)
+    return Started(plan.fingerprint, sum(1 for _ in cut_shards(samples, tokens_per_shard)))
+
+
+def run_part(storage: Storage, step: int, backend: CaptureBackend, config: ExtractConfig,
+             part: Part, fingerprint: str, *, policy: PolicyRef | None = None) -> PartSummary:
+    """Write the shards ``part`` owns (keeping those already finished) and commit nothing.
+
+    ``fingerprint`` is the one :func:`start` returned: a process whose backend, config or
+    inputs differ would write other bytes, and is refused before it computes anything.
+    """
+    plan = _plan(storage, step, backend, config, policy)
+    if plan.fingerprint != fingerprint:
+        raise ExtractionError(
+            f"step {step}, part {part.index} of {part.of}: this process's backend, config or "
+            f"inputs differ from the run's ({_mismatch(plan.identity, fingerprint)}); every "
+            f"part must load the same policy with the same dtype and options")
+    counts = _Counts()
+    entries, reused = _extract(storage, plan, backend, config, counts, part)
+    return PartSummary(part, len(entries) - reused, reused, counts.backend_calls)
+
+
+def _mismatch(identity: dict[str, Any], fingerprint: str) -> str:
+    return f"run {fingerprint[:12]}, this backend {json.dumps(identity, sort_keys=True)}"
+
+
+def _plan(storage: Storage, step: int, backend: CaptureBackend, config: ExtractConfig,
+          policy: PolicyRef | None) -> _Plan:
     try:
         tokenized = read_tokenized_manifest(storage, step)
     except TokenizedReadError as e:
@@ -160,17 +257,25 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
         "config": settings,
         "tokenized": [[f.path, f.sha256] for f in tokenized.files],
     }
-    run_fp = _sha256_json(params)
+    return _Plan(step, spec, _sha256_json(params), schema_version, identity, tokenized, policy)
 
+
+def _committed_or_withdrawn(storage: Storage, plan: _Plan, started: float
+                            ) -> ExtractSummary | None:
+    """The summary of an intact commit of this very run; otherwise None, with any other
+    commit withdrawn, what a killed run left swept, and the inputs verified."""
+    step, out_prefix = plan.step, shards_prefix(plan.step)
     existing = read_manifest(storage, out_prefix)
     if existing is not None and deleted_record(existing) is not None:
         log.info("step %d: shards were deleted by storage retention (%s); extracting again",
                  step, deleted_record(existing))
         existing = None
     damaged = (verify_manifest(storage, out_prefix, existing)
-               if existing is not None and existing.meta.get("fingerprint") == run_fp else None)
+               if existing is not None and existing.meta.get("fingerprint") == plan.fingerprint
+               else None)
     if damaged == []:
-        log.info("step %d: hidden-state shards already committed (%s)", step, run_fp[:12])
+        log.info("step %d: hidden-state shards already committed (%s)", step,
+                 plan.fingerprint[:12])
         return _summary(storage, out_prefix, existing, shards_reused=len(existing.files),
                         backend_calls=0, started=started, already_committed=True)
     if damaged:
@@ -181,28 +286,34 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
                     "withdrawing the manifest and rebuilding", step)
     withdraw_manifest(storage, out_prefix)  # also sweeps what a killed run left
 
-    problems = verify_manifest(storage, in_prefix, tokenized)
+    problems = verify_manifest(storage, tokenized_prefix(step), plan.tokenized)
     if problems:
         raise ExtractionError("corrupt tokenized input: " + "; ".join(problems))
+    return None
 
-    tokens_per_shard = max(1, config.shard_bytes // spec.state_bytes_per_token)
-    counts = _Counts()
+
+def _extract(storage: Storage, plan: _Plan, backend: CaptureBackend, config: ExtractConfig,
+             counts: _Counts, part: Part) -> tuple[list[FileEntry], int]:
+    """Write (or keep) the shards ``part`` owns; their entries and how many were kept."""
+    out_prefix = shards_prefix(plan.step)
+    tokens_per_shard = max(1, config.shard_bytes // plan.spec.state_bytes_per_token)
     entries: list[FileEntry] = []
     reused = 0
     split = HeldoutSplit(config.heldout_fraction)
-    samples = _without_heldout(_tokenized(storage, step, tokenized), split,
-                               counts)
-    for index, shard_samples in enumerate(_cut_shards(samples, tokens_per_shard)):
-        batches = _plan_batches(shard_samples, config)
-        shard_fp = _shard_fingerprint(run_fp, index, batches)
+    samples = _without_heldout(_tokenized(storage, plan.step, plan.tokenized), split, counts)
+    for index, shard_samples in enumerate(cut_shards(samples, tokens_per_shard)):
+        if not part.owns(index):
+            continue
+        batches = plan_batches(shard_samples, config)
+        shard_fp = shard_fingerprint(plan.fingerprint, index, batches)
         name = shard_name(index)
-        written = _finished_shard(storage, out_prefix, name, shard_fp)
+        written = finished_shard(storage, out_prefix, name, shard_fp)
         if written is None:
-            written = _write_one_shard(storage, f"{out_prefix}/{name}", spec, shard_fp,
+            written = _write_one_shard(storage, f"{out_prefix}/{name}", plan.spec, shard_fp,
                                        batches, backend, config, counts)
         else:
             reused += 1
-            log.info("step %d: kept finished %s", step, name)
+            log.info("step %d: kept finished %s", plan.step, name)
         counts.samples += written.rows
         counts.tokens += written.tokens
         counts.loss_tokens += sum(int(s.loss_mask.sum()) for s in shard_samples)
@@ -210,23 +321,30 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
         counts.shard_meta.append({"path": name, "rows": written.rows, "tokens": written.tokens,
                                   "row_groups": written.row_groups, "fingerprint": shard_fp})
         entries.append(entry_for(out_prefix, written.obj, rows=written.rows))
+    return entries, reused
 
-    manifest = Manifest(kind=SHARDS_KIND, kind_version=schema_version,
+
+def _commit(storage: Storage, plan: _Plan, config: ExtractConfig, counts: _Counts,
+            entries: list[FileEntry], reused: int, started: float) -> ExtractSummary:
+    step, spec, policy, out_prefix = plan.step, plan.spec, plan.policy, shards_prefix(plan.step)
+    manifest = Manifest(kind=SHARDS_KIND, kind_version=plan.schema_version,
                         files=tuple(entries), meta={
-                            "step": step, "fingerprint": run_fp,
+                            "step": step, "fingerprint": plan.fingerprint,
                             "samples": counts.samples, "tokens": counts.tokens,
                             "loss_tokens": counts.loss_tokens,
                             "padded_tokens": counts.padded_tokens,
-                            "heldout": {**to_dict(split), "samples": counts.heldout},
+                            "heldout": {**to_dict(HeldoutSplit(config.heldout_fraction)),
+                                        "samples": counts.heldout},
                             "hidden_size": spec.hidden_size, "aux_width": spec.aux_width,
                             "aux_layer_ids": list(spec.aux_layer_ids),
                             "aux_capture": AUX_CAPTURE, "dtype": SHARD_DTYPE,
                             "encoding": config.encoding,
                             "provenance": dict(spec.provenance or {}),
-                            "backend": identity.get("backend", "?"), "backend_config": identity,
+                            "backend": plan.identity.get("backend", "?"),
+                            "backend_config": plan.identity,
                             "policy_uri": policy.key if policy else None,
                             "policy_sha256": policy.sha256 if policy else None,
-                            "tokenized_uri": in_prefix,
+                            "tokenized_uri": tokenized_prefix(step),
                             "config": asdict(config), "shards": counts.shard_meta})
     write_manifest(storage, out_prefix, manifest)
     return _summary(storage, out_prefix, manifest, shards_reused=reused,
@@ -255,52 +373,6 @@ def _without_heldout(samples: Iterator[TokenizedSample], split: HeldoutSplit, co
             counts.heldout += 1
         else:
             yield s
-
-
-# -- planning ---------------------------------------------------------------------------
-def _cut_shards(samples: Iterator[TokenizedSample], tokens_per_shard: int
-                ) -> Iterator[list[TokenizedSample]]:
-    """Consecutive samples, a shard closing before it would exceed ``tokens_per_shard``."""
-    shard: list[TokenizedSample] = []
-    tokens = 0
-    for s in samples:
-        if shard and tokens + s.num_tokens > tokens_per_shard:
-            yield shard
-            shard, tokens = [], 0
-        shard.append(s)
-        tokens += s.num_tokens
-    if shard:
-        yield shard
-
-
-def _plan_batches(shard: list[TokenizedSample], config: ExtractConfig
-                  ) -> list[list[TokenizedSample]]:
-    """Batches under the token budget (``B * T_max``) and ``max_batch_size``."""
-    order = sorted(shard, key=lambda s: (-s.num_tokens, s.position)) if (
-        config.sort_by_length) else shard
-    batches: list[list[TokenizedSample]] = []
-    current: list[TokenizedSample] = []
-    longest = 0
-    for s in order:
-        if current and ((len(current) + 1) * max(longest, s.num_tokens) > config.token_budget
-                        or len(current) == config.max_batch_size):
-            batches.append(current)
-            current, longest = [], 0
-        current.append(s)
-        longest = max(longest, s.num_tokens)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def _shard_fingerprint(run_fp: str, index: int, batches: list[list[TokenizedSample]]) -> str:
-    sha = hashlib.sha256(f"{run_fp}\0shard {index}\0".encode())
-    for batch in batches:
-        sha.update(b"\0batch\0")
-        for s in batch:
-            sha.update(s.sample_id.encode() + b"\0")
-            sha.update(s.input_ids.tobytes() + b"\0" + s.loss_mask.tobytes())
-    return sha.hexdigest()
 
 
 def _sha256_json(value: Any) -> str:
@@ -338,7 +410,7 @@ def _write_one_shard(storage: Storage, key: str, spec: ShardSpec, fingerprint: s
                           row_group_bytes=config.row_group_bytes,
                           compression=config.compression)
     prefix, name = key.rsplit("/", 1)
-    _write_marker(storage, prefix, name, fingerprint, written)
+    write_marker(storage, prefix, name, fingerprint, written)
     log.info("%s: %d samples, %d tokens, %d bytes", storage.url(key), written.rows,
              written.tokens, written.obj.bytes)
     return written
@@ -375,39 +447,6 @@ def _to_row(sample: TokenizedSample, st: CapturedStates, spec: ShardSpec) -> Sha
         loss_mask=torch.from_numpy(sample.loss_mask).view(torch.bool),
         aux_hidden=st.aux_hidden.to(torch.bfloat16).contiguous(),  # (T, 3H)
         final_hidden=st.final_hidden.to(torch.bfloat16).contiguous())  # (T, H)
-
-
-# -- resume markers ---------------------------------------------------------------------
-def _marker_key(prefix: str, name: str) -> str:
-    return f"{prefix}/{PROGRESS_DIR}/{name}.json"
-
-
-def _write_marker(storage: Storage, prefix: str, name: str, fingerprint: str,
-                  written: WrittenShard) -> None:
-    storage.write_bytes(_marker_key(prefix, name), json.dumps({
-        "fingerprint": fingerprint, "bytes": written.obj.bytes, "sha256": written.obj.sha256,
-        "rows": written.rows, "tokens": written.tokens, "row_groups": written.row_groups,
-    }, sort_keys=True).encode())
-
-
-def _finished_shard(storage: Storage, prefix: str, name: str, fingerprint: str
-                    ) -> WrittenShard | None:
-    """The shard a previous run finished for the same fingerprint, if intact."""
-    marker_key, key = _marker_key(prefix, name), f"{prefix}/{name}"
-    if not storage.exists(marker_key) or not storage.exists(key):
-        return None
-    try:
-        marker: Mapping[str, Any] = json.loads(storage.read_bytes(marker_key))
-    except ValueError:
-        return None
-    if marker.get("fingerprint") != fingerprint:
-        return None
-    size, digest = storage.sha256(key)
-    if (size, digest) != (marker.get("bytes"), marker.get("sha256")):
-        log.warning("%s: bytes differ from its progress marker; rewriting it", storage.url(key))
-        return None
-    return WrittenShard(WrittenObject(key, size, digest), int(marker["rows"]),
-                        int(marker["tokens"]), int(marker["row_groups"]))
 
 
 def _tokenized(storage: Storage, step: int, manifest: Manifest) -> Iterator[TokenizedSample]:

@@ -52,12 +52,12 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
-from pipeline.capture.sglang_http import (
+from pipeline.capture.engine_http import (
     CallStats,
+    EngineConfigError,
+    EngineRequestError,
     JsonHttp,
     RetryPolicy,
-    SGLangRequestError,
-    SGLangServerConfigError,
     TransientFailure,
     call_with_retries,
     raise_for_status,
@@ -81,11 +81,11 @@ _SETTING_KEYS = ("speculative_num_steps", "speculative_eagle_topk",
                  "speculative_num_draft_tokens")
 
 
-class SpeculativeConfigError(SGLangServerConfigError):
+class SpeculativeConfigError(EngineConfigError):
     """A server does not decode with an EAGLE-3 drafter, or the servers disagree."""
 
 
-class ServerAcceptanceError(SGLangRequestError):
+class ServerAcceptanceError(EngineRequestError):
     """A prompt failed for good; ``url`` is the last server tried, ``prompt`` its index."""
 
     def __init__(self, message: str, *, url: str, prompt: int,
@@ -310,7 +310,7 @@ def _decode_all(http: JsonHttp, urls: tuple[str, ...], prompts: list[list[int]],
         try:
             return call_with_retries(attempt, urls=urls, request_index=i, policy=policy,
                                      stats=stats, what="acceptance request", samples=[i])
-        except SGLangRequestError as e:
+        except EngineRequestError as e:
             raise ServerAcceptanceError(f"prompt {i} (last server {e.url}): {e}", url=e.url,
                                         prompt=i, attempts=e.attempts) from e
 
@@ -339,7 +339,7 @@ def _summarise(urls: tuple[str, ...], settings: dict[str, Any], max_new_tokens: 
             server_info_accept_length=_avg_accept_length(info)))
     verify = sum(c.spec_verify_ct for c in per_server)
     if verify == 0:
-        raise SGLangRequestError("no request reached a verify pass (every one stopped at its "
+        raise EngineRequestError("no request reached a verify pass (every one stopped at its "
                                  "prefill token): the accept length is undefined",
                                  url=urls[0], samples=range(len(answers)))
     weighted = [(c.server_info_accept_length, c.spec_verify_ct) for c in per_server

@@ -13,14 +13,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeline.capture.engine_http import JsonHttp, RetryPolicy, TransientFailure
 from pipeline.capture.sglang import (
+    EngineConfigError,
+    EngineRequestError,
     SGLangCaptureConfig,
-    SGLangRequestError,
-    SGLangServerConfigError,
     parse_generate_response,
     plan_requests,
 )
-from pipeline.capture.sglang_http import JsonHttp, RetryPolicy, TransientFailure
 from tests.conftest import free_port
 from tests.sglang_contract import fixtures
 from tests.sglang_contract.fixtures import AUX_IDS, HIDDEN, LAYERS
@@ -203,7 +203,7 @@ def test_each_fault_is_recovered_by_one_retry(sglang_servers, hf_model, kind):
 def test_persistent_short_rows_name_url_sample_and_cause(sglang_servers):
     server = sglang_servers["final"]
     server.set_faults("short", count=-1)
-    with backend(sglang_servers) as b, pytest.raises(SGLangRequestError) as err:
+    with backend(sglang_servers) as b, pytest.raises(EngineRequestError) as err:
         b.capture(BATCH[1:3])
     message = str(err.value)
     assert server.url in message and "sample 0" in message
@@ -216,7 +216,7 @@ def test_persistent_short_rows_name_url_sample_and_cause(sglang_servers):
 def test_the_error_names_the_sample_of_a_later_request(sglang_servers):
     sglang_servers["final"].set_faults("nan", count=-1, every=2)
     with backend(sglang_servers, max_concurrency=1, max_retries=0) as b:
-        with pytest.raises(SGLangRequestError, match=r"sample 2.*non-finite value in row 8"):
+        with pytest.raises(EngineRequestError, match=r"sample 2.*non-finite value in row 8"):
             b.capture(BATCH[:3])  # final requests: [0, 1] then [2] (faulted)
 
 
@@ -224,7 +224,7 @@ def test_persistent_http500_lists_every_url_tried(sglang_servers):
     for name in ("final", "final_b"):
         sglang_servers[name].set_faults("http500", count=-1)
     with backend(sglang_servers, final=("final", "final_b"), max_retries=3) as b:
-        with pytest.raises(SGLangRequestError, match="failed after 4 attempt") as err:
+        with pytest.raises(EngineRequestError, match="failed after 4 attempt") as err:
             b.capture(BATCH[:1])
     assert len(err.value.attempts) == 4 and "HTTP 500" in str(err.value)
     assert sglang_servers["final"].url in str(err.value)
@@ -235,7 +235,7 @@ def test_timeouts_are_honoured(sglang_servers):
     sglang_servers["final"].set_faults("slow", count=-1, delay_s=60.0)
     start = time.monotonic()
     with backend(sglang_servers, timeout_s=0.3, max_retries=1) as b:
-        with pytest.raises(SGLangRequestError, match="timeout"):
+        with pytest.raises(EngineRequestError, match="timeout"):
             b.capture(BATCH[:1])
     assert time.monotonic() - start < 3.0
     assert sglang_servers["final"].stats()["generate_requests"] == 2
@@ -246,7 +246,7 @@ def test_timeouts_are_honoured(sglang_servers):
 
 def test_preflight_rejects_a_server_without_hidden_states(sglang_servers):
     with backend(sglang_servers, final=("no_hidden",)) as b:
-        with pytest.raises(SGLangServerConfigError, match="--enable-return-hidden-states"):
+        with pytest.raises(EngineConfigError, match="--enable-return-hidden-states"):
             b.capture(BATCH[:1])
     assert sglang_servers["no_hidden"].stats()["generate_requests"] == 0
 
@@ -254,7 +254,7 @@ def test_preflight_rejects_a_server_without_hidden_states(sglang_servers):
 def test_a_server_without_hidden_states_is_not_retried(sglang_servers):
     server = sglang_servers["no_hidden"]
     with backend(sglang_servers, final=("no_hidden",), preflight=False) as b:
-        with pytest.raises(SGLangServerConfigError) as err:
+        with pytest.raises(EngineConfigError) as err:
             b.capture(BATCH[:1])
     assert server.url in str(err.value)
     assert "was not started with --enable-return-hidden-states" in str(err.value)
@@ -264,47 +264,47 @@ def test_a_server_without_hidden_states_is_not_retried(sglang_servers):
 def test_missing_hidden_states_in_an_answer_is_a_config_error(sglang_servers):
     sglang_servers["final"].set_faults("omit_hidden", count=-1)
     with backend(sglang_servers) as b:
-        with pytest.raises(SGLangServerConfigError, match="no meta_info.hidden_states"):
+        with pytest.raises(EngineConfigError, match="no meta_info.hidden_states"):
             b.capture(BATCH[:1])
     assert sglang_servers["final"].stats()["generate_requests"] == 1
 
 
 def test_radix_cache_is_caught_by_preflight_and_by_cached_tokens(sglang_servers):
     with backend(sglang_servers, final=("radix",)) as b:
-        with pytest.raises(SGLangServerConfigError, match="--disable-radix-cache"):
+        with pytest.raises(EngineConfigError, match="--disable-radix-cache"):
             b.capture(BATCH[:2])
     with backend(sglang_servers, final=("radix",), preflight=False) as b:
         b.capture(BATCH[:2])  # nothing cached yet: fine
-        with pytest.raises(SGLangServerConfigError, match="cached prefix tokens.*radix"):
+        with pytest.raises(EngineConfigError, match="cached prefix tokens.*radix"):
             b.capture(BATCH[:2])
 
 
 def test_chunked_prefill_is_caught_by_preflight_and_by_row_counts(sglang_servers):
     with backend(sglang_servers, final=("chunked",)) as b:
-        with pytest.raises(SGLangServerConfigError, match="--chunked-prefill-size -1"):
+        with pytest.raises(EngineConfigError, match="--chunked-prefill-size -1"):
             b.capture(BATCH[:1])
     with backend(sglang_servers, final=("chunked",), preflight=False) as b:
         b.capture([[1] * 8])  # one chunk: all rows
-        with pytest.raises(SGLangRequestError, match="4 rows for 12 input tokens.*chunked"):
+        with pytest.raises(EngineRequestError, match="4 rows for 12 input tokens.*chunked"):
             b.capture([list(range(12))])
 
 
 def test_swapped_roles_are_explained(sglang_servers):
     with backend(sglang_servers, final=("aux",)) as b:
-        with pytest.raises(SGLangServerConfigError, match="aux capture is on"):
+        with pytest.raises(EngineConfigError, match="aux capture is on"):
             b.capture(BATCH[:1])
     with backend(sglang_servers, final=("aux",), preflight=False) as b:
-        with pytest.raises(SGLangServerConfigError, match="width 192 .*aux-capture server"):
+        with pytest.raises(EngineConfigError, match="width 192 .*aux-capture server"):
             b.capture(BATCH[:1])
     with backend(sglang_servers, aux=("final",), preflight=False) as b:
-        with pytest.raises(SGLangServerConfigError,
+        with pytest.raises(EngineConfigError,
                            match="width 64 .*--enable-return-aux-hidden-states"):
             b.capture(BATCH[:1])
 
 
 def test_preflight_catches_aux_layer_ids_the_width_cannot(sglang_servers):
     with backend(sglang_servers, aux_layer_ids=(1, 3, 5)) as b:
-        with pytest.raises(SGLangServerConfigError, match=r"aux layers \[1, 3, 4\]"):
+        with pytest.raises(EngineConfigError, match=r"aux layers \[1, 3, 4\]"):
             b.capture(BATCH[:1])
 
 
@@ -357,7 +357,7 @@ def test_http_errors_are_classified():
         decode(503, b"busy", "u", False)
     with pytest.raises(TransientFailure, match="HTTP 429"):
         decode(429, b"{}", "u", False)
-    with pytest.raises(SGLangRequestError, match="HTTP 400: too long"):
+    with pytest.raises(EngineRequestError, match="HTTP 400: too long"):
         decode(400, json.dumps({"error": {"message": "too long"}}).encode(), "u", False)
     with pytest.raises(TransientFailure, match="malformed JSON"):
         decode(200, b"{oops", "u", False)

@@ -15,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.capture.engine_http import TransientFailure
 from pipeline.capture.sglang import parse_generate_response
 from pipeline.capture.sglang_decode import loads_generate
-from pipeline.capture.sglang_http import TransientFailure
 
 
 def sglang_body(blocks, *, single=False, **meta):

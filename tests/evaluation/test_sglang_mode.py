@@ -15,7 +15,7 @@ import pytest
 import requests
 import torch
 
-from pipeline.capture.sglang_http import SGLangRequestError, TransientFailure
+from pipeline.capture.engine_http import EngineRequestError, TransientFailure
 from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.export import load_drafter, save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
@@ -259,7 +259,7 @@ def test_a_busy_server_refuses_the_flush_and_the_run_stops(world, servers):
         deadline = time.monotonic() + 10
         while server.stats()["generate_requests"] == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
-        with pytest.raises(SGLangRequestError, match="flush_cache refused") as err:
+        with pytest.raises(EngineRequestError, match="flush_cache refused") as err:
             measure_server_acceptance(server.url, world.prompts, MAX_NEW, **FAST)
         assert server.url in str(err.value) and "failed after 2 attempt" in str(err.value)
         assert server.stats()["generate_requests"] == 1  # nothing sent after the refusal

@@ -12,7 +12,7 @@ from assets.retry import (
     service_retry_policy,
 )
 from definitions import defs
-from pipeline.capture.sglang_http import SGLangRejectedError, SGLangRequestError
+from pipeline.capture.engine_http import EngineRejectedError, EngineRequestError
 from pipeline.manifest import ManifestError
 from pipeline.release.backend import ServingError, ServingRefused
 from pipeline.release.promotion import PromotionError, PromotionNotApplied
@@ -47,7 +47,7 @@ def _restarts(instance, run_id) -> int:
 
 @pytest.mark.parametrize("error", [
     ConnectionResetError("peer reset"), TimeoutError("slow"), OSError("S3 503 SlowDown"),
-    SGLangRequestError("failed after 4 attempts: connection refused", url="u", samples=()),
+    EngineRequestError("failed after 4 attempts: connection refused", url="u", samples=()),
     ServingError("restart hook timed out"),
     _caused(PromotionNotApplied("serving update failed, nothing moved"),
             ServingError("http://127.0.0.1:30000: ConnectionError")),
@@ -66,7 +66,7 @@ def test_transient_errors_are_retried_until_success(error):
 @pytest.mark.parametrize("error", [
     ValueError("record 7: field 'reward' is not a number"),
     SnapshotError("no completion marker"), FileNotFoundError("step=000003"),
-    SGLangRejectedError("http://127.0.0.1:30000/generate answered HTTP 400", url="u",
+    EngineRejectedError("http://127.0.0.1:30000/generate answered HTTP 400", url="u",
                         samples=()),
     ServingRefused("hot swap refused: draft vocab size differs"),
     _caused(PromotionNotApplied("serving update failed, nothing moved"),

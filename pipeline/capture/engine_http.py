@@ -1,13 +1,13 @@
-"""HTTP plumbing of Aerie's SGLang clients (hidden-state capture, and acceptance measured
-on a running server: ``pipeline.evaluation.sglang_mode``): one call with a hard deadline,
-the classification of every failure, and bounded retries with jittered exponential backoff
-across a pool of server URLs.
+"""HTTP plumbing of Aerie's inference-engine clients (SGLang and vLLM hidden-state
+capture, and acceptance measured on a running server: ``pipeline.evaluation.sglang_mode``):
+one call with a hard deadline, the classification of every failure, and bounded retries
+with jittered exponential backoff across a pool of server URLs.
 
 Invariants:
 
 - Every failure is classified. :class:`TransientFailure` (connection refused/reset/dropped,
   timeouts, HTTP 408/429/5xx, malformed JSON, and any response a validator flags as
-  possibly flaky) is retried; :class:`SGLangServerConfigError` (a misconfigured server)
+  possibly flaky) is retried; :class:`EngineConfigError` (a misconfigured server)
   and other HTTP 4xx answers are raised at once, because asking again cannot help.
 - Attempt ``k`` of request ``i`` goes to ``urls[(i + k) % len(urls)]``: requests spread
   round-robin over the pool and a retry fails over to the next server.
@@ -43,15 +43,15 @@ _BAD_URL_ERRORS = (requests.exceptions.InvalidURL, requests.exceptions.InvalidSc
                    requests.exceptions.MissingSchema)
 
 
-class SGLangError(RuntimeError):
-    """Base of every error the SGLang capture client raises."""
+class EngineError(RuntimeError):
+    """Base of every error an engine client (SGLang, vLLM) raises."""
 
 
-class SGLangServerConfigError(SGLangError):
+class EngineConfigError(EngineError):
     """A server is not launched the way capture needs (flags, mode, layer ids); never retried."""
 
 
-class SGLangRequestError(SGLangError):
+class EngineRequestError(EngineError):
     """A request failed for good: a non-retryable HTTP error, or retries exhausted.
 
     ``url`` is the server of the last attempt, ``samples`` the batch indices the request
@@ -66,7 +66,7 @@ class SGLangRequestError(SGLangError):
         self.attempts = tuple(attempts)
 
 
-class SGLangRejectedError(SGLangRequestError):
+class EngineRejectedError(EngineRequestError):
     """The server answered the request with a client error (HTTP 4xx that is not a rate limit
     or a timeout): the same request will be refused again; never retried."""
 
@@ -167,7 +167,7 @@ class JsonHttp:
         """One exchange under the deadline: ``(status, raw body)``, whatever the status.
 
         Transport failures and timeouts raise :class:`TransientFailure`, a malformed URL
-        :class:`SGLangServerConfigError`; judging the status is the caller's (see
+        :class:`EngineConfigError`; judging the status is the caller's (see
         :func:`raise_for_status`), for endpoints that answer plain text such as
         ``/flush_cache``.
         """
@@ -186,7 +186,7 @@ class JsonHttp:
             finally:
                 resp.close()
         except _BAD_URL_ERRORS as e:
-            raise SGLangServerConfigError(f"bad server URL {url!r}: {e}") from e
+            raise EngineConfigError(f"bad server URL {url!r}: {e}") from e
         except requests.exceptions.Timeout as e:
             raise TransientFailure(f"timeout: no reply within {self.timeout_s:g}s ({e})") from e
         except requests.exceptions.RequestException as e:
@@ -214,10 +214,10 @@ def raise_for_status(status: int, content: bytes, where: str) -> None:
     if status >= 500 or status in _RETRYABLE_STATUS:
         raise TransientFailure(f"HTTP {status}: {message}")
     if "enable-return-hidden-states" in message:
-        raise SGLangServerConfigError(
+        raise EngineConfigError(
             f"server at {where} was not started with --enable-return-hidden-states "
             f"(or --return-hidden-states-mode full); it answered HTTP {status}: {message}")
-    raise SGLangRejectedError(f"{where} answered HTTP {status}: {message}", url=where,
+    raise EngineRejectedError(f"{where} answered HTTP {status}: {message}", url=where,
                               samples=())
 
 
@@ -258,7 +258,7 @@ def call_with_retries(fn: Callable[[str], T], *, urls: Sequence[str], request_in
             if last:
                 sample_txt = ("" if failure.sample is None
                               else f"; the last failure concerned sample {failure.sample}")
-                raise SGLangRequestError(
+                raise EngineRequestError(
                     f"{_target(what, samples)} failed after {len(attempts)} "
                     f"attempt(s){sample_txt}; last server {url}: {failure.reason}\n  "
                     + "\n  ".join(attempts),
@@ -267,10 +267,10 @@ def call_with_retries(fn: Callable[[str], T], *, urls: Sequence[str], request_in
             logger.warning("%s: attempt %d at %s failed (%s); retrying in %.2fs",
                            what, attempt + 1, url, failure.reason, delay)
             time.sleep(delay)
-        except SGLangServerConfigError:
+        except EngineConfigError:
             stats.record(url, failed_reason="config")
             raise
-        except SGLangRequestError as e:
+        except EngineRequestError as e:
             stats.record(url, failed_reason="rejected")
             raise type(e)(f"{_target(what, samples)}: {e}", url=url, samples=samples,
                           attempts=[f"{url}: {e}"]) from e
