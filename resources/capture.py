@@ -1,4 +1,5 @@
-"""The capture resource: which backend produces hidden states (``hf`` or ``sglang``)."""
+"""The capture resource: which backend produces hidden states (``hf``, ``sglang`` or
+``vllm``)."""
 
 import contextlib
 import re
@@ -18,7 +19,8 @@ class CaptureResource(ConfigurableResource):
     """Builds the capture backend for one RL step's policy checkpoint."""
 
     backend: str = Field(default="hf", description="'hf': the step's policy checkpoint "
-                                                   "in-process; 'sglang': running servers")
+                                                   "in-process; 'sglang' or 'vllm': running "
+                                                   "servers")
     aux_layer_ids: list[int] | None = Field(
         default=None, description="decoder layers whose outputs are captured, low→mid→high; "
                                   "unset: EAGLE-3's [1, N//2-1, N-4]")
@@ -35,6 +37,16 @@ class CaptureResource(ConfigurableResource):
                                        description="sglang: aux-capture server URLs")
     sglang_final_urls: list[str] = Field(default_factory=list,
                                          description="sglang: final-state server URLs")
+    vllm_urls: list[str] = Field(default_factory=list,
+                                 description="vllm: servers launched with extract_hidden_states "
+                                             "(README, Capturing with vLLM)")
+    vllm_files_dir: str | None = Field(default=None,
+                                       description="vllm: where this process reads the files "
+                                                   "the servers write")
+    vllm_server_files_dir: str | None = Field(default=None,
+                                              description="vllm: the same directory as the "
+                                                          "servers see it; unset: "
+                                                          "vllm_files_dir")
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
         """Refuse a misconfigured backend before any step runs (no retries), naming the
@@ -46,9 +58,9 @@ class CaptureResource(ConfigurableResource):
     def problem(self) -> str | None:
         """What is wrong with the configuration, with the fix; None when nothing is."""
         where = "resources.capture.config"
-        if self.backend not in ("hf", "sglang"):
+        if self.backend not in ("hf", "sglang", "vllm"):
             return (f"capture backend {self.backend!r} is unknown: set {where}.backend to "
-                    f"'hf' or 'sglang'")
+                    f"'hf', 'sglang' or 'vllm'")
         if self.backend == "hf":
             if not re.fullmatch(r"cpu|auto|cuda(:[0-9]+)?", self.hf_device):
                 return (f"{where}.hf_device {self.hf_device!r} is not a device: set it to "
@@ -56,8 +68,10 @@ class CaptureResource(ConfigurableResource):
             return None
         if self.hf_processes > 1:
             return (f"{where}.hf_processes is {self.hf_processes}, but only the 'hf' backend "
-                    f"runs in processes: SGLang's parallelism is its servers (list more in "
-                    f"sglang_aux_urls and sglang_final_urls)")
+                    f"runs in processes: an engine's parallelism is its servers (list more "
+                    f"URLs)")
+        if self.backend == "vllm":
+            return self._vllm_problem(where)
         missing = [name for name in ("sglang_aux_urls", "sglang_final_urls")
                    if not getattr(self, name)]
         bad = [u for u in self.sglang_aux_urls + self.sglang_final_urls
@@ -73,6 +87,16 @@ class CaptureResource(ConfigurableResource):
                     f"got {bad}")
         return None
 
+    def _vllm_problem(self, where: str) -> str | None:
+        if not self.vllm_urls or not self.vllm_files_dir:
+            return (f"capture backend 'vllm' needs {where}.vllm_urls (servers launched with "
+                    f"the extract_hidden_states method) and {where}.vllm_files_dir (where "
+                    f"their files are read); see the README, Capturing hidden states with vLLM")
+        bad = [u for u in self.vllm_urls if not u.strip().startswith(("http://", "https://"))]
+        if bad:
+            return f"{where}.vllm_urls must be http(s) URLs, got {bad}"
+        return None
+
     @property
     def processes(self) -> int:
         return self.hf_processes if self.backend == "hf" else 1
@@ -83,7 +107,9 @@ class CaptureResource(ConfigurableResource):
         return {"kind": self.backend, "aux_layer_ids": self.aux_layer_ids,
                 "token_budget": token_budget, "hf_dtype": self.hf_dtype,
                 "hf_device": self.hf_device, "sglang_aux_urls": list(self.sglang_aux_urls),
-                "sglang_final_urls": list(self.sglang_final_urls)}
+                "sglang_final_urls": list(self.sglang_final_urls),
+                "vllm_urls": list(self.vllm_urls), "vllm_files_dir": self.vllm_files_dir,
+                "vllm_server_files_dir": self.vllm_server_files_dir}
 
     @contextlib.contextmanager
     def open(self, storage: Storage, step: int, token_budget: int

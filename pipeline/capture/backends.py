@@ -16,7 +16,7 @@ from pipeline.snapshot.policy import POLICY_KIND
 from pipeline.storage import Storage
 from pipeline.verified import committed, read_verified
 
-BACKENDS = ("hf", "sglang")
+BACKENDS = ("hf", "sglang", "vllm")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -38,15 +38,18 @@ def open_backend(storage: Storage, step: int, kind: str = "hf", *,
                  aux_layer_ids: Sequence[int] | None = None,
                  token_budget: int = DEFAULT_TOKEN_BUDGET, hf_dtype: str = "float32",
                  hf_device: str = "cpu",
-                 sglang_aux_urls: Sequence[str] = (), sglang_final_urls: Sequence[str] = ()
-                 ) -> Iterator[CaptureBackend]:
+                 sglang_aux_urls: Sequence[str] = (), sglang_final_urls: Sequence[str] = (),
+                 vllm_urls: Sequence[str] = (), vllm_files_dir: str | None = None,
+                 vllm_server_files_dir: str | None = None) -> Iterator[CaptureBackend]:
     """The capture backend for ``step``'s policy checkpoint, closed on exit.
 
     ``hf`` loads ``policies/step=NNNNNN/`` in-process (``hf_dtype``: float32 | bfloat16) on
     ``hf_device`` (cpu, cuda, cuda:N, or auto: CUDA when present) and hands states out as
     bf16 on the CPU. ``sglang`` talks to servers already serving that checkpoint
     (an aux-capture server and a final-state server, see ``capture/sglang.py``); H and the
-    default aux ids come from the checkpoint's ``config.json``.
+    default aux ids come from the checkpoint's ``config.json``. ``vllm`` talks to vLLM
+    servers that write the states as files into ``vllm_files_dir`` (``capture/vllm.py``),
+    with the checkpoint's final norm read from storage.
     """
     if kind == "hf":
         from pipeline.capture.hf import hf_backend_for_step
@@ -59,9 +62,7 @@ def open_backend(storage: Storage, step: int, kind: str = "hf", *,
                                  token_budget=token_budget,
                                  device=resolve_device(hf_device)) as backend:
             yield backend
-    elif kind == "sglang":
-        from pipeline.capture.sglang import SGLangCaptureConfig
-
+    elif kind in ("sglang", "vllm"):
         prefix = policy_prefix(step)
         config = json.loads(read_verified(storage, prefix, committed(storage, prefix, POLICY_KIND),
                                           "config.json"))
@@ -69,10 +70,23 @@ def open_backend(storage: Storage, step: int, kind: str = "hf", *,
         ids = check_aux_layer_ids(
             aux_layer_ids if aux_layer_ids is not None else default_aux_layer_ids(layers),
             layers, model_type=config.get("model_type"))
-        with SGLangCaptureConfig(
+        if kind == "sglang":
+            from pipeline.capture.sglang import SGLangCaptureConfig
+
+            built = SGLangCaptureConfig(
                 aux_urls=tuple(sglang_aux_urls), final_urls=tuple(sglang_final_urls),
                 hidden_size=int(config["hidden_size"]), aux_layer_ids=ids,
-                num_target_layers=layers, request_token_budget=token_budget).build() as backend:
+                num_target_layers=layers, request_token_budget=token_budget).build()
+        else:
+            from pipeline.capture.final_norm import load_final_norm
+            from pipeline.capture.vllm import VLLMCaptureConfig
+
+            built = VLLMCaptureConfig(
+                urls=tuple(vllm_urls), files_dir=vllm_files_dir or "",
+                server_files_dir=vllm_server_files_dir, hidden_size=int(config["hidden_size"]),
+                aux_layer_ids=ids, num_target_layers=layers,
+                final_norm=load_final_norm(storage, step)).build()
+        with built as backend:
             yield backend
     else:
         raise ValueError(f"unknown capture backend {kind!r}; expected one of {BACKENDS}")
