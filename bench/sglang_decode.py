@@ -16,6 +16,12 @@ runs for one prefill block (sources: docs/sglang.md, "What a hidden state costs 
 ``tensor.tolist()`` in the scheduler, pickle through ZMQ to the detokenizer and on to the
 tokenizer manager (dump, load, dump, load), and ``orjson.dumps`` in the HTTP process.
 
+Beside it, the whole per-token cost of one capture (aux and final states) both ways: SGLang's
+two answers (an aux body of ``layers·H`` and a final body of ``H`` floats) decoded with
+simdjson, vs one vLLM ``extract_hidden_states`` file (``[T, layers + 1, H]``, bf16 as vLLM
+writes it) read by the ``vllm`` backend (safetensors load from a page-cached file,
+validation, the final norm) — and the server side of the file (``save_file``).
+
 Prints tokens/s per core, CPU seconds per 1k tokens and the ratio to ``json.loads``; writes
 the rows as JSON with ``--json``.
 
@@ -29,6 +35,7 @@ import json
 import pickle
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,8 +46,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.capture.final_norm import FinalNorm  # noqa: E402
 from pipeline.capture.sglang import parse_generate_response  # noqa: E402
 from pipeline.capture.sglang_decode import loads_generate  # noqa: E402
+from pipeline.capture.vllm import VLLMCaptureConfig  # noqa: E402
 
 SGLANG_ORJSON = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY  # json_response.py
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -83,6 +92,36 @@ def client_ways(body: bytes, tokens: int, width: int, hidden: int
     return {"json.loads": lambda: validate(json.loads(body)),
             "orjson.loads": lambda: validate(orjson.loads(body)),
             "simdjson": lambda: validate(loads_generate(body))}
+
+
+def both_states(args: argparse.Namespace, aux_rows: torch.Tensor, files: Path
+                ) -> dict[str, Callable[[], Any]]:
+    """aux + final of ``--tokens`` tokens: SGLang's two bodies vs vLLM's one file."""
+    from safetensors.torch import save_file
+
+    h, t = args.hidden, args.tokens
+    final = states(t, h, DTYPES[args.dtype], args.seed + 1)
+    final_body = orjson.dumps([answer(final.tolist())], option=SGLANG_ORJSON)
+    aux_body = orjson.dumps([answer(aux_rows.tolist())], option=SGLANG_ORJSON)
+    stacked = torch.cat([aux_rows.view(t, args.layers, h), final.view(t, 1, h)], dim=1)
+    tensors = {"hidden_states": stacked.contiguous(),
+               "token_ids": torch.arange(t, dtype=torch.long)}
+    path = files / "bench.safetensors"
+    save_file(tensors, str(path))
+    backend = VLLMCaptureConfig(urls=["http://127.0.0.1:9"], files_dir=str(files),
+                                hidden_size=h, aux_layer_ids=tuple(range(args.layers)),
+                                num_target_layers=args.layers + 2,
+                                final_norm=FinalNorm(torch.ones(h), 1e-6)).build()
+    ids = list(range(t))
+
+    def sglang() -> None:
+        for body, width in ((aux_body, args.layers * h), (final_body, h)):
+            parse_generate_response(loads_generate(body), url="bench", samples=[0],
+                                    lengths=[t], width=width, role="aux", hidden_size=h)
+
+    return {"sglang: 2 bodies, simdjson": sglang,
+            "vllm: 1 file, read + norm": lambda: backend._states(path, 0, ids),
+            "vllm server: save_file": lambda: save_file(tensors, str(path))}
 
 
 def cpu_seconds(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -148,6 +187,15 @@ def main(argv: list[str] | None = None) -> None:
                                         "tokens_per_s": args.tokens / http}
     print(f"{'total (three processes)':<34} {'':>10} {1000 * total / args.tokens:>13.3f}")
     print(f"one server's HTTP process caps at {args.tokens / http:.0f} tokens/s")
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None
+                                     ) as files:
+        both = measure(both_states(args, rows, Path(files)), args.reps)
+    print(f"{'aux + final, per capture':<34} {'tokens/s':>10} {'CPU s/1k tok':>13}")
+    report["aux_and_final"] = {}
+    for name, s in both.items():
+        report["aux_and_final"][name] = {"tokens_per_s": args.tokens / s,
+                                         "cpu_s_per_1k_tokens": 1000 * s / args.tokens}
+        print(f"{name:<34} {args.tokens / s:>10.0f} {1000 * s / args.tokens:>13.3f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))

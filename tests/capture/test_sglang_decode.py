@@ -141,19 +141,20 @@ def test_a_failed_call_leaves_no_parser_behind_and_big_bodies_get_their_own(monk
 
     body = sglang_body([[[[0.5, 1.5]]]])
     loads_generate(body)
-    kept = decode._local.parser
+    kept = list(decode._kept)
+    assert 1 <= len(kept) <= decode.KEEP_PARSERS
     loads_generate(body)
-    assert decode._local.parser is kept  # reused within the thread
+    assert decode._kept == kept  # reused, not added to
     monkeypatch.setattr(decode, "_output", lambda doc: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         loads_generate(body)
-    assert decode._local.parser is None
+    assert len(decode._kept) == len(kept) - 1  # the failed call's parser is dropped
     monkeypatch.undo()
     same(loads_generate(body), json.loads(body))  # a fresh parser, not "re-use" errors
     monkeypatch.setattr(decode, "KEEP_PARSER_BYTES", len(body) - 1)
-    fresh = decode._local.parser
+    before = list(decode._kept)
     same(loads_generate(body), json.loads(body))
-    assert decode._local.parser is fresh  # the big body's parser was not kept
+    assert decode._kept == before  # the big body's parser was not kept
 
 
 def test_the_parser_is_reused_across_calls_and_threads():
@@ -164,3 +165,6 @@ def test_the_parser_is_reused_across_calls_and_threads():
         with ThreadPoolExecutor(4) as pool:
             for body, fast in zip(bodies, pool.map(loads_generate, bodies), strict=True):
                 same(fast, json.loads(body))
+    import pipeline.capture.sglang_decode as decode
+
+    assert 1 <= len(decode._kept) <= decode.KEEP_PARSERS  # shared, bounded
