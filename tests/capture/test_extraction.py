@@ -410,7 +410,7 @@ def test_open_backend_refuses_unknown_kinds_and_builds_sglang_from_the_policy(tm
     model.save_pretrained(tmp_path / "policy")
     publish_policy(storage, STEP, tmp_path / "policy")
     with pytest.raises(ValueError, match="unknown capture backend"):
-        with open_backend(storage, STEP, "vllm"):
+        with open_backend(storage, STEP, "tensorrt-llm"):
             pass
     with open_backend(storage, STEP, "sglang", sglang_aux_urls=["http://127.0.0.1:9"],
                       sglang_final_urls=["http://127.0.0.1:9"]) as sglang:
