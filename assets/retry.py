@@ -59,13 +59,26 @@ def transient_errors() -> tuple[type[BaseException], ...]:
 
 def is_permanent(error: BaseException) -> bool:
     """A promotion that moved nothing is as permanent as its cause (an SGLang server still
-    restarting: retried; a drafter it refuses: not); anything else by its type, the
-    transient subclasses of permanent types (an unreachable store) excepted."""
+    restarting: retried; a drafter it refuses: not), failed extraction parts as their
+    errors; anything else by its type, the transient subclasses of permanent types (an
+    unreachable store) excepted."""
+    from pipeline.capture.parallel import PartFailed
     from pipeline.release.promotion import PromotionNotApplied
 
     if isinstance(error, PromotionNotApplied):
         return error.__cause__ is not None and is_permanent(error.__cause__)
+    if isinstance(error, PartFailed):  # as permanent as every part's error
+        return all(_permanent_by_name(f.error_types) for f in error.failures)
     return isinstance(error, permanent_errors()) and not isinstance(error, transient_errors())
+
+
+def _permanent_by_name(error_types: tuple[str, ...]) -> bool:
+    """The rule above for an error known by its class names (a child process's); no
+    names (a child that died without answering) is not permanent."""
+    def named(classes: tuple[type[BaseException], ...]) -> bool:
+        return any(f"{c.__module__}.{c.__qualname__}" in error_types for c in classes)
+
+    return named(permanent_errors()) and not named(transient_errors())
 
 
 @contextmanager

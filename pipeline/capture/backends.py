@@ -67,9 +67,9 @@ def open_backend(storage: Storage, step: int, kind: str = "hf", *,
         config = json.loads(read_verified(storage, prefix, committed(storage, prefix, POLICY_KIND),
                                           "config.json"))
         layers = int(config["num_hidden_layers"])
-        ids = check_aux_layer_ids(
+        ids = check_aux_layer_ids(  # SGLang's DeepSeek files number layers their own way
             aux_layer_ids if aux_layer_ids is not None else default_aux_layer_ids(layers),
-            layers, model_type=config.get("model_type"))
+            layers, model_type=config.get("model_type") if kind == "sglang" else None)
         if kind == "sglang":
             from pipeline.capture.sglang import SGLangCaptureConfig
 

@@ -4,8 +4,10 @@ vLLM's hidden-state export gives the last decoder layer's output before the mode
 norm (docs/vllm.md); Aerie's ``final_hidden`` is after it. :func:`load_final_norm` reads
 ``model.norm.weight`` and ``rms_norm_eps`` from the step's policy checkpoint in storage
 without copying the checkpoint: the safetensors header, then the tensor's own byte range,
-of the file the index names. :class:`FinalNorm` applies it in float32, as
-``x · rsqrt(mean(x²) + eps) · w``.
+of the file the index names (``config.json`` and the index are verified against the
+checkpoint's manifest; the weight's bytes are not, since that would read the whole file).
+:class:`FinalNorm` applies it in float32, as ``x · rsqrt(mean(x²) + eps) · w`` (HF casts
+before the weight multiply: on a bf16 model the two may differ by one bf16 ulp).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ RMS_NORM_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_mo
                                "qwen3_moe", "deepseek_v2", "deepseek_v3"})
 NORM_WEIGHT = "model.norm.weight"
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+_MAX_HEADER = 100 << 20
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,9 @@ def _read_tensor(storage: Storage, key: str, name: str) -> torch.Tensor:
     """One tensor of a safetensors file: its header, then only its bytes."""
     with storage.open_read(key) as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > _MAX_HEADER:
+            raise ValueError(f"{storage.url(key)}: a {header_len}-byte header is not "
+                             f"safetensors")
         header = json.loads(f.read(header_len))
         if name not in header:
             raise ValueError(f"{storage.url(key)}: no tensor {name}")
@@ -81,7 +87,11 @@ def _read_tensor(storage: Storage, key: str, name: str) -> torch.Tensor:
                              f"{sorted(_DTYPES)}")
         start, end = info["data_offsets"]
         f.seek(8 + header_len + start)
-        raw = np.frombuffer(f.read(end - start), dtype=_DTYPES[info["dtype"]]).copy()
+        data = f.read(end - start)
+        if len(data) != end - start:
+            raise ValueError(f"{storage.url(key)}: {name} is cut short ({len(data)} of "
+                             f"{end - start} bytes)")
+        raw = np.frombuffer(data, dtype=_DTYPES[info["dtype"]]).copy()
     tensor = torch.from_numpy(raw)
     if info["dtype"] == "BF16":
         tensor = tensor.view(torch.bfloat16)

@@ -10,11 +10,13 @@ the same policy checkpoint, one GPU each when the device is ``cuda``/``auto`` (p
   with another backend, dtype or input refuses to start; shard ``i``'s bytes do not depend
   on which process wrote it.
 - **Committed once.** Parts write shards and progress markers only. When every part has
-  finished, the caller runs :func:`pipeline.capture.stage.run`, which finds each shard
-  finished (marker and bytes) and writes the manifest.
-- **Resumable.** A failed child fails the call, naming the part and its error, once the
-  other parts have ended; if this process's own part fails, the children are stopped.
-  Either way nothing is committed and the next call keeps every finished shard.
+  finished, the caller runs :func:`pipeline.capture.stage.run` with a backend that cannot
+  capture: it finds each shard finished (marker and size: the parts have just written
+  them, so they are not downloaded again to be hashed) and writes the manifest.
+- **Resumable.** A failed child fails the call (:class:`PartFailed`, naming each part and
+  its error, retried or not as that error would be) once the other parts have ended; if
+  this process's own part fails, the children are stopped. Either way nothing is
+  committed and the next call keeps every finished shard.
 
 A child reads its job as one JSON line on stdin (storage options may hold credentials:
 never on a command line) and answers one JSON line on stdout. It exits when the parent's
@@ -30,9 +32,10 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -50,10 +53,45 @@ WORKER_COMMAND = (sys.executable, "-m", "pipeline.capture.parallel")
 
 
 @dataclass(frozen=True)
+class PartFailure:
+    """One part that failed: its message, and its error's class names (most derived
+    first; empty when the child died without answering, e.g. killed for memory)."""
+
+    part: int
+    message: str
+    error_types: tuple[str, ...] = ()
+
+
+class PartFailed(RuntimeError):
+    """Parts of a data-parallel extraction failed; nothing was committed. Whether another
+    attempt can help is the parts' errors' business (``assets.retry.is_permanent``)."""
+
+    def __init__(self, step: int, failures: Sequence[PartFailure]):
+        self.failures = tuple(failures)
+        super().__init__(f"step {step}: " + "; ".join(f.message for f in failures)
+                         + "; finished shards are kept for the next run")
+
+
+class _NoCapture:
+    """The commit pass's backend: every shard must be there already."""
+
+    def __init__(self, backend: CaptureBackend):
+        self._backend = backend
+        self.hidden_size, self.aux_layer_ids = backend.hidden_size, backend.aux_layer_ids
+
+    def __getattr__(self, name: str) -> Any:  # describe(), provenance(), name
+        return getattr(self._backend, name)
+
+    def capture(self, batch: Sequence[Sequence[int]]) -> list:
+        raise ExtractionError("a shard was not written by the part that owns it, though every "
+                              "part reported success")
+
+
+@dataclass(frozen=True)
 class PartJob:
     """Everything a child process needs for its part, as JSON."""
 
-    storage: dict[str, Any]  # Storage.spec(): may hold credentials
+    storage: dict[str, Any] = field(repr=False)  # Storage.spec(): may hold credentials
     step: int
     open_args: dict[str, Any]  # open_backend's keyword arguments, ``kind`` included
     config: dict[str, Any]
@@ -73,6 +111,7 @@ def run(storage: Storage, step: int, backend: CaptureBackend, config: ExtractCon
     arguments); the children open theirs with the same arguments, their device spread
     over the GPUs when it is ``cuda`` or ``auto``.
     """
+    started = time.perf_counter()
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
     if processes == 1:
@@ -96,9 +135,11 @@ def run(storage: Storage, step: int, backend: CaptureBackend, config: ExtractCon
             mine = stage.run_part(storage, step, backend, config, Part(0, processes),
                                   begun.fingerprint, policy=policy)
         parts = [mine, *_results(children)]
-    summary = stage.run(storage, step, backend, config, policy=policy)  # finds all, commits
-    calls = summary.backend_calls + sum(p.backend_calls for p in parts)
-    return replace(summary, backend_calls=calls, shards_reused=sum(p.shards_kept for p in parts))
+    summary = stage.run(storage, step, _NoCapture(backend), config, policy=policy,
+                        parts_finished=True)
+    return replace(summary, backend_calls=sum(p.backend_calls for p in parts),
+                   shards_reused=sum(p.shards_kept for p in parts), processes=processes,
+                   seconds=time.perf_counter() - started)
 
 
 def _device_type(open_args: Mapping[str, Any]) -> str:
@@ -158,8 +199,8 @@ def _children(command: Sequence[str], jobs: Sequence[PartJob]
 
 
 def _results(children: Sequence[tuple[PartJob, subprocess.Popen]]) -> list[PartSummary]:
-    """Each child's summary, after all have ended; a failed part is an ExtractionError that
-    names it (its traceback is on the run's stderr)."""
+    """Each child's summary, after all have ended; failed parts are a :class:`PartFailed`
+    naming each (its traceback is on the run's stderr)."""
     answers = [(job, child.stdout.read(), child.wait()) for job, child in children]
     failures = []
     summaries = []
@@ -169,11 +210,12 @@ def _results(children: Sequence[tuple[PartJob, subprocess.Popen]]) -> list[PartS
             summaries.append(PartSummary(Part(**answer["part"]), answer["shards_written"],
                                          answer["shards_kept"], answer["backend_calls"]))
         else:
-            failures.append(f"part {job.part} of {job.of} exited with status {code}: "
-                            f"{answer.get('error', 'no answer (see its stderr)')}")
+            failures.append(PartFailure(
+                job.part, f"part {job.part} of {job.of} exited with status {code}: "
+                          f"{answer.get('error', 'no answer (see its stderr)')}",
+                tuple(answer.get("error_types", ()))))
     if failures:
-        raise ExtractionError(f"step {children[0][0].step}: " + "; ".join(failures)
-                              + "; finished shards are kept for the next run")
+        raise PartFailed(children[0][0].step, failures)
     return summaries
 
 
@@ -207,6 +249,8 @@ def _exit_when_parent_goes() -> None:
 
 
 def main() -> int:
+    answer = os.fdopen(os.dup(1), "w")  # the answer's channel; all other output to stderr
+    os.dup2(2, 1)
     job = PartJob(**json.loads(sys.stdin.readline()))
     threading.Thread(target=_exit_when_parent_goes, daemon=True).start()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -215,9 +259,11 @@ def main() -> int:
         summary = _part(job)
     except Exception as e:  # reported to the parent, which fails the run with it
         traceback.print_exc()
-        print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+        types = [f"{c.__module__}.{c.__qualname__}" for c in type(e).__mro__]
+        print(json.dumps({"error": f"{type(e).__name__}: {e}", "error_types": types}),
+              file=answer, flush=True)
         return 1
-    print(json.dumps(asdict(summary)), flush=True)
+    print(json.dumps(asdict(summary)), file=answer, flush=True)
     return 0
 
 

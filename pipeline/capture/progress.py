@@ -32,9 +32,10 @@ def write_marker(storage: Storage, prefix: str, name: str, fingerprint: str,
     }, sort_keys=True).encode())
 
 
-def finished_shard(storage: Storage, prefix: str, name: str, fingerprint: str
-                   ) -> WrittenShard | None:
-    """The shard a previous run finished for the same fingerprint, if intact."""
+def finished_shard(storage: Storage, prefix: str, name: str, fingerprint: str, *,
+                   rehash: bool = True) -> WrittenShard | None:
+    """The shard a previous run finished for the same fingerprint, if intact: its bytes
+    hashed again, or with ``rehash=False`` (a part of this very run wrote it) its size."""
     marker_at, key = marker_key(prefix, name), f"{prefix}/{name}"
     if not storage.exists(marker_at) or not storage.exists(key):
         return None
@@ -44,7 +45,8 @@ def finished_shard(storage: Storage, prefix: str, name: str, fingerprint: str
         return None
     if marker.get("fingerprint") != fingerprint:
         return None
-    size, digest = storage.sha256(key)
+    size, digest = (storage.sha256(key) if rehash
+                    else (storage.size(key), str(marker.get("sha256"))))
     if (size, digest) != (marker.get("bytes"), marker.get("sha256")):
         log.warning("%s: bytes differ from its progress marker; rewriting it", storage.url(key))
         return None

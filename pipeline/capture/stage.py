@@ -108,6 +108,7 @@ class ExtractSummary:
     schema_version: int = SHARD_SCHEMA_VERSION
     heldout: int = 0  # samples whose prompt is held out (not in the shards)
     provenance: dict[str, Any] = field(default_factory=dict)  # empty: written before it
+    processes: int = 1  # that extracted it (capture.parallel)
 
     @property
     def bytes_per_token(self) -> float:
@@ -167,12 +168,14 @@ class _Plan:
 
 def run(storage: Storage, step: int, backend: CaptureBackend,
         config: ExtractConfig = ExtractConfig(), *,
-        policy: PolicyRef | None = None) -> ExtractSummary:
+        policy: PolicyRef | None = None, parts_finished: bool = False) -> ExtractSummary:
     """Capture and shard the hidden states of ``step``'s tokenized samples.
 
     ``policy`` (the checkpoint ``backend`` runs) is recorded as lineage and is part of the
     fingerprint. Raises :class:`ExtractionError` on missing or corrupt input and on states
     that break the contract; whatever shards were finished stay for the next call.
+    ``parts_finished``: the parts of this very run (``run_part``) have just written every
+    shard, so a shard whose marker matches is checked by size, not downloaded and hashed.
     """
     started = time.perf_counter()
     plan = _plan(storage, step, backend, config, policy)
@@ -180,7 +183,8 @@ def run(storage: Storage, step: int, backend: CaptureBackend,
     if committed is not None:
         return committed
     counts = _Counts()
-    entries, reused = _extract(storage, plan, backend, config, counts, Part())
+    entries, reused = _extract(storage, plan, backend, config, counts, Part(),
+                               rehash=not parts_finished)
     return _commit(storage, plan, config, counts, entries, reused, started)
 
 
@@ -293,7 +297,7 @@ def _committed_or_withdrawn(storage: Storage, plan: _Plan, started: float
 
 
 def _extract(storage: Storage, plan: _Plan, backend: CaptureBackend, config: ExtractConfig,
-             counts: _Counts, part: Part) -> tuple[list[FileEntry], int]:
+             counts: _Counts, part: Part, rehash: bool = True) -> tuple[list[FileEntry], int]:
     """Write (or keep) the shards ``part`` owns; their entries and how many were kept."""
     out_prefix = shards_prefix(plan.step)
     tokens_per_shard = max(1, config.shard_bytes // plan.spec.state_bytes_per_token)
@@ -307,7 +311,7 @@ def _extract(storage: Storage, plan: _Plan, backend: CaptureBackend, config: Ext
         batches = plan_batches(shard_samples, config)
         shard_fp = shard_fingerprint(plan.fingerprint, index, batches)
         name = shard_name(index)
-        written = finished_shard(storage, out_prefix, name, shard_fp)
+        written = finished_shard(storage, out_prefix, name, shard_fp, rehash=rehash)
         if written is None:
             written = _write_one_shard(storage, f"{out_prefix}/{name}", plan.spec, shard_fp,
                                        batches, backend, config, counts)

@@ -9,7 +9,8 @@ Wire contract (vLLM 0.33.0, :data:`VLLM_VERSION`; sources in docs/vllm.md). Serv
 answer's top-level ``kv_transfer_params.hidden_states_path`` names ``P``, where the server
 writes ``{"hidden_states": [T, layers, H] in the model dtype, "token_ids": int64 [T]}``,
 possibly after answering: the reader takes a shared ``flock`` on ``P.lock``, which the
-server holds exclusively until the file is written. The client deletes both files.
+server holds exclusively until the file is written. The client deletes both files (one
+still locked, of an answer it gave up on, when the backend closes).
 
 Conventions, converted here so the shards are in Aerie's (``capture.provenance``):
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import fcntl
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -136,6 +138,8 @@ class VLLMCaptureBackend:
         self._files = Path(config.files_dir)
         self._server_files = config.server_files_dir or config.files_dir
         self._versions: set[str] | None = None
+        self._unfinished: list[Path] = []  # files a server may still write: removed at close
+        self._unfinished_lock = threading.Lock()
 
     def __enter__(self) -> VLLMCaptureBackend:
         return self
@@ -146,6 +150,23 @@ class VLLMCaptureBackend:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._http.close()
+        deadline = time.monotonic() + self.config.file_timeout_s
+        for path in self._unfinished:  # a server finishes a file it was still writing
+            lock = path.with_name(path.name + ".lock")
+            while _held(lock) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self._remove(path)
+
+    def _remove(self, path: Path) -> None:
+        """Delete a request's file and lock, or, while the server still holds the lock
+        (an answer given up on), leave them for :meth:`close`."""
+        lock = path.with_name(path.name + ".lock")
+        if _held(lock):
+            with self._unfinished_lock:
+                self._unfinished.append(path)
+            return
+        path.unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "layer_ids": self.config.layer_ids,
@@ -194,8 +215,7 @@ class VLLMCaptureBackend:
                 _check_saved_path(answer, asked, url)
                 return self._states(self._files / name, sample, ids)
             finally:
-                for path in (self._files / name, self._files / f"{name}.lock"):
-                    path.unlink(missing_ok=True)
+                self._remove(self._files / name)
 
         return call_with_retries(attempt, urls=self.config.urls, request_index=request_index,
                                  policy=self._policy, stats=self.stats,
@@ -245,8 +265,8 @@ def _check_saved_path(answer: Any, asked: str, url: str) -> None:
 
 def _read_when_written(path: Path, sample: int, timeout_s: float) -> dict[str, torch.Tensor]:
     """The file's tensors once the server is done with it: under a shared lock on
-    ``path.lock`` when the server made one (then a missing file is missing for good), else
-    as soon as the file parses."""
+    ``path.lock`` when the server made one (then a missing or unreadable file is so for
+    good), else as soon as the file parses."""
     deadline = time.monotonic() + timeout_s
     lock = path.with_name(path.name + ".lock")
     delay = 0.002
@@ -255,19 +275,40 @@ def _read_when_written(path: Path, sample: int, timeout_s: float) -> dict[str, t
             if lock.exists():
                 with open(lock) as held:
                     fcntl.flock(held, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    if not path.exists():
-                        raise TransientFailure(f"{path.name}: missing, though the server "
-                                               f"released its lock", sample=sample)
-                    return load_file(str(path))
+                    return _load(path, sample)
             return load_file(str(path))
         except BlockingIOError:  # the server is still writing it
             state = "still locked by the server"
         except FileNotFoundError:
             state = "missing"
-        except (SafetensorError, OSError) as e:
+        except SafetensorError as e:
             state = f"unreadable ({e})"
         if time.monotonic() > deadline:
             raise TransientFailure(f"{path.name}: file {state} {timeout_s:g}s after the "
                                    f"answer", sample=sample)
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
+
+
+def _load(path: Path, sample: int) -> dict[str, torch.Tensor]:
+    """A file the server is done with (its lock released)."""
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise TransientFailure(f"{path.name}: missing, though the server released its lock",
+                               sample=sample) from None
+    except SafetensorError as e:
+        raise TransientFailure(f"{path.name}: unreadable after the server released its "
+                               f"lock ({e})", sample=sample) from None
+
+
+def _held(lock: Path) -> bool:
+    """Whether a server still holds ``lock`` exclusively (it may still write the file)."""
+    try:
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except FileNotFoundError:
+        return False
+    return False

@@ -73,6 +73,10 @@ def plant(url: str, kind: str | None, count: int = 1) -> None:
                   timeout=10).raise_for_status()
 
 
+def leftovers(files) -> list:
+    return sorted(files.glob("aerie-*"))
+
+
 def served(url: str) -> int:
     return requests.get(f"{url}/_contract/stats", timeout=10).json()["served"]
 
@@ -106,7 +110,7 @@ def test_states_are_the_hf_backends_in_aerie_conventions(storage, vllm, model):
                                    atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(g.final_hidden.float(), w.final_hidden.float(),
                                    atol=2e-5, rtol=1e-4)  # vLLM's is pre-norm: normed here
-    assert list(vllm[1].iterdir()) == []  # data and lock files removed
+    assert leftovers(vllm[1]) == []  # data and lock files removed
     assert record["engine"] == "vllm" and record["engine_version"] == "0.33.0"
     assert record["aux_layer_ids"] == list(AUX)
     assert record["engine_aux_layer_ids"] == [1, 3, 4]  # vLLM's id = input of layer id
@@ -123,7 +127,7 @@ def test_a_file_that_is_missing_or_wrong_once_is_asked_for_again(storage, vllm, 
     assert states.aux_hidden.shape == (4, 3 * H)
     assert retries == (0 if fault == "unlocked" else 1)  # unlocked: read once it parses
     assert served(vllm[0]) - before == 1 + retries
-    assert list(vllm[1].iterdir()) == []
+    assert leftovers(vllm[1]) == []
 
 
 def test_a_file_wrong_every_time_fails_naming_the_sample_and_field(storage, vllm):
@@ -148,6 +152,24 @@ def test_a_launch_problem_is_raised_at_once_with_its_fix(storage, vllm, fault, m
         with pytest.raises(EngineConfigError, match=message):
             ours.capture([[5, 6, 7]])
     assert served(vllm[0]) - before == 1  # not retried
+
+
+def test_the_servers_may_see_the_files_directory_under_another_path(storage, vllm, tmp_path):
+    url, files = vllm
+    mount = tmp_path / "mounted"
+    mount.symlink_to(files)  # what this process sees of the servers' directory
+    with backend(storage, (url, mount), server_files_dir=str(files)) as ours:
+        (states,) = ours.capture([[9, 8, 7]])
+    assert states.final_hidden.shape == (3, H) and leftovers(files) == []
+
+
+def test_a_file_given_up_on_is_removed_once_the_server_has_written_it(storage, vllm):
+    plant(vllm[0], "slow_write")
+    with backend(storage, vllm, max_retries=0, file_timeout_s=0.1) as ours:
+        with pytest.raises(EngineRequestError, match="still locked by the server"):
+            ours.capture([[5, 6, 7]])
+        assert [p.suffix for p in leftovers(vllm[1])] == [".lock"]  # kept: the server writes
+    assert leftovers(vllm[1]) == []  # close() waited for the lock, then removed both
 
 
 def test_a_server_that_does_not_answer_times_out(storage, vllm):

@@ -3,6 +3,7 @@ same shard bytes as one, commit once, and resume after a failed part."""
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 
@@ -69,6 +70,7 @@ def test_two_processes_write_the_bytes_one_process_writes(tmp_path, policy_dir, 
     summary = extract(storage, 2)
     assert first.shards > 3 and shard_files(storage) == shard_files(one)
     assert summary.backend_calls == first.backend_calls > 0  # each batch ran once, somewhere
+    assert (summary.processes, first.processes) == (2, 1)
     assert (summary.samples, summary.tokens, summary.shards_reused) == (
         first.samples, first.tokens, 0)
     assert sum(1 for _ in iter_step(storage, STEP)) == 20
@@ -80,7 +82,7 @@ def test_a_failed_part_commits_nothing_and_the_next_run_keeps_the_finished_parts
         tmp_path, policy_dir, single):
     one, first = single
     storage = world(tmp_path, policy_dir)
-    with pytest.raises(ExtractionError, match=r"part 1 of 2 exited with status 1: "
+    with pytest.raises(parallel.PartFailed, match=r"part 1 of 2 exited with status 1: "
                                               r"RuntimeError: planted"):
         extract(storage, 2, command=FAILING_PART)
     assert read_manifest(storage, shards_prefix(STEP)) is None
@@ -102,6 +104,20 @@ def test_no_process_is_started_for_a_part_that_would_own_no_shard(tmp_path, poli
         summary = parallel.run(storage, STEP, backend, whole, processes=2, open_args=OPEN,
                                command=FAILING_PART)  # fails the run if it is started
     assert summary.shards == 1 and summary.samples == 20
+
+
+def test_a_failed_part_is_retried_unless_its_own_error_would_not_be(tmp_path, policy_dir):
+    from assets.retry import is_permanent
+
+    storage = world(tmp_path, policy_dir)
+    answers = {"killed": "", "bad input": json.dumps({
+        "error": "ValueError: bad", "error_types": ["builtins.ValueError", "builtins.Exception"]})}
+    for case, answer in answers.items():
+        command = [sys.executable, "-c", f"import sys; sys.stdin.readline(); print({answer!r}); "
+                                         f"sys.exit(1)"]
+        with pytest.raises(parallel.PartFailed) as failed:
+            extract(storage, 2, command=command)
+        assert is_permanent(failed.value) == (case == "bad input"), case
 
 
 def test_a_part_whose_backend_differs_is_refused_before_it_computes(tmp_path, policy_dir):
@@ -131,6 +147,8 @@ def test_processes_are_a_capture_resource_setting(tmp_path, policy_dir, single):
                              instance=instance, resources=resources,
                              run_config={"ops": {"hidden_state_shards": {"config": config}}})
     assert result.success and shard_files(storage) == shard_files(one)
+    (event,) = result.get_asset_materialization_events()
+    assert event.materialization.metadata["processes"].value == 2
     assert "hf_processes is 2, but only the 'hf' backend" in CaptureResource(
         backend="sglang", hf_processes=2, sglang_aux_urls=["http://127.0.0.1:9"],
         sglang_final_urls=["http://127.0.0.1:9"]).problem()

@@ -30,7 +30,8 @@ states), ``layers`` (launched without the last layer's id), ``timeout`` (no answ
 client gives up), ``ids`` (token ids of another prompt), ``unlocked`` (no lock file; the
 data file written after the answer), ``default_path`` (as without
 ``allow_custom_save_path``), ``no_export`` (as without the connector: no
-``kv_transfer_params``). ``GET /_contract/stats``: requests served, files written.
+``kv_transfer_params``, no file), ``slow_write`` (the file written 1 s after the answer,
+the lock held until then). ``GET /_contract/stats``: requests served, files written.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from transformers import AutoModelForCausalLM
 
 VERSION = "0.33.0"
 FAULTS = ("missing", "short", "dtype", "layers", "timeout", "ids", "unlocked", "default_path",
-          "no_export")
+          "no_export", "slow_write")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -238,6 +239,8 @@ def handler(ex: Extractor, api_key: str | None):
             elif fault == "ids":
                 token_ids = torch.flip(token_ids, [0]) + 1
             lock_fd = None
+            if fault == "no_export":  # no connector: nothing is saved
+                return path, out, lambda: None
             if ex.use_lock and fault != "unlocked":
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 lock_fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
@@ -246,6 +249,8 @@ def handler(ex: Extractor, api_key: str | None):
 
             def write():
                 try:
+                    if fault == "slow_write":
+                        threading.Event().wait(1.0)
                     if fault != "missing":
                         os.makedirs(os.path.dirname(path), exist_ok=True)
                         save_file(tensors, path)
