@@ -218,3 +218,25 @@ def test_the_vllm_backend_is_a_capture_resource_setting(tmp_path, policy_dir, vl
     assert sum(1 for _ in iter_step(storage, STEP)) == 6
     assert "needs resources.capture.config.vllm_urls" in CaptureResource(
         backend="vllm").problem()
+
+
+def test_the_readme_command_launches_what_the_backend_reads():
+    """The README's ``vllm serve`` flags pass vLLM's checks (as the stand-in makes them) and
+    name the layers the README's capture config asks for."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from tests.vllm_contract.capture_server import check_launch, parse_args
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Capturing hidden states with vLLM", 1)[1].split("\n## ", 1)[0]
+    command = re.search(r"```sh\n(vllm serve .*?)```", section, re.S).group(1)
+    argv = shlex.split(command.replace("\\\n", " "))
+    assert argv[:2] == ["vllm", "serve"]
+    launch = check_launch(parse_args(argv[2:]))
+    aux = json.loads(re.search(r"aux_layer_ids: (\[[0-9, ]+\])", section).group(1))
+    layers = int(re.search(r"For a (\d+)-layer target", section).group(1))
+    assert launch.layer_ids == engine_layer_ids(aux, layers)
+    assert launch.custom_paths and launch.use_lock
+    assert f"vllm_files_dir: {launch.storage}" in section

@@ -42,6 +42,7 @@ import json
 import os
 import threading
 import uuid
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -68,28 +69,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """The launch flags that matter, checked as vLLM checks them."""
+
+    layer_ids: list[int]
+    storage: str
+    custom_paths: bool
+    use_lock: bool
+
+
+def check_launch(args: argparse.Namespace) -> Launch:
+    spec = json.loads(args.speculative_config)
+    if spec.get("method") != "extract_hidden_states":
+        raise SystemExit(f"speculative method {spec.get('method')!r} exports nothing")
+    if spec.get("num_speculative_tokens") != 1:
+        raise SystemExit("extract_hidden_states needs num_speculative_tokens == 1")
+    ids = spec.get("draft_model_config", {}).get("hf_config", {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise SystemExit("eagle_aux_hidden_state_layer_ids must be a non-empty list")
+    kv = json.loads(args.kv_transfer_config)
+    if (kv.get("kv_connector"), kv.get("kv_role")) != ("ExampleHiddenStatesConnector",
+                                                      "kv_producer"):
+        raise SystemExit(f"unsupported kv_transfer_config {kv}")
+    extra = kv.get("kv_connector_extra_config", {})
+    return Launch(sorted(set(int(i) for i in ids)), extra.get("shared_storage_path", "/tmp"),
+                  bool(extra.get("allow_custom_save_path", False)),
+                  bool(extra.get("use_synchronization_lock", True)))
+
+
 class Extractor:
-    """The model and the launch configuration, checked as vLLM checks them."""
+    """The model and the launch configuration."""
 
     def __init__(self, args: argparse.Namespace):
-        spec = json.loads(args.speculative_config)
-        if spec.get("method") != "extract_hidden_states":
-            raise SystemExit(f"speculative method {spec.get('method')!r} exports nothing")
-        if spec.get("num_speculative_tokens") != 1:
-            raise SystemExit("extract_hidden_states needs num_speculative_tokens == 1")
-        ids = spec.get("draft_model_config", {}).get("hf_config", {}).get(
-            "eagle_aux_hidden_state_layer_ids")
-        if not ids:
-            raise SystemExit("eagle_aux_hidden_state_layer_ids must be a non-empty list")
-        kv = json.loads(args.kv_transfer_config)
-        if (kv.get("kv_connector"), kv.get("kv_role")) != ("ExampleHiddenStatesConnector",
-                                                          "kv_producer"):
-            raise SystemExit(f"unsupported kv_transfer_config {kv}")
-        extra = kv.get("kv_connector_extra_config", {})
-        self.storage = extra.get("shared_storage_path", "/tmp")
-        self.custom_paths = bool(extra.get("allow_custom_save_path", False))
-        self.use_lock = bool(extra.get("use_synchronization_lock", True))
-        self.layer_ids = sorted(set(int(i) for i in ids))
+        launch = check_launch(args)
+        self.storage, self.custom_paths = launch.storage, launch.custom_paths
+        self.use_lock, self.layer_ids = launch.use_lock, launch.layer_ids
         self.model = AutoModelForCausalLM.from_pretrained(args.model).eval()
         n = self.model.config.num_hidden_layers
         if not all(0 <= i <= n for i in self.layer_ids):
