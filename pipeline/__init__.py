@@ -35,7 +35,7 @@ and reading the serving drafter back) sit on top, with the deprecated aliases of
 """
 
 STAGES = ("snapshot", "tokenize", "capture", "vocab", "training", "evaluation", "release")
-FOUNDATION = ("storage", "layout", "records", "contracts", "manifest", "verified", "parquet",
-              "serving_now", "eagle3", "sampling")
+FOUNDATION = ("owners", "storage", "layout", "records", "contracts", "manifest", "verified",
+              "parquet", "serving_now", "eagle3", "sampling")
 ON_TOP = ("checks", "demo", "adapters")
 DEPRECATED = ("data", "serving")  # import paths of earlier releases, re-exported

@@ -31,10 +31,8 @@ import contextlib
 import hashlib
 import os
 import posixpath
-import socket
 import stat
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -43,6 +41,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import fsspec
+
+from pipeline.owners import older_than, owner_gone, owner_tag
 
 _CHUNK = 1 << 20
 DURABLE_PROTOCOLS = frozenset({"file", "local", "s3", "s3a", "gs", "gcs", "az", "abfs",
@@ -414,33 +414,6 @@ def _regular_files(local_dir: Path) -> list[Path]:
         elif not stat.S_ISDIR(mode):
             raise StorageError(f"{p}: not a regular file or directory")
     return files
-
-
-def owner_tag() -> str:
-    """``<host>-<pid>`` of this process, without dots (temporary names split on them)."""
-    return f"{socket.gethostname().replace('.', '_')}-{os.getpid()}"
-
-
-def owner_gone(owner: str) -> bool | None:
-    """Whether the process of an :func:`owner_tag` is gone: True/False for this host's
-    processes, None for another host's (or a tag that is not one)."""
-    host, _, pid = owner.rpartition("-")
-    if host != owner_tag().rpartition("-")[0] or not pid.isdigit():
-        return None
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-def older_than(path: Path, seconds: float) -> bool:
-    try:
-        return time.time() - path.stat().st_mtime > seconds
-    except FileNotFoundError:
-        return False
 
 
 def _abandoned(tmp: Path) -> bool:

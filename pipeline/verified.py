@@ -29,8 +29,9 @@ from pathlib import Path
 
 from pipeline.contracts import FileEntry, Manifest
 from pipeline.manifest import read_manifest, rewrite_started
+from pipeline.owners import older_than, owner_gone, owner_tag
 from pipeline.records import to_json
-from pipeline.storage import Storage, StorageError, older_than, owner_gone, owner_tag
+from pipeline.storage import Storage, StorageError
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -204,6 +205,33 @@ class JsonHttp:
             return loads(content)
         except ValueError as e:
             raise TransientFailure(f"malformed JSON: {e} (first bytes {content[:60]!r})") from e
+
+
+class EngineClient:
+    """What every engine client holds until :meth:`close` (also a context manager): keep-alive
+    sessions (``_http``), a retry policy (``_policy``), a thread pool (``_pool``) and
+    ``stats`` (attempts, retries and failures per URL). ``config`` needs ``timeout_s``,
+    ``connect_timeout_s``, ``api_key``, ``max_retries``, ``backoff_s``, ``backoff_max_s``,
+    ``seed`` and ``max_concurrency``."""
+
+    def __init__(self, config: Any, thread_name: str) -> None:
+        self.config = config
+        self.stats = CallStats()
+        self._http = JsonHttp(timeout_s=config.timeout_s,
+                              connect_timeout_s=config.connect_timeout_s, api_key=config.api_key)
+        self._policy = RetryPolicy(config.max_retries, config.backoff_s, config.backoff_max_s,
+                                   config.seed)
+        self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix=thread_name)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._http.close()
 
 
 def raise_for_status(status: int, content: bytes, where: str) -> None:

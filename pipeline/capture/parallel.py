@@ -260,11 +260,15 @@ def main() -> int:
     except Exception as e:  # reported to the parent, which fails the run with it
         traceback.print_exc()
         types = [f"{c.__module__}.{c.__qualname__}" for c in type(e).__mro__]
-        print(json.dumps({"error": f"{type(e).__name__}: {e}", "error_types": types}),
-              file=answer, flush=True)
+        _answer_with(answer, {"error": f"{type(e).__name__}: {e}", "error_types": types})
         return 1
-    print(json.dumps(asdict(summary)), file=answer, flush=True)
+    _answer_with(answer, asdict(summary))
     return 0
+
+
+def _answer_with(channel: Any, value: dict[str, Any]) -> None:
+    channel.write(json.dumps(value) + "\n")
+    channel.flush()
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ from typing import Any, Literal, get_args
 
 from pipeline.eagle3.aux_layers import AUX_CAPTURE
 
-__all__ = ["ENCODING", "ENCODINGS", "FINAL_CAPTURE", "Encoding", "check_provenance",
-           "provenance"]
+__all__ = ["ENCODING", "ENCODINGS", "FINAL_CAPTURE", "Encoding", "backend_identity",
+           "backend_provenance", "check_provenance", "provenance"]
 
 FINAL_CAPTURE = "post_norm"
 ENCODING = "bfloat16"  # the default, and the dtype every reader hands states out in
@@ -56,6 +56,25 @@ def provenance(engine: str, engine_version: str, aux_layer_ids: Sequence[int],
                                                       if engine_aux_layer_ids is not None
                                                       else ids)],
             "final_capture": FINAL_CAPTURE, "encoding": ENCODING}
+
+
+def backend_identity(backend: Any) -> dict[str, Any]:
+    """What identifies a capture backend's output (its ``describe()``, at least its name):
+    part of a step's fingerprint."""
+    describe = getattr(backend, "describe", None)
+    identity = dict(describe()) if callable(describe) else {}
+    identity.setdefault("backend", getattr(backend, "name", type(backend).__name__))
+    return identity
+
+
+def backend_provenance(backend: Any, identity: dict[str, Any], aux_ids: Sequence[int],
+                       encoding: str) -> dict[str, Any]:
+    """The backend's own record (``provenance()``), or one that names it by its identity,
+    with the ``encoding`` the shards store."""
+    own = getattr(backend, "provenance", None)
+    record = dict(own()) if callable(own) else provenance(str(identity["backend"]),
+                                                          "unknown", aux_ids)
+    return {**record, "encoding": encoding}
 
 
 def check_provenance(record: Mapping[str, Any], aux_layer_ids: Sequence[int], where: str,

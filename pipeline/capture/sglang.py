@@ -34,7 +34,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,11 +44,10 @@ import torch
 from pipeline.capture.base import CapturedStates
 from pipeline.capture.engine_http import (
     CallStats,
+    EngineClient,
     EngineConfigError,
     EngineError,
     EngineRequestError,
-    JsonHttp,
-    RetryPolicy,
     TransientFailure,
     call_with_retries,
 )
@@ -243,7 +242,7 @@ def check_server_info(info: dict[str, Any], role: Role, config: SGLangCaptureCon
     return problems
 
 
-class SGLangCaptureBackend:
+class SGLangCaptureBackend(EngineClient):
     """A :class:`~pipeline.capture.base.CaptureBackend` over SGLang ``/generate``.
 
     Thread-safe; holds a thread pool and keep-alive sessions until :meth:`close` (also a
@@ -251,30 +250,14 @@ class SGLangCaptureBackend:
     """
 
     def __init__(self, config: SGLangCaptureConfig) -> None:
-        self.config = config
+        super().__init__(config, "sglang")
         self.hidden_size = config.hidden_size
         self.aux_layer_ids: tuple[int, ...] = tuple(config.aux_layer_ids)
-        self.stats = CallStats()
-        self._http = JsonHttp(timeout_s=config.timeout_s,
-                              connect_timeout_s=config.connect_timeout_s, api_key=config.api_key)
-        self._policy = RetryPolicy(config.max_retries, config.backoff_s, config.backoff_max_s,
-                                   config.seed)
-        self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="sglang")
         self._counters = {"aux": itertools.count(), "final": itertools.count()}
         self._checked: set[tuple[Role, str]] = set()
         self._versions: set[str] = set()  # what /server_info reported
         self._engine_ids: tuple[int, ...] | None = None  # the aux servers' own layer ids
         self._lock = threading.Lock()
-
-    def __enter__(self) -> SGLangCaptureBackend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._http.close()
 
     @property
     def request_tokens(self) -> int:

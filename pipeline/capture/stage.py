@@ -45,7 +45,7 @@ from pipeline.capture.config import ExtractConfig
 from pipeline.capture.heldout import HeldoutSplit
 from pipeline.capture.plan import cut_shards, plan_batches, shard_fingerprint
 from pipeline.capture.progress import finished_shard, write_marker
-from pipeline.capture.provenance import provenance
+from pipeline.capture.provenance import backend_identity, backend_provenance
 from pipeline.capture.shards import (
     FP8_SCHEMA_VERSION,
     SHARD_DTYPE,
@@ -241,12 +241,12 @@ def _plan(storage: Storage, step: int, backend: CaptureBackend, config: ExtractC
         tokenized = read_tokenized_manifest(storage, step)
     except TokenizedReadError as e:
         raise ExtractionError(str(e)) from e
-    identity = _backend_identity(backend)
+    identity = backend_identity(backend)
     aux_ids = tuple(int(i) for i in backend.aux_layer_ids)
     spec = ShardSpec(step=step, hidden_size=int(backend.hidden_size), aux_layer_ids=aux_ids,
                      extra={"backend": json.dumps(identity, sort_keys=True),
                             "policy_sha256": policy.sha256 if policy else ""},
-                     provenance=_backend_provenance(backend, identity, aux_ids,
+                     provenance=backend_provenance(backend, identity, aux_ids,
                                                     config.encoding),
                      encoding=config.encoding)
     schema_version = (SHARD_SCHEMA_VERSION if config.encoding == SHARD_DTYPE
@@ -381,23 +381,6 @@ def _without_heldout(samples: Iterator[TokenizedSample], split: HeldoutSplit, co
 
 def _sha256_json(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
-
-
-def _backend_identity(backend: CaptureBackend) -> dict[str, Any]:
-    describe = getattr(backend, "describe", None)
-    identity = dict(describe()) if callable(describe) else {}
-    identity.setdefault("backend", getattr(backend, "name", type(backend).__name__))
-    return identity
-
-
-def _backend_provenance(backend: CaptureBackend, identity: dict[str, Any],
-                        aux_ids: tuple[int, ...], encoding: str) -> dict[str, Any]:
-    """The backend's own record (``provenance()``), or one that names it by its identity,
-    with the ``encoding`` the shards store."""
-    own = getattr(backend, "provenance", None)
-    record = dict(own()) if callable(own) else provenance(str(identity["backend"]),
-                                                          "unknown", aux_ids)
-    return {**record, "encoding": encoding}
 
 
 # -- capture ----------------------------------------------------------------------------

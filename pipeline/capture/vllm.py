@@ -36,7 +36,6 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,11 +46,9 @@ from safetensors.torch import load_file
 
 from pipeline.capture.base import CapturedStates
 from pipeline.capture.engine_http import (
-    CallStats,
+    EngineClient,
     EngineConfigError,
     EngineRequestError,
-    JsonHttp,
-    RetryPolicy,
     TransientFailure,
     call_with_retries,
 )
@@ -117,7 +114,7 @@ class VLLMCaptureConfig:
         return VLLMCaptureBackend(self)
 
 
-class VLLMCaptureBackend:
+class VLLMCaptureBackend(EngineClient):
     """A :class:`~pipeline.capture.base.CaptureBackend` over vLLM's hidden-state files.
 
     Thread-safe; holds a thread pool and keep-alive sessions until :meth:`close`."""
@@ -125,15 +122,9 @@ class VLLMCaptureBackend:
     name = "vllm"
 
     def __init__(self, config: VLLMCaptureConfig) -> None:
-        self.config = config
+        super().__init__(config, "vllm")
         self.hidden_size = int(config.hidden_size)
         self.aux_layer_ids: tuple[int, ...] = tuple(int(i) for i in config.aux_layer_ids)
-        self.stats = CallStats()
-        self._http = JsonHttp(timeout_s=config.timeout_s,
-                              connect_timeout_s=config.connect_timeout_s, api_key=config.api_key)
-        self._policy = RetryPolicy(config.max_retries, config.backoff_s, config.backoff_max_s,
-                                   config.seed)
-        self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="vllm")
         self._counter = itertools.count()
         self._files = Path(config.files_dir)
         self._server_files = config.server_files_dir or config.files_dir
@@ -141,15 +132,8 @@ class VLLMCaptureBackend:
         self._unfinished: list[Path] = []  # files a server may still write: removed at close
         self._unfinished_lock = threading.Lock()
 
-    def __enter__(self) -> VLLMCaptureBackend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._http.close()
+        super().close()
         deadline = time.monotonic() + self.config.file_timeout_s
         for path in self._unfinished:  # a server finishes a file it was still writing
             lock = path.with_name(path.name + ".lock")
