@@ -17,7 +17,7 @@ whose ``run`` is what the stage's Dagster asset calls:
 ====  =============  ==========================  ==========================================
 
 Below the stages sits the foundation every stage may use: :mod:`storage` (the fsspec
-storage layer), :mod:`layout` (every path of the storage tree), :mod:`records` (versioned
+storage layer; :mod:`owners`: which process a temporary file belongs to), :mod:`layout` (every path of the storage tree), :mod:`records` (versioned
 JSON records), :mod:`contracts` + :mod:`manifest` (dataset manifests), :mod:`verified`
 (reading committed datasets, every byte checked against its manifest, and the local
 dataset cache), :mod:`parquet`,
