@@ -17,10 +17,10 @@ whose ``run`` is what the stage's Dagster asset calls:
 ====  =============  ==========================  ==========================================
 
 Below the stages sits the foundation every stage may use: :mod:`storage` (the fsspec
-storage layer; :mod:`owners`: which process a temporary file belongs to), :mod:`layout` (every path of the storage tree), :mod:`records` (versioned
-JSON records), :mod:`contracts` + :mod:`manifest` (dataset manifests), :mod:`verified`
-(reading committed datasets, every byte checked against its manifest, and the local
-dataset cache), :mod:`parquet`,
+storage layer; :mod:`owners`: which process a temporary file belongs to), :mod:`layout`
+(every path of the storage tree), :mod:`records` (versioned JSON records), :mod:`contracts`
++ :mod:`manifest` (dataset manifests), :mod:`verified` (reading committed datasets, every
+byte checked against its manifest, and the local dataset cache), :mod:`parquet`,
 :mod:`serving_now` (the record of the drafter serving now: release writes it, training's
 warm start and evaluation's champion read it), :mod:`eagle3` (the drafter model, TTT
 and the SGLang format, shared by training and evaluation) and :mod:`sampling` (the sampler
