@@ -88,6 +88,7 @@ class VLLMCaptureConfig:
     timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
     file_timeout_s: float = 60.0  # for a file to appear after the answer
+    cleanup_timeout_s: float = 60.0  # at close, for servers to finish files given up on
     max_retries: int = 3
     backoff_s: float = 0.5
     backoff_max_s: float = 30.0
@@ -134,12 +135,19 @@ class VLLMCaptureBackend(EngineClient):
 
     def close(self) -> None:
         super().close()
-        deadline = time.monotonic() + self.config.file_timeout_s
-        for path in self._unfinished:  # a server finishes a file it was still writing
+        deadline = time.monotonic() + self.config.cleanup_timeout_s
+        with self._unfinished_lock:
+            unfinished, self._unfinished = self._unfinished, []
+        for path in unfinished:  # a server finishes a file it was still writing
             lock = path.with_name(path.name + ".lock")
             while _held(lock) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            self._remove(path)
+            if _held(lock):
+                logger.warning("%s: still locked by its server %gs after close; left in place",
+                               path, self.config.cleanup_timeout_s)
+                continue
+            path.unlink(missing_ok=True)
+            lock.unlink(missing_ok=True)
 
     def _remove(self, path: Path) -> None:
         """Delete a request's file and lock, or, while the server still holds the lock

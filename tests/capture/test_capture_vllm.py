@@ -4,6 +4,7 @@ Aerie's conventions out of vLLM's, the files cleaned up, and every planted fault
 
 from __future__ import annotations
 
+import fcntl
 import json
 import sys
 
@@ -171,6 +172,18 @@ def test_a_file_given_up_on_is_removed_once_the_server_has_written_it(storage, v
         assert [p.suffix for p in leftovers(vllm[1])] == [".lock"]  # kept: the server writes
     assert leftovers(vllm[1]) == []  # close() waited for the lock, then removed both
 
+    plant(vllm[0], "slow_write")  # a server still writing when close gives up
+    with backend(storage, vllm, max_retries=0, file_timeout_s=0.1,
+                 cleanup_timeout_s=0.0) as ours:
+        with pytest.raises(EngineRequestError):
+            ours.capture([[5, 6, 7]])
+    (lock,) = leftovers(vllm[1])
+    assert lock.suffix == ".lock"  # close returned, leaving what the server still writes
+    with open(lock) as held:
+        fcntl.flock(held, fcntl.LOCK_SH)  # blocks until the server has written the file
+    for path in leftovers(vllm[1]):
+        path.unlink()
+
 
 def test_a_server_that_does_not_answer_times_out(storage, vllm):
     plant(vllm[0], "timeout")
@@ -180,7 +193,10 @@ def test_a_server_that_does_not_answer_times_out(storage, vllm):
 
 
 def test_the_final_norm_is_read_from_a_sharded_checkpoint_and_refused_for_other_norms(
-        tmp_path, model):
+        tmp_path):
+    model = tiny_llama(layers=LAYERS, hidden=H)
+    with torch.no_grad():
+        model.model.norm.weight.normal_()  # not the initial ones: the bytes must be read
     model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     storage = Storage((tmp_path / "s").as_uri())
@@ -189,6 +205,11 @@ def test_the_final_norm_is_read_from_a_sharded_checkpoint_and_refused_for_other_
     x = torch.randn(5, H)
     with torch.no_grad():
         torch.testing.assert_close(norm(x), model.model.norm(x), atol=1e-6, rtol=1e-5)
+    half = model.to(torch.bfloat16)
+    half.save_pretrained(tmp_path / "bf16")
+    publish_policy(storage, STEP + 2, tmp_path / "bf16")
+    assert torch.equal(load_final_norm(storage, STEP + 2).weight,
+                       half.model.norm.weight.float())  # BF16 bytes read as bf16
     config = json.loads((tmp_path / "sharded" / "config.json").read_text())
     (tmp_path / "sharded" / "config.json").write_text(json.dumps({**config,
                                                                   "model_type": "gemma2"}))
