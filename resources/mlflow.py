@@ -2,7 +2,9 @@
 
 Embedded default (no configuration): sqlite tracking + registry at
 ``$AERIE_HOME/mlflow/mlflow.db``, artifacts under ``$AERIE_HOME/mlflow/artifacts``, the
-promotion lock at ``$AERIE_HOME/mlflow/promotion-<model>.lock``. A server is one URL
+promotion lock at ``$AERIE_HOME/mlflow/promotion-<model>.lock``. Several hosts: the
+promotion lease in PostgreSQL (``AERIE_PROMOTION_LOCK_URL``, or a ``postgresql://``
+tracking URI), see :mod:`pipeline.release.lease`. A server is one URL
 (``tracking_uri="http://mlflow:5000"``); artifacts may go to ``s3://...`` with
 ``s3_endpoint_url`` for MinIO/moto.
 
@@ -31,6 +33,7 @@ _ENV = {
     "target_family": "AERIE_TARGET_FAMILY",
     "ui_url": "AERIE_MLFLOW_UI_URL",
     "dagster_ui_url": "AERIE_DAGSTER_UI_URL",
+    "lock_url": "AERIE_PROMOTION_LOCK_URL",
 }
 
 
@@ -55,8 +58,13 @@ class MlflowResource(ConfigurableResource):
     target_family: str = Field(
         default="demo", description="target model family; one registered model per family "
                                     "(aerie-drafter-<family>)")
+    lock_url: str | None = Field(
+        default=None, description="PostgreSQL URL of the promotion lease that holds across "
+                                  "hosts (set it through AERIE_PROMOTION_LOCK_URL, password "
+                                  "in PGPASSWORD); unset: the tracking URI when it is "
+                                  "postgresql://, else a lock file on this host")
     lock_dir: str | None = Field(
-        default=None, description="directory of the promotion lock files; unset: "
+        default=None, description="directory of the one-host promotion lock files; unset: "
                                   "$AERIE_HOME/mlflow")
     lock_timeout_s: float = Field(default=120.0, description="wait for the promotion lock")
     ui_url: str | None = Field(
@@ -121,7 +129,19 @@ class MlflowResource(ConfigurableResource):
             tracking, family, registry_uri=self.registry_uri,
             artifact_location=self.resolved_artifact_location(),
             lock_path=lock_dir / f"promotion-{model_name(family)}.lock",
-            lock_timeout_s=self.lock_timeout_s)
+            lock_url=self.resolved_lock_url(), lock_timeout_s=self.lock_timeout_s)
+
+    def resolved_lock_url(self) -> str | None:
+        """The lease's database: ``lock_url``, else a PostgreSQL tracking store's (its
+        SQLAlchemy driver suffix dropped: the lease speaks libpq)."""
+        url = self.lock_url or self.resolved_tracking_uri()
+        scheme, sep, rest = url.partition("://")
+        if sep and scheme.split("+")[0] in ("postgresql", "postgres"):
+            return f"postgresql://{rest}"
+        if self.lock_url:
+            raise ValueError(f"lock_url / AERIE_PROMOTION_LOCK_URL must be a postgresql:// "
+                             f"URL, got one with scheme {scheme!r}")
+        return None
 
 
 def target_family_from_env() -> str:

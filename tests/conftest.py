@@ -1,4 +1,5 @@
-"""Shared fixtures: a real S3 API server (moto_server) on loopback, storages to test against."""
+"""Shared fixtures: a real S3 API server (moto_server) and a real PostgreSQL server on
+loopback, storages to test against."""
 
 from __future__ import annotations
 
@@ -68,6 +69,25 @@ def moto_endpoint(tmp_path_factory) -> str:
     with local_server([exe, "-H", "127.0.0.1", "-p", str(port)],
                       tmp_path_factory.mktemp("moto") / "moto.log", [port]):
         yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server on 127.0.0.1 for the session (tests take their own database
+    with ``postgres.new_database()``), stopped by PID at the end."""
+    from tests.postgres import PostgresServer, postgres_bin
+
+    try:
+        postgres_bin("postgres")
+    except RuntimeError as e:
+        if os.environ.get("AERIE_REQUIRE_POSTGRES"):  # CI (.ci/run) installs it
+            raise
+        pytest.skip(str(e))
+    server = PostgresServer(free_port())
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def s3_options(endpoint: str) -> dict:

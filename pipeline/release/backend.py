@@ -62,12 +62,14 @@ class ServingBackend(Protocol):
         """What is served now (None: nothing was ever published)."""
         ...
 
-    def apply(self, target: ServingTarget, *, reason: str) -> ServingManifest:
-        """Serve ``target``; raise :class:`ServingError` (old drafter still served) if not."""
+    def apply(self, target: ServingTarget, *, reason: str, token: int | None = None
+              ) -> ServingManifest:
+        """Serve ``target``; raise :class:`ServingError` (old drafter still served) if not.
+        ``token``: the promotion lease's fencing token (see the ledger)."""
         ...
 
-    def restore(self, previous: ServingManifest | None, *, reason: str
-                ) -> ServingManifest:
+    def restore(self, previous: ServingManifest | None, *, reason: str,
+                token: int | None = None) -> ServingManifest:
         """Serve again what ``previous`` served (None or no target: no drafter)."""
         ...
 
@@ -107,17 +109,21 @@ class LedgerBackend:
     def current(self) -> ServingManifest | None:
         return self.ledger.current()
 
-    def apply(self, target: ServingTarget, *, reason: str) -> ServingManifest:
-        return self._switch(target, reason=reason, restored_from=None)
+    def apply(self, target: ServingTarget, *, reason: str, token: int | None = None
+              ) -> ServingManifest:
+        return self._switch(target, reason=reason, restored_from=None, token=token)
 
-    def restore(self, previous: ServingManifest | None, *, reason: str) -> ServingManifest:
+    def restore(self, previous: ServingManifest | None, *, reason: str,
+                token: int | None = None) -> ServingManifest:
         target = previous.target if previous is not None else None
         return self._switch(target, reason=reason,
-                            restored_from=previous.sequence if previous else None)
+                            restored_from=previous.sequence if previous else None, token=token)
 
     def _switch(self, target: ServingTarget | None, *, reason: str,
-                restored_from: int | None) -> ServingManifest:
+                restored_from: int | None, token: int | None) -> ServingManifest:
         before = self.ledger.current()
+        if token is not None:  # before the servers change, not only before the record does
+            self.ledger.check_token(token, before)
         if target is not None:
             self._check_published(target)
         details: dict[str, str] = {}
@@ -130,7 +136,8 @@ class LedgerBackend:
             details = self.actuator.activate(new_dir, target)
         try:
             return self.ledger.publish(target, self.settings, mode=self.mode, reason=reason,
-                                       restored_from=restored_from, details=details)
+                                       restored_from=restored_from, details=details,
+                                       token=token)
         except Exception as e:
             if self.actuator is not None:
                 self._reactivate(before, e)

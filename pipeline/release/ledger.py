@@ -17,7 +17,11 @@ Invariants:
   at worst an orphan ``manifest-N.json`` that no reader follows (the next write takes the
   next free number).
 - ``current.json`` holds the whole manifest, not a key: one read gives a consistent record.
-- Writers are expected to hold the promotion lock; the ledger itself does not lock.
+- Writers are expected to hold the promotion lock; the ledger itself does not lock. A
+  writer under the cross-host lease passes its fencing token: the manifest keeps it
+  (``details.promotion_token``), and a write with a lower token than the current
+  manifest's is refused (:class:`StaleFencingToken`), so a promoter that lost its lease
+  cannot overwrite a newer holder's update.
 - Materialised drafters are verified against the drafter's ``_manifest.json`` (size and
   sha256 per file) before use, and appear in the cache directory by rename only.
 """
@@ -46,6 +50,10 @@ from pipeline.storage import Storage
 log = logging.getLogger(__name__)
 
 
+class StaleFencingToken(RuntimeError):
+    """A serving write under a lease that another promoter has taken since."""
+
+
 class ServingLedger:
     """Writes and reads the serving manifests of one serving name."""
 
@@ -71,9 +79,15 @@ class ServingLedger:
 
     def publish(self, target: ServingTarget | None, settings: SpecParams, *,
                 mode: str, reason: str, restored_from: int | None = None,
-                details: dict[str, str] | None = None) -> ServingManifest:
-        """Record ``target`` as what is served now; returns the manifest written."""
+                details: dict[str, str] | None = None,
+                token: int | None = None) -> ServingManifest:
+        """Record ``target`` as what is served now; returns the manifest written. ``token``:
+        the writer's fencing token (refused when lower than the current manifest's)."""
         previous = self.current()
+        details = dict(details or {})
+        if token is not None:
+            self.check_token(token, previous)
+            details["promotion_token"] = str(token)
         sequences = self.sequences()
         manifest = ServingManifest(
             name=self.name, sequence=(sequences[-1] if sequences else 0) + 1, mode=mode,
@@ -81,7 +95,7 @@ class ServingLedger:
             sglang_args=serving_args(settings) if target is not None else (),
             written_at=datetime.now(UTC).isoformat(timespec="milliseconds"), reason=reason,
             previous_sequence=previous.sequence if previous else None,
-            restored_from=restored_from, details=dict(details or {}))
+            restored_from=restored_from, details=details)
         data = to_json(manifest).encode()
         self.storage.write_bytes(self._key(manifest.sequence), data)
         self.storage.write_bytes(current_key(self.name), data)  # the commit point
@@ -89,5 +103,20 @@ class ServingLedger:
                  target.drafter_uri if target else "no drafter")
         return manifest
 
+    def check_token(self, token: int, current: ServingManifest | None) -> None:
+        """Refuse a writer whose fencing ``token`` is older than ``current``'s."""
+        newest = fencing_token(current)
+        if newest is not None and newest > token:
+            raise StaleFencingToken(
+                f"serving {self.name}: manifest {current.sequence} was written under "
+                f"promotion token {newest}, newer than this writer's {token}: it lost its "
+                f"lease, so it changes nothing")
+
     def _key(self, sequence: int) -> str:
         return entry_key(self.name, sequence)
+
+
+def fencing_token(manifest: ServingManifest | None) -> int | None:
+    """The promotion token ``manifest`` was written under (None: none, or no manifest)."""
+    value = manifest.details.get("promotion_token") if manifest is not None else None
+    return int(value) if value is not None else None

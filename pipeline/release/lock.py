@@ -1,4 +1,6 @@
-"""An exclusive, crash-safe file lock that serialises promotions on one host.
+"""Promotion locks for one host: an exclusive, crash-safe file lock, and a lock shared by the
+threads of one process (the fallback when no lock file is configured). Across hosts:
+:mod:`pipeline.release.lease`.
 
 MLflow alias moves are last-writer-wins (no compare-and-set), so two promotions must never
 interleave their read-champion → update-serving → move-alias sequences.
@@ -11,15 +13,17 @@ Invariants:
   other as two processes do.
 - Waits at most ``timeout_s`` (polling), then raises :class:`LockTimeout`; never blocks
   forever.
-- One host only: promotions from several machines against one MLflow server need an
-  orchestrator-level guard as well (e.g. a Dagster concurrency pool of 1); the alias
-  read-back in :mod:`pipeline.release.promotion` detects a lost race either way.
+- One host only: promotions from several machines need the lease of
+  :mod:`pipeline.release.lease` (``AERIE_PROMOTION_LOCK_URL``).
+- Neither lock hands out a fencing token (``token`` is None): on one host the kernel (or
+  the process) ends a holder's lock only with the holder itself.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -31,6 +35,8 @@ class LockTimeout(TimeoutError):
 
 class FileLock:
     """``with FileLock(path):`` holds an exclusive lock on ``path`` (created if needed)."""
+
+    token = None
 
     def __init__(self, path: str | Path, timeout_s: float = 120.0, poll_s: float = 0.05):
         self.path = Path(path)
@@ -74,3 +80,28 @@ class FileLock:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.release()
+
+
+class ProcessLock:
+    """``with ProcessLock(name):`` excludes the other threads of this process holding the
+    lock of ``name``."""
+
+    token = None
+    _locks: dict[str, threading.Lock] = {}
+    _guard = threading.Lock()
+
+    def __init__(self, name: str, timeout_s: float = 120.0):
+        self.name = name
+        self.timeout_s = timeout_s
+        with self._guard:
+            self._lock = self._locks.setdefault(name, threading.Lock())
+
+    def __enter__(self) -> ProcessLock:
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise LockTimeout(f"promotion lock of {self.name} held for more than "
+                              f"{self.timeout_s}s")
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._lock.release()

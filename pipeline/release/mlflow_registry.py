@@ -35,16 +35,17 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
-import threading
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.release.lease import PostgresLease, fenced, redacted
 from pipeline.release.lineage import (
     DRAFTER_URI,
     FINGERPRINT,
@@ -53,7 +54,7 @@ from pipeline.release.lineage import (
     parse_tag,
     tag_value,
 )
-from pipeline.release.lock import FileLock
+from pipeline.release.lock import FileLock, ProcessLock
 from pipeline.release.mlflow_runs import TrainingRuns, check_fingerprint, error_code
 
 if TYPE_CHECKING:
@@ -68,8 +69,9 @@ PROMOTED, FORCED, REFUSED = "promoted", "forced", "refused"
 DECISIONS = (PROMOTED, FORCED, REFUSED)
 STANDING = "gate.decision"
 _ENTRY = re.compile(r"^gate\.(\d+)\.decision$")
-_PROCESS_LOCKS: dict[str, threading.Lock] = {}
-_PROCESS_LOCKS_GUARD = threading.Lock()
+_CLIENT_WRITES = ("create_registered_model", "create_model_version", "update_model_version",
+                  "set_model_version_tag", "delete_model_version_tag",
+                  "set_registered_model_alias", "delete_registered_model_alias")
 
 
 def model_name(family: str) -> str:
@@ -191,21 +193,25 @@ class DecisionRecord:
 class DrafterRegistry:
     """Aerie's view of one target family's registered model."""
 
+    fence_token: int | None = None  # the lease token this view writes under (fenced_by)
+
     def __init__(self, client: MlflowClient, family: str, *,
                  artifact_location: str | None = None, lock_path: str | Path | None = None,
-                 lock_timeout_s: float = 120.0):
+                 lock_url: str | None = None, lock_timeout_s: float = 120.0):
         self.client = client
         self.family = family
         self.model_name = model_name(family)
         self.runs = TrainingRuns(client, self.model_name, artifact_location=artifact_location,
                                  family=family)
         self.lock_path = Path(lock_path) if lock_path else None
+        self.lock_url = lock_url
         self.lock_timeout_s = lock_timeout_s
 
     @classmethod
     def connect(cls, tracking_uri: str, family: str, *, registry_uri: str | None = None,
                 artifact_location: str | None = None, lock_path: str | Path | None = None,
-                lock_timeout_s: float = 120.0) -> DrafterRegistry:
+                lock_url: str | None = None, lock_timeout_s: float = 120.0
+                ) -> DrafterRegistry:
         """A registry over ``MlflowClient(tracking_uri, registry_uri or tracking_uri)``.
 
         With a ``sqlite:`` tracking store ``artifact_location`` is required: MLflow would
@@ -219,22 +225,33 @@ class DrafterRegistry:
         client = MlflowClient(tracking_uri=tracking_uri,
                               registry_uri=registry_uri or tracking_uri)
         registry = cls(client, family, artifact_location=artifact_location,
-                       lock_path=lock_path, lock_timeout_s=lock_timeout_s)
+                       lock_path=lock_path, lock_url=lock_url, lock_timeout_s=lock_timeout_s)
         registry.runs.follow_moved_store(registry_uri)
         return registry
 
     def __repr__(self) -> str:
-        return f"DrafterRegistry({self.model_name!r}, {self.client.tracking_uri!r})"
+        return f"DrafterRegistry({self.model_name!r}, {redacted(self.client.tracking_uri)!r})"
 
     # -- locking ----------------------------------------------------------------------
     def promotion_lock(self) -> AbstractContextManager[Any]:
-        """The lock that serialises alias moves of this model: a file lock when
-        ``lock_path`` is configured, else a lock shared by this process only."""
+        """The lock that serialises alias moves of this model: the PostgreSQL lease when
+        ``lock_url`` is configured (across hosts), else a file lock when ``lock_path`` is
+        (one host), else a lock shared by this process only."""
+        if self.lock_url is not None:
+            return PostgresLease(self.lock_url, self.model_name, timeout_s=self.lock_timeout_s)
         if self.lock_path is not None:
             return FileLock(self.lock_path, timeout_s=self.lock_timeout_s)
-        with _PROCESS_LOCKS_GUARD:
-            lock = _PROCESS_LOCKS.setdefault(self.model_name, threading.Lock())
-        return _timed(lock, self.lock_timeout_s, self.model_name)
+        return ProcessLock(self.model_name, self.lock_timeout_s)
+
+    def fenced_by(self, held: Any) -> DrafterRegistry:
+        """This registry with every MLflow write made under ``held``'s fence (a lease), and
+        ``fence_token`` set; itself for a lock without a token (one host)."""
+        if getattr(held, "token", None) is None:
+            return self
+        view = copy.copy(self)
+        view.client = fenced(self.client, held, _CLIENT_WRITES)
+        view.fence_token = held.token
+        return view
 
     # -- registered model ---------------------------------------------------------------
     def ensure_model(self) -> None:
@@ -270,18 +287,19 @@ class DrafterRegistry:
         tags = lineage_tags(lineage)
         fingerprint = tags[FINGERPRINT]
         check_fingerprint(fingerprint)
-        with self.promotion_lock():
-            existing = self.find_version(fingerprint)
+        with self.promotion_lock() as held:
+            registry = self.fenced_by(held)
+            existing = registry.find_version(fingerprint)
             if existing is not None:
-                self._ensure_challenger(existing)
+                registry._ensure_challenger(existing)
                 return Registration(self.get_version(existing.version), existing.run_id,
                                     reused=True)
-            self.ensure_model()
-            created = self.client.create_model_version(
+            registry.ensure_model()
+            created = registry.client.create_model_version(
                 self.model_name, source, run_id=run_id, tags=tags,
                 description=describe_version(self.model_name, tags))
             version = str(created.version)
-            self.set_alias(CHALLENGER, version)
+            registry.set_alias(CHALLENGER, version)
             log.info("registered %s version %s (%s)", self.model_name, version,
                      fingerprint[:12])
             return Registration(self.get_version(version), run_id, reused=False)
@@ -421,11 +439,3 @@ def _step_of(lineage: Mapping[str, Any]) -> int:
         return 0
 
 
-@contextmanager
-def _timed(lock: threading.Lock, timeout_s: float, name: str) -> Iterator[None]:
-    if not lock.acquire(timeout=timeout_s):
-        raise TimeoutError(f"promotion lock of {name} held for more than {timeout_s}s")
-    try:
-        yield
-    finally:
-        lock.release()

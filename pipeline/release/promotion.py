@@ -17,11 +17,15 @@ Invariants:
   start and evaluation read); alias ``champion`` must agree or promotion refuses.
 - Serialised: the read-champion → update-serving → move-alias sequence runs under the
   registry's promotion lock (or the lock passed in), because alias moves are last-writer-
-  wins. The alias is read back after the move.
+  wins. The alias is read back after the move. Under the cross-host lease
+  (:mod:`pipeline.release.lease`) every write is fenced: a promoter that lost the lease
+  writes nothing more; the serving manifest and the champion's ``promotion_token`` tag
+  carry the token.
 - All or nothing: tags describing the switch are written first (they move nothing); then
   the serving update — if it fails, neither the alias nor the servers changed; then the alias
   move — if it or its read-back fails, the serving update is undone (the previous manifest
-  restored) and :class:`PromotionError` is raised.
+  restored, only while this promotion's manifest is still current) and
+  :class:`PromotionError` is raised.
 - A decision made against another champion than the current one is stale and refused.
 - The champion's ``previous_champion`` tag (a version, or ``none``) is the rollback chain.
 - Every decision is kept as its own ``gate.<n>.*`` tags (written before the switch, never
@@ -34,14 +38,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from pipeline.release.backend import ServingBackend
 from pipeline.release.gate import ALREADY_CHAMPION, Decision
+from pipeline.release.lease import fenced
 from pipeline.release.lineage import MAX_TAG_VALUE
 from pipeline.release.mlflow_registry import (
     CHAMPION,
@@ -101,7 +106,7 @@ def promote(registry: DrafterRegistry, serving: ServingBackend, candidate_versio
             lock: AbstractContextManager[Any] | None = None) -> PromotionResult:
     """Make ``candidate_version`` the champion if ``decision`` says so (see module doc)."""
     candidate_version = str(candidate_version)
-    with lock if lock is not None else registry.promotion_lock():
+    with _held(registry, serving, lock) as (registry, serving):
         served = _served_target(registry, serving)
         candidate = registry.get_version(candidate_version)
         if served is not None and _is_served(candidate, served):  # e.g. a re-run
@@ -141,7 +146,7 @@ def force_promote(registry: DrafterRegistry, serving: ServingBackend, candidate_
     candidate_version = str(candidate_version)
     if not actor.strip() or not reason.strip():
         raise ValueError("force_promote needs a non-empty actor and reason")
-    with lock if lock is not None else registry.promotion_lock():
+    with _held(registry, serving, lock) as (registry, serving):
         _require_version(registry, candidate_version)
         current = serving_champion(registry, serving, reconcile=True)
         if current == candidate_version:  # served already: at most the alias lags behind
@@ -170,6 +175,21 @@ def force_promote(registry: DrafterRegistry, serving: ServingBackend, candidate_
                                manifest, (f"forced by {actor}: {reason}",))
 
 
+@contextmanager
+def _held(registry: DrafterRegistry, serving: ServingBackend,
+          lock: AbstractContextManager[Any] | None
+          ) -> Iterator[tuple[DrafterRegistry, ServingBackend]]:
+    """Hold ``lock`` (default: the registry's promotion lock) and give the registry and the
+    serving backend to write through: under a lease, fenced views (each write checks the
+    lease first; serving writes carry its token); under a one-host lock, themselves."""
+    with lock if lock is not None else registry.promotion_lock() as held:
+        if getattr(held, "token", None) is None:
+            yield registry, serving
+        else:
+            yield (registry.fenced_by(held),
+                   fenced(serving, held, ("apply", "restore"), token=held.token))
+
+
 def _require_version(registry: DrafterRegistry, version: str) -> None:
     """Refuse a version that was never registered, listing the ones that were."""
     known = registry.version_numbers()
@@ -184,7 +204,7 @@ def rollback(registry: DrafterRegistry, serving: ServingBackend, *, actor: str =
              reason: str = "rollback", dagster_run_id: str | None = None,
              lock: AbstractContextManager[Any] | None = None) -> PromotionResult:
     """Restore the champion before the current one (alias and serving)."""
-    with lock if lock is not None else registry.promotion_lock():
+    with _held(registry, serving, lock) as (registry, serving):
         serving_version = serving_champion(registry, serving)
         if serving_version is None:
             raise PromotionError(f"{registry.model_name} has no champion to roll back: no "
@@ -283,6 +303,8 @@ def _make_champion(registry: DrafterRegistry, serving: ServingBackend, version: 
     new = registry.get_version(version)
     target = serving_target(new)
     decision_id = registry.record_decision(version, decision) if decision else None
+    if registry.fence_token is not None:
+        tags = {**tags, "promotion_token": registry.fence_token}
     if tags:
         registry.set_tags(version, tags)
     before = serving.current()
@@ -292,7 +314,7 @@ def _make_champion(registry: DrafterRegistry, serving: ServingBackend, version: 
         _best_effort_tag(registry, version, f"serving update failed: {e}", decision_id)
         raise PromotionNotApplied(f"{registry.model_name} v{version}: serving update "
                                   f"failed, nothing moved: {e}") from e
-    _move_alias(registry, serving, version, before, decision_id)
+    _move_alias(registry, serving, version, before, manifest, decision_id)
     log.info("%s: champion is now v%s (%s)", registry.model_name, version, reason)
     if decision_id is not None:
         try:
@@ -312,12 +334,15 @@ def _clear_champion(registry: DrafterRegistry, serving: ServingBackend, *, reaso
     except Exception as e:
         raise PromotionNotApplied(f"{registry.model_name}: serving without a drafter "
                                   f"failed, nothing moved: {e}") from e
-    _move_alias(registry, serving, None, before)
+    _move_alias(registry, serving, None, before, manifest)
     return manifest
 
 
 def _move_alias(registry: DrafterRegistry, serving: ServingBackend, version: str | None,
-                before: ServingManifest | None, decision_id: int | None = None) -> None:
+                before: ServingManifest | None, written: ServingManifest,
+                decision_id: int | None = None) -> None:
+    """Move alias ``champion`` to ``version`` (None: remove it) and read it back; if that
+    fails, undo exactly this promotion's serving update (``written``, back to ``before``)."""
     error: Exception | None = None
     readback: str | None = "unread"
     try:
@@ -338,7 +363,7 @@ def _move_alias(registry: DrafterRegistry, serving: ServingBackend, version: str
         return
     problem = f"{error}" if error is not None else f"read back {readback!r}"
     try:
-        serving.restore(before, reason=f"undo: moving {CHAMPION} to {version} failed")
+        _undo(serving, written, before, reason=f"undo: moving {CHAMPION} to {version} failed")
     except Exception as undo:
         raise PromotionError(
             f"{registry.model_name}: moving {CHAMPION} to {version} failed ({problem}) AND "
@@ -348,6 +373,17 @@ def _move_alias(registry: DrafterRegistry, serving: ServingBackend, version: str
         _best_effort_tag(registry, version, f"alias move failed: {problem}", decision_id)
     raise PromotionNotApplied(f"{registry.model_name}: moving {CHAMPION} to {version} "
                               f"failed ({problem}); the serving update was undone") from error
+
+
+def _undo(serving: ServingBackend, written: ServingManifest, before: ServingManifest | None, *,
+          reason: str) -> None:
+    """Serve ``before`` again, only while ``written`` is still what is served: an undo never
+    overwrites someone else's update."""
+    now = serving.current()
+    if now is None or now.sequence != written.sequence:
+        raise PromotionError(f"serving moved on from this promotion's manifest "
+                             f"{written.sequence} to {now.sequence if now else 'nothing'}")
+    serving.restore(before, reason=reason)
 
 
 def _staleness(decision: Decision, champion: str | None) -> str | None:

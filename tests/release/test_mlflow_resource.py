@@ -108,3 +108,34 @@ def test_relocation_touches_only_the_moved_prefix(tmp_path):
             f"{new}/r/drafter", "s3://other/exp/r")
     assert follow_moved_artifacts(f"sqlite:///{db}", None, "file:///a/exp", new) == 0
     assert follow_moved_artifacts("http://mlflow:5000", None, "file:///a/exp", new) == 0
+
+
+def test_a_postgres_tracking_store_brings_the_cross_host_lease(postgres, tmp_path,
+                                                               monkeypatch):
+    """MLflow on PostgreSQL: tracking and registry there, and promotions locked by the
+    lease in the same database (no lock file on any host)."""
+    from pipeline.release.lease import PostgresLease
+
+    monkeypatch.setenv("AERIE_HOME", str(tmp_path / "home"))
+    url = postgres.new_database("mlflow")
+    resource = MlflowResource(tracking_uri=url.replace("postgresql://",
+                                                       "postgresql+psycopg://"),
+                              artifact_location=(tmp_path / "artifacts").as_uri())
+    registry = resource.build()
+    assert registry.lock_url == url
+    reg = registry.publish(drafter_dir=make_drafter_dir(tmp_path / "d"),
+                           lineage=lineage(uuid.uuid4().hex, "file:///s/drafters/x"))
+    assert registry.get_version(reg.version.version).fingerprint == reg.version.fingerprint
+    with registry.promotion_lock() as held:
+        assert isinstance(held, PostgresLease) and held.token > 0
+    assert not (tmp_path / "home" / "mlflow").exists()
+
+
+def test_the_lease_url_must_be_postgres():
+    import pytest
+
+    with pytest.raises(ValueError, match="AERIE_PROMOTION_LOCK_URL must be a postgresql"):
+        MlflowResource(lock_url="mysql://db/x").resolved_lock_url()
+    assert MlflowResource(lock_url="postgres://u@h/db").resolved_lock_url() == \
+        "postgresql://u@h/db"
+    assert MlflowResource().resolved_lock_url() is None

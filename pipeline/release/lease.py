@@ -1,0 +1,245 @@
+"""The promotion lock across hosts: a lease in PostgreSQL with a fencing token.
+
+Promotions from several machines (Dagster run workers on different hosts, an operator's
+``promote_drafter_manually``) must not interleave their read-champion → update-serving →
+move-alias sequences; MLflow's alias moves are last-writer-wins and the serving ledger is
+plain objects. The host-local :class:`~pipeline.release.lock.FileLock` cannot see another
+machine. This lease lives in the PostgreSQL database a multi-host deployment already runs
+(Dagster's and MLflow's), rather than in a conditional write to object storage: an object
+lock needs an expiry (a dead holder never deletes it) and with it the holders' clocks,
+while a database session ends when its holder dies.
+
+Invariants:
+
+- **Exclusion and liveness**: the holder keeps a session-level advisory lock
+  (``pg_try_advisory_lock`` on a key derived from the model name) on a connection of its
+  own for as long as it holds the lease. A holder that dies, or whose session the server
+  ends, releases it at once: no expiry to wait out, no clock involved.
+- **Fencing token**: each acquisition raises the lease row's ``token``
+  (``aerie_promotion_lease``) to ``max(token + 1, the database's clock in ms)``, so tokens
+  only grow, even across a re-created table.
+- **Fenced writes**: every write made under the lease runs inside :meth:`fenced`, a
+  transaction that row-locks the lease and goes on only while the row still holds this
+  holder's token and its session is alive. A holder whose session was lost (and whose lease
+  another promoter may hold now) gets :class:`LeaseLost` before it writes. The serving
+  ledger also keeps the token of each manifest and refuses a lower one
+  (:meth:`~pipeline.release.ledger.ServingLedger.publish`).
+- What no lock can undo: a write already sent when the holder's session ends may land after
+  the next holder's writes. The row lock spans each write, so that takes the session ending
+  during the write itself; the ledger's token check then still refuses any later write of
+  the stale holder.
+- Waits at most ``timeout_s`` (polling), then raises
+  :class:`~pipeline.release.lock.LockTimeout` naming the holder.
+- The connection URL may carry a password: it is never logged or put in an error (libpq's
+  ``PGPASSWORD`` keeps it out of the URL altogether).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from pipeline.release.lock import LockTimeout
+
+TABLE = "aerie_promotion_lease"
+_CREATE = (f"CREATE TABLE IF NOT EXISTS {TABLE} (name text PRIMARY KEY, token bigint NOT NULL, "
+           f"holder text NOT NULL, acquired_at timestamptz NOT NULL)")
+_TAKE = (f"INSERT INTO {TABLE} (name, token, holder, acquired_at) VALUES "
+         f"(%s, (extract(epoch FROM clock_timestamp()) * 1000)::bigint, %s, clock_timestamp()) "
+         f"ON CONFLICT (name) DO UPDATE SET token = greatest({TABLE}.token + 1, EXCLUDED.token),"
+         f" holder = EXCLUDED.holder, acquired_at = EXCLUDED.acquired_at RETURNING token")
+
+
+class LeaseUnavailable(ConnectionError):
+    """The lease's database could not be reached (retried like any connection error)."""
+
+
+class LeaseLost(RuntimeError):
+    """This holder no longer holds the lease (its database session ended, or the token
+    moved on): nothing more may be written under it."""
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password (for messages and reprs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def advisory_key(name: str) -> int:
+    """A signed 64-bit advisory-lock key for ``name`` (stable across hosts and runs)."""
+    digest = hashlib.sha256(f"aerie-promotion:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+class PostgresLease:
+    """``with PostgresLease(url, name) as lease:`` holds the promotion lease of ``name``;
+    ``lease.token`` is its fencing token and ``with lease.fenced():`` guards each write."""
+
+    def __init__(self, url: str, name: str, *, timeout_s: float = 120.0, poll_s: float = 0.05,
+                 holder: str | None = None):
+        self.url = url
+        self.name = name
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.holder = holder or f"{socket.gethostname()} pid {os.getpid()}"
+        self.token: int | None = None
+        self._conn = None
+        self._fencing = False
+
+    def __repr__(self) -> str:
+        return f"PostgresLease({self.name!r}, {redacted(self.url)!r}, token={self.token})"
+
+    def acquire(self) -> None:
+        import psycopg2
+
+        if self._conn is not None:
+            raise RuntimeError(f"the promotion lease of {self.name} is already held here")
+        try:
+            conn = psycopg2.connect(self.url, connect_timeout=10,
+                                    application_name="aerie-promotion-lease",
+                                    keepalives=1, keepalives_idle=30, keepalives_interval=10,
+                                    keepalives_count=3)
+        except psycopg2.Error as e:
+            raise LeaseUnavailable(f"promotion lease of {self.name}: cannot connect to "
+                            f"{redacted(self.url)}: {_first_line(e)}") from None
+        conn.autocommit = True
+        try:
+            self._wait_for_advisory_lock(conn)
+            with conn.cursor() as cur:
+                cur.execute(_CREATE)
+                cur.execute(_TAKE, (self.name, self.holder))
+                self.token = int(cur.fetchone()[0])
+        except BaseException:
+            conn.close()  # ends the session: the advisory lock goes with it
+            raise
+        self._conn = conn
+
+    def _wait_for_advisory_lock(self, conn) -> None:
+        key = advisory_key(self.name)
+        deadline = time.monotonic() + self.timeout_s
+        with conn.cursor() as cur:
+            while True:
+                cur.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+                if cur.fetchone()[0]:
+                    return
+                if time.monotonic() >= deadline:
+                    raise LockTimeout(f"the promotion lease of {self.name} is held by "
+                                      f"{self._holder_now(cur)} (waited {self.timeout_s}s)")
+                time.sleep(self.poll_s)
+
+    def _holder_now(self, cur) -> str:
+        import psycopg2
+
+        try:
+            cur.execute(f"SELECT holder, token, acquired_at FROM {TABLE} WHERE name = %s",
+                        (self.name,))
+            row = cur.fetchone()
+        except psycopg2.Error:
+            return "another promoter"
+        return f"{row[0]} (token {row[1]}, since {row[2]:%Y-%m-%d %H:%M:%S %Z})" if row \
+            else "another promoter"
+
+    @contextmanager
+    def fenced(self) -> Iterator[None]:
+        """Run the body (one write) only while this holder still holds the lease, with the
+        lease row locked until the body is done; :class:`LeaseLost` otherwise."""
+        import psycopg2
+
+        if self._fencing:  # a write inside a write: the outer fence covers it
+            yield
+            return
+        if self._conn is None or self.token is None:
+            raise LeaseLost(f"the promotion lease of {self.name} is not held here")
+        try:
+            self._conn.autocommit = False
+            with self._conn.cursor() as cur:
+                cur.execute(f"SELECT token FROM {TABLE} WHERE name = %s FOR UPDATE",
+                            (self.name,))
+                row = cur.fetchone()
+        except psycopg2.Error as e:
+            raise LeaseLost(f"the promotion lease of {self.name} (token {self.token}) was "
+                            f"lost: its database session ended ({_first_line(e)}); another "
+                            f"promoter may hold it now, so nothing more is written") from None
+        if row is None or int(row[0]) != self.token:
+            self._conn.rollback()
+            raise LeaseLost(f"the promotion lease of {self.name} moved from token "
+                            f"{self.token} to {row[0] if row else 'nothing'}: another "
+                            f"promoter holds it, so nothing more is written")
+        self._fencing = True
+        try:
+            yield
+        except BaseException:
+            self._end(commit=False)
+            raise
+        self._end(commit=True)
+
+    def _end(self, *, commit: bool) -> None:
+        import psycopg2
+
+        self._fencing = False
+        try:
+            self._conn.commit() if commit else self._conn.rollback()
+            self._conn.autocommit = True
+        except psycopg2.Error as e:
+            if commit:
+                raise LeaseLost(f"the promotion lease of {self.name} (token {self.token}) "
+                                f"was lost while a write ran ({_first_line(e)}): the write "
+                                f"was made, but the next may not be") from None
+
+    def release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()  # the session ends and its advisory lock with it
+
+    @property
+    def held(self) -> bool:
+        return self._conn is not None
+
+    def __enter__(self) -> PostgresLease:
+        self.acquire()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
+
+
+def fenced(target: Any, lease: PostgresLease, writes: Iterable[str], **bound: Any) -> Any:
+    """``target`` with each method named in ``writes`` run inside ``lease.fenced()`` (and
+    given the keyword arguments ``bound``); everything else is ``target``'s own."""
+    return _Fenced(target, lease, frozenset(writes), bound)
+
+
+class _Fenced:
+    def __init__(self, target: Any, lease: PostgresLease, writes: frozenset[str],
+                 bound: dict[str, Any]):
+        self._target, self._lease, self._writes, self._bound = target, lease, writes, bound
+
+    def __repr__(self) -> str:
+        return f"fenced({self._target!r}, token={self._lease.token})"
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if name not in self._writes:
+            return attr
+
+        def write(*args: Any, **kwargs: Any) -> Any:
+            with self._lease.fenced():
+                return attr(*args, **self._bound, **kwargs)
+        return write
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
