@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 from dagster import DagsterInstance, instance_for_test
 
 from pipeline.snapshot.writer import SnapshotWriter
@@ -9,10 +12,37 @@ from resources.storage import StorageResource
 from tests.snapshot.conftest import good_record, make_policy_dir
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def dagster_backend(request) -> dict | None:
+    """The instance storage every orchestration test runs on: Dagster's SQLite (None: the
+    default), and PostgreSQL (``dagster-postgres``) in a fresh database of a real server."""
+    if request.param == "sqlite":
+        return None
+    url = request.getfixturevalue("postgres").new_database("dagster")
+    return {"storage": {"postgres": {"postgres_url": dagster_postgres_url(url)}}}
+
+
+def dagster_postgres_url(url: str) -> str:
+    """``url`` with the driver Dagster's storage needs: SQLAlchemy 2.1 maps a bare
+    ``postgresql://`` to psycopg 3, whose server-side parameters break dagster-postgres's
+    ``NOTIFY run_events, $1``."""
+    return url.replace("postgresql://", "postgresql+psycopg2://", 1)
+
+
 @pytest.fixture
-def instance() -> DagsterInstance:
-    with instance_for_test() as inst:  # sqlite under a temporary DAGSTER_HOME
+def instance(dagster_backend) -> DagsterInstance:
+    with instance_for_test(overrides=dagster_backend) as inst:  # a temporary DAGSTER_HOME
         yield inst
+
+
+def use_backend(home: Path, backend: dict | None) -> None:
+    """Point the instance of ``home/dagster.yaml`` (Aerie's, written by
+    ``prepare_dagster_home``) at ``backend``'s storage."""
+    if backend is None:
+        return
+    config = home / "dagster.yaml"
+    current = yaml.safe_load(config.read_text()) or {}
+    config.write_text(yaml.safe_dump({**current, **backend}, sort_keys=False))
 
 
 @pytest.fixture

@@ -17,14 +17,15 @@ from jobs import cli
 from resources.capture import CaptureResource
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
+from tests.orchestration.conftest import use_backend
 
 DATA = [rollout_snapshot, tokenized_rollouts, hidden_state_shards]
 
 
 @pytest.fixture
-def instance(tmp_path, monkeypatch):
+def instance(tmp_path, monkeypatch, dagster_backend):
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
-    cli.prepare_dagster_home()
+    use_backend(cli.prepare_dagster_home(), dagster_backend)
     instance = DagsterInstance.get()
     instance.add_dynamic_partitions(rl_steps.name, ["step-000003"])
     instance.add_dynamic_partitions(refresh_steps.name, ["step-000003"])

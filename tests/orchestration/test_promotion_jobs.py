@@ -25,6 +25,7 @@ from resources.refresh import RefreshPolicyResource
 from resources.serving import ServingResource
 from resources.storage import StorageResource
 from tests.conftest import ver
+from tests.orchestration.conftest import use_backend
 from tests.release.helpers import lineage, make_drafter_dir, publish_drafter
 
 STEPS = (10, 20, 30)  # the refresh steps of versions 1, 2, 3
@@ -43,12 +44,15 @@ def tracking(tmp_path_factory):
 
 
 @pytest.fixture
-def world(tmp_path, monkeypatch, drafter_dirs, tracking):
-    """The embedded default's instance (its dagster.yaml), a storage root and a registry with
-    versions 1-3 registered (not promoted)."""
+def world(request, tmp_path, monkeypatch, drafter_dirs, tracking, dagster_backend):
+    """The embedded default's instance (its dagster.yaml, on each storage backend), a storage
+    root and a registry with versions 1-3 registered (not promoted): on PostgreSQL, MLflow
+    and the promotion lease are there too."""
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
-    cli.prepare_dagster_home()
+    use_backend(cli.prepare_dagster_home(), dagster_backend)
     storage = Storage((tmp_path / "storage").as_uri())
+    if dagster_backend is not None:  # MLflow on the same PostgreSQL server, as deployed
+        tracking = request.getfixturevalue("postgres").new_database("mlflow"), tracking[1]
     mlflow = MlflowResource(tracking_uri=tracking[0], artifact_location=tracking[1],
                             target_family=f"t{uuid.uuid4().hex[:10]}",
                             lock_dir=str(tmp_path / "locks"), lock_timeout_s=120)

@@ -55,8 +55,8 @@ def tick(instance, cursor, policy=None):
         resources={"refresh": policy or RefreshPolicyResource()}))
 
 
-def test_sensor_requests_exactly_one_refresh_per_block():
-    with instance_for_test() as instance:
+def test_sensor_requests_exactly_one_refresh_per_block(dagster_backend):
+    with instance_for_test(overrides=dagster_backend) as instance:
         instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(12)])
         ingest(instance, 0, 1, 2)
         assert isinstance(tick(instance, None), SkipReason)
@@ -95,9 +95,9 @@ def launched(instance, step: int, status=DagsterRunStatus.SUCCESS) -> None:
                                 status=status)
 
 
-def test_every_and_window_come_from_the_refresh_policy():
+def test_every_and_window_come_from_the_refresh_policy(dagster_backend):
     policy = RefreshPolicyResource(every=2, window=3)
-    with instance_for_test() as instance:
+    with instance_for_test(overrides=dagster_backend) as instance:
         instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(6)])
         ingest(instance, 0)
         assert isinstance(tick(instance, None, policy), SkipReason)
@@ -111,7 +111,7 @@ def test_every_and_window_come_from_the_refresh_policy():
             "step-000003"
 
 
-def test_policy_reads_the_environment(monkeypatch):
+def test_policy_reads_the_environment(dagster_backend, monkeypatch):
 
     from resources.refresh import refresh_policy_from_env
 
@@ -129,16 +129,17 @@ def test_policy_reads_the_environment(monkeypatch):
     assert (defaults.window, defaults.stale_after_steps, defaults.max_tau_drop_percent) == (
         4, 8, 10)
     monkeypatch.setenv("AERIE_REFRESH_EVERY", "0")
-    with instance_for_test() as instance, pytest.raises(Exception) as failed:
+    with instance_for_test(overrides=dagster_backend) as instance, \
+            pytest.raises(Exception) as failed:
         refresh_sensor(build_sensor_context(instance=instance,
                                             resources={"refresh": refresh_policy_from_env()}))
     assert "every must be >= 1, got 0" in str(failed.value.__cause__)
 
 
-def test_sensor_waits_while_a_refresh_is_in_flight():
+def test_sensor_waits_while_a_refresh_is_in_flight(dagster_backend):
     from dagster import DagsterRun
 
-    with instance_for_test() as instance:
+    with instance_for_test(overrides=dagster_backend) as instance:
         instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(4)])
         ingest(instance, 0, 1, 2, 3)
         run = instance.create_run_for_job(
@@ -156,8 +157,9 @@ def _job():
     return defs.resolve_job_def("drafter_refresh")
 
 
-def test_schedule_refreshes_the_newest_step_once():
-    with instance_for_test() as instance, build_schedule_context(  # `with`: it is exited
+def test_schedule_refreshes_the_newest_step_once(dagster_backend):
+    with instance_for_test(overrides=dagster_backend) as instance, \
+            build_schedule_context(  # `with`: it is exited
             instance=instance, resources={"refresh": RefreshPolicyResource()}) as ctx:
         instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(4)])
         assert isinstance(drafter_refresh_schedule(ctx), SkipReason)
@@ -187,14 +189,14 @@ def test_embedded_instance_runs_one_refresh_at_a_time(tmp_path, monkeypatch):
         ("aerie/serial", tags["aerie/serial"], 1)]
 
 
-def test_dagster_resolves_the_triggers_requests_in_the_refresh_partitions():
+def test_dagster_resolves_the_triggers_requests_in_the_refresh_partitions(dagster_backend):
     """Dagster's own tick evaluation (what the daemon runs) validates each request's partition
     key against ``refresh_steps``: the sensor's request resolves because its result adds the
     key, the schedule's because it added the key to the instance."""
     from definitions import defs
 
     repo = defs.get_repository_def()
-    with instance_for_test() as instance:
+    with instance_for_test(overrides=dagster_backend) as instance:
         ingest(instance, 0, 1, 2, 3)
         sensor_ctx = build_sensor_context(instance=instance, instance_ref=instance.get_ref(),
                                           repository_def=repo,

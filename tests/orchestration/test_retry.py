@@ -55,9 +55,9 @@ def _restarts(instance, run_id) -> int:
     StorageUnavailable("cannot open s3://aerie/shards/x for writing: 503 SlowDown"),
     _caused(PromotionNotApplied("serving update failed, nothing moved"),
             StorageUnavailable("cannot list the uploads under s3://aerie/serving: reset"))])
-def test_transient_errors_are_retried_until_success(error):
+def test_transient_errors_are_retried_until_success(dagster_backend, error):
     flaky, attempts = _flaky([error, error])
-    with instance_for_test() as instance:
+    with instance_for_test(overrides=dagster_backend) as instance:
         result = materialize([flaky], instance=instance)
         assert result.success and len(attempts) == 3
         assert _restarts(instance, result.run_id) == 2
@@ -75,9 +75,9 @@ def test_transient_errors_are_retried_until_success(error):
     StorageError("s3://other/drafters/step=000010 is not under storage root s3://aerie"),
     StorageError("invalid storage key 'drafters/../secrets'"),
     ManifestError("file:///r/evals/step=000010/_manifest.json", "files", "not a list")])
-def test_permanent_errors_fail_at_once(error):
+def test_permanent_errors_fail_at_once(dagster_backend, error):
     flaky, attempts = _flaky([error])
-    with instance_for_test() as instance:
+    with instance_for_test(overrides=dagster_backend) as instance:
         result = materialize([flaky], instance=instance, raise_on_error=False)
         assert not result.success and len(attempts) == 1
         assert _restarts(instance, result.run_id) == 0
@@ -105,9 +105,9 @@ def test_the_storage_layer_raises_what_the_policy_expects(tmp_path, monkeypatch)
     assert not is_permanent(down.value) and not is_permanent(down.value.__cause__)
 
 
-def test_retries_give_up_after_the_policy_max():
+def test_retries_give_up_after_the_policy_max(dagster_backend):
     flaky, attempts = _flaky([ConnectionError("down")] * 10)
-    with instance_for_test() as instance:
+    with instance_for_test(overrides=dagster_backend) as instance:
         result = materialize([flaky], instance=instance, raise_on_error=False)
         assert not result.success
         assert len(attempts) == service_retry_policy().max_retries + 1
@@ -120,7 +120,7 @@ def test_every_stage_that_talks_to_a_service_has_the_policy():
         assert node.retry_policy == SERVICE_RETRY, key
 
 
-def test_a_failed_blocking_check_is_not_retried_and_stops_downstream():
+def test_a_failed_blocking_check_is_not_retried_and_stops_downstream(dagster_backend):
     from dagster import AssetCheckResult, AssetCheckSpec, MaterializeResult
 
     attempts = []
@@ -135,7 +135,7 @@ def test_a_failed_blocking_check_is_not_retried_and_stops_downstream():
     def downstream() -> None:
         raise AssertionError("must not run after a failed blocking check")
 
-    with instance_for_test() as instance:
+    with instance_for_test(overrides=dagster_backend) as instance:
         result = materialize([judged, downstream], instance=instance, raise_on_error=False)
         assert not result.success and len(attempts) == 1
         assert _restarts(instance, result.run_id) == 0
