@@ -15,13 +15,13 @@ from jobs.ingest import dump_sensor, ingest_dumps
 from jobs.refresh import drafter_refresh_schedule, refresh_sensor
 from jobs.release import promote_drafter_manually, rollback_drafter
 from jobs.snapshots import ingest_step, snapshot_sensor
-from resources.capture import CaptureResource
+from resources.capture import capture_from_env
 from resources.ingest import ingest_from_env
 from resources.mlflow import mlflow_from_env
 from resources.refresh import refresh_policy_from_env
-from resources.serving import ServingResource
+from resources.serving import serving_from_env
 from resources.storage import storage_from_env
-from resources.trainer import TrainerResource
+from resources.trainer import trainer_from_env
 
 FLOW = (rollout_snapshot, tokenized_rollouts, hidden_state_shards, vocab_mapping,
         drafter_checkpoint, acceptance_eval, registered_drafter, serving_drafter,
@@ -43,8 +43,10 @@ defs = Definitions(
           ingest_dumps],
     sensors=[snapshot_sensor, refresh_sensor, dump_sensor],
     schedules=[drafter_refresh_schedule],
-    resources={"storage": storage_from_env(), "capture": CaptureResource(),
-               "trainer": TrainerResource(), "mlflow": mlflow_from_env(),
-               "serving": ServingResource(), "refresh": refresh_policy_from_env(),
+    # every resource from the deployment's environment (README, Configuration); run config
+    # overrides field by field
+    resources={"storage": storage_from_env(), "capture": capture_from_env(),
+               "trainer": trainer_from_env(), "mlflow": mlflow_from_env(),
+               "serving": serving_from_env(), "refresh": refresh_policy_from_env(),
                "ingest": ingest_from_env()},
 )

@@ -7,6 +7,8 @@ are measured with the policy of s on held-out prompts, next to no drafter. The c
 draft position, τ over refresh steps) are stored next to the report and linked.
 """
 
+from typing import Literal
+
 from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
@@ -51,10 +53,11 @@ class EvalRunConfig(Config):
     min_p: float | None = Field(default=None, description="sampler min_p (unset: recorded; "
                                                           "SGLang's verification ignores it)")
     seed: int = Field(default=_E.seed, description="seeds the draws of a sampled evaluation")
-    device: str = Field(default=_E.device, description="cpu | cuda | auto: where the target "
-                                                       "and drafters run")
-    dtype: str = Field(default=_E.dtype, description="float32 | bfloat16 (bf16: see README, "
-                                                     "lossless check tolerance)")
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        default=_E.device, description="where the target and drafters run (auto: CUDA when "
+                                       "present)")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default=_E.dtype, description="bfloat16: see README, lossless check tolerance")
     confidence: float = Field(default=_E.confidence,
                               description="level of the bootstrap intervals of τ")
 

@@ -2,16 +2,19 @@
 acceptance evaluation, registration, gated promotion and storage retention.
 
 Its default run config holds the training preset of the configured target family
-(:data:`pipeline.training.config.FAMILY_PRESETS`; the demo family's by default): the
-Launchpad shows it, and the sensor's and the schedule's requests carry it (the daemon uses a
-request's own run config whole, never the job's default, when the request has one).
+(:data:`pipeline.training.config.FAMILY_PRESETS`; the demo family's by default) with the
+deployment's ``AERIE_REFRESH_RUN_CONFIG`` merged over it: the Launchpad shows it, and the
+sensor's and the schedule's requests carry it (the daemon uses a request's own run config
+whole, never the job's default, when the request has one).
 """
 
 from dagster import define_asset_job
 
 from assets.groups import REFRESH_ASSETS
+from jobs.launch import deep_merge
 from pipeline.training.config import FAMILY_PRESETS
 from resources.mlflow import target_family_from_env
+from resources.run_config import run_config_from_env
 
 
 def default_run_config(family: str) -> dict | None:
@@ -19,7 +22,8 @@ def default_run_config(family: str) -> dict | None:
     return {"ops": {"drafter_checkpoint": {"config": dict(preset)}}} if preset else None
 
 
-DEFAULT_RUN_CONFIG = default_run_config(target_family_from_env())
+DEFAULT_RUN_CONFIG = deep_merge(default_run_config(target_family_from_env()) or {},
+                                run_config_from_env("AERIE_REFRESH_RUN_CONFIG")) or None
 
 drafter_refresh = define_asset_job(
     "drafter_refresh", selection=list(REFRESH_ASSETS),

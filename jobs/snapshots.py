@@ -44,10 +44,14 @@ from dagster import (
 from assets.groups import DATA_ASSETS
 from assets.partitions import ingested_steps, rl_steps, step_key, step_of
 from pipeline.layout import ROLLOUTS, committed_steps, odd_entries
+from resources.run_config import run_config_from_env
 from resources.storage import StorageResource
 
+# the deployment's run config (AERIE_INGEST_RUN_CONFIG), carried by every request too
+INGEST_RUN_CONFIG = run_config_from_env("AERIE_INGEST_RUN_CONFIG") or None
+
 ingest_step = define_asset_job(
-    "ingest_step", selection=list(DATA_ASSETS),
+    "ingest_step", selection=list(DATA_ASSETS), config=INGEST_RUN_CONFIG,
     description="One RL step's data path: validate the snapshot, tokenize with loss masks, "
                 "capture hidden states into shards (partition = step).")
 
@@ -110,7 +114,8 @@ def snapshot_sensor(context: SensorEvaluationContext, storage: StorageResource):
             f"ingested{note}"), cursor=cursor)
     keys = [step_key(s) for s in steps]
     return SensorResult(
-        run_requests=[RunRequest(run_key=k, partition_key=k) for k in keys],
+        run_requests=[RunRequest(run_key=k, partition_key=k, run_config=INGEST_RUN_CONFIG or {})
+                      for k in keys],
         dynamic_partitions_requests=[rl_steps.build_add_request(keys)],
         cursor=cursor,
     )

@@ -2,14 +2,14 @@
 ``vllm``)."""
 
 import contextlib
-import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from dagster import ConfigurableResource, Failure, InitResourceContext
 from pydantic import Field
 
 from pipeline.storage import Storage
+from resources.env import resource_from_env
 
 if TYPE_CHECKING:  # the capture backends import torch: loaded when a backend is opened
     from pipeline.capture.base import CaptureBackend
@@ -18,17 +18,18 @@ if TYPE_CHECKING:  # the capture backends import torch: loaded when a backend is
 class CaptureResource(ConfigurableResource):
     """Builds the capture backend for one RL step's policy checkpoint."""
 
-    backend: str = Field(default="hf", description="'hf': the step's policy checkpoint "
-                                                   "in-process; 'sglang' or 'vllm': running "
-                                                   "servers")
+    backend: Literal["hf", "sglang", "vllm"] = Field(
+        default="hf", description="'hf': the step's policy checkpoint in-process; 'sglang' "
+                                  "or 'vllm': running servers")
     aux_layer_ids: list[int] | None = Field(
         default=None, description="decoder layers whose outputs are captured, low→mid→high; "
                                   "unset: EAGLE-3's [1, N//2-1, N-4]")
-    hf_dtype: str = Field(default="float32", description="hf: compute dtype "
-                                                         "(float32 | bfloat16)")
-    hf_device: str = Field(default="cpu", description="hf: where the policy runs: cpu, "
-                                                      "cuda, cuda:N, or auto (CUDA when "
-                                                      "present)")
+    hf_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="hf: compute dtype (bfloat16 on GPUs; the README's "
+                                       "GPU section gives the tolerance against float32)")
+    hf_device: str = Field(default="cpu", pattern=r"^(cpu|auto|cuda(:[0-9]+)?)$",
+                           description="hf: where the policy runs: cpu, cuda, cuda:N, or "
+                                       "auto (CUDA when present)")
     hf_processes: int = Field(default=1, ge=1, description="hf: processes that extract a "
                                                            "step together (shard i in "
                                                            "process i mod N): one per GPU, "
@@ -48,6 +49,21 @@ class CaptureResource(ConfigurableResource):
                                                           "servers see it; unset: "
                                                           "vllm_files_dir")
 
+    engine_api_key: str | None = Field(
+        default=None, description="sglang/vllm: the servers' --api-key, sent as a bearer "
+                                  "token; set it only through AERIE_CAPTURE_ENGINE_API_KEY "
+                                  "(an EnvVar, never run config)")
+    engine_timeout_s: float = Field(default=600.0, gt=0, description="sglang/vllm: seconds "
+                                    "per request")
+    engine_connect_timeout_s: float = Field(default=10.0, gt=0, description="sglang/vllm: "
+                                            "seconds to connect")
+    engine_max_concurrency: int = Field(default=8, ge=1, description="sglang/vllm: requests "
+                                        "in flight at once, over all servers")
+    engine_max_retries: int = Field(default=3, ge=0, description="sglang/vllm: retries of a "
+                                    "request that failed transiently")
+    vllm_file_timeout_s: float = Field(default=60.0, gt=0, description="vllm: seconds for "
+                                       "a hidden-states file to appear after the answer")
+
     def setup_for_execution(self, context: InitResourceContext) -> None:
         """Refuse a misconfigured backend before any step runs (no retries), naming the
         fields to set."""
@@ -58,13 +74,7 @@ class CaptureResource(ConfigurableResource):
     def problem(self) -> str | None:
         """What is wrong with the configuration, with the fix; None when nothing is."""
         where = "resources.capture.config"
-        if self.backend not in ("hf", "sglang", "vllm"):
-            return (f"capture backend {self.backend!r} is unknown: set {where}.backend to "
-                    f"'hf', 'sglang' or 'vllm'")
         if self.backend == "hf":
-            if not re.fullmatch(r"cpu|auto|cuda(:[0-9]+)?", self.hf_device):
-                return (f"{where}.hf_device {self.hf_device!r} is not a device: set it to "
-                        f"'cpu', 'cuda', 'cuda:N' or 'auto'")
             return None
         if self.hf_processes > 1:
             return (f"{where}.hf_processes is {self.hf_processes}, but only the 'hf' backend "
@@ -104,12 +114,21 @@ class CaptureResource(ConfigurableResource):
     def open_args(self, token_budget: int) -> dict[str, Any]:
         """``open_backend``'s keyword arguments (JSON: a data-parallel extraction hands
         them to its other processes)."""
-        return {"kind": self.backend, "aux_layer_ids": self.aux_layer_ids,
+        args = {"kind": self.backend, "aux_layer_ids": self.aux_layer_ids,
                 "token_budget": token_budget, "hf_dtype": self.hf_dtype,
-                "hf_device": self.hf_device, "sglang_aux_urls": list(self.sglang_aux_urls),
+                "hf_device": self.hf_device}
+        if self.backend == "hf":
+            return args
+        client = {"timeout_s": self.engine_timeout_s,
+                  "connect_timeout_s": self.engine_connect_timeout_s,
+                  "max_concurrency": self.engine_max_concurrency,
+                  "max_retries": self.engine_max_retries, "api_key": self.engine_api_key}
+        if self.backend == "vllm":
+            client["file_timeout_s"] = self.vllm_file_timeout_s
+        return {**args, "sglang_aux_urls": list(self.sglang_aux_urls),
                 "sglang_final_urls": list(self.sglang_final_urls),
                 "vllm_urls": list(self.vllm_urls), "vllm_files_dir": self.vllm_files_dir,
-                "vllm_server_files_dir": self.vllm_server_files_dir}
+                "vllm_server_files_dir": self.vllm_server_files_dir, "client": client}
 
     @contextlib.contextmanager
     def open(self, storage: Storage, step: int, token_budget: int
@@ -118,3 +137,9 @@ class CaptureResource(ConfigurableResource):
 
         with open_backend(storage, step, **self.open_args(token_budget)) as backend:
             yield backend
+
+
+def capture_from_env() -> CaptureResource:
+    """Every field from ``AERIE_CAPTURE_<FIELD>`` where it is set (lists as JSON or
+    comma-separated); the API key as an ``EnvVar``."""
+    return resource_from_env(CaptureResource, "AERIE_CAPTURE_", secrets=("engine_api_key",))

@@ -5,45 +5,39 @@ steps of hidden-state shards storage keeps (``retain_steps``, applied by ``stora
 after each refresh)."""
 
 
-import os
-
-from dagster import ConfigurableResource, EnvVar, InitResourceContext
+from dagster import ConfigurableResource, InitResourceContext
 from pydantic import Field
+
+from resources.env import resource_from_env
 
 _ENV = {"every": "AERIE_REFRESH_EVERY", "window": "AERIE_REFRESH_WINDOW",
         "stale_after_steps": "AERIE_STALE_AFTER_STEPS",
         "max_tau_drop_percent": "AERIE_MAX_TAU_DROP_PERCENT",
         "retain_steps": "AERIE_RETAIN_STEPS"}
-_AT_LEAST = {"every": 1, "window": 1, "stale_after_steps": 0, "max_tau_drop_percent": 0,
-             "retain_steps": 0}
 
 
 class RefreshPolicyResource(ConfigurableResource):
     """N and K of the refresh loop (the refresh at RL step s trains on s-K+1..s), and the
     staleness thresholds of the serving drafter."""
 
-    every: int = Field(default=4, description="N: refresh once per N ingested RL steps")
-    window: int = Field(default=4, description="K: RL steps a refresh trains on")
+    every: int = Field(ge=1, default=4, description="N: refresh once per N ingested RL steps")
+    window: int = Field(ge=1, default=4, description="K: RL steps a refresh trains on")
     stale_after_steps: int = Field(
-        default=8, description="serving_staleness warns when the newest ingested RL step is "
+        default=8, ge=0, description="serving_staleness warns when the newest ingested RL step is "
                                "more than this many steps past the end of the serving "
                                "drafter's training window")
     max_tau_drop_percent: int = Field(
-        default=10, description="serving_staleness warns when the serving drafter's last "
+        default=10, ge=0, description="serving_staleness warns when the serving drafter's last "
                                 "measured τ is more than this many percent below its τ at "
                                 "promotion")
 
     retain_steps: int = Field(
-        default=0, description="after each refresh, delete the hidden-state shards and "
+        default=0, ge=0, description="after each refresh, delete the hidden-state shards and "
                                "training work dirs of RL steps older than the newest this "
                                "many (never a step a queued or running refresh reads); 0 "
                                "keeps everything, else at least the window K")
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
-        for name, least in _AT_LEAST.items():  # checked here: EnvVar values exist once resolved
-            if getattr(self, name) < least:
-                raise ValueError(f"refresh policy: {name} must be >= {least}, got "
-                                 f"{getattr(self, name)}")
         if 0 < self.retain_steps < self.window:
             raise ValueError(f"refresh policy: retain_steps {self.retain_steps} would delete "
                              f"steps the next refresh's window of {self.window} reads: set it "
@@ -53,12 +47,8 @@ class RefreshPolicyResource(ConfigurableResource):
 def refresh_policy_from_env() -> RefreshPolicyResource:
     """Every field from its variable (``AERIE_REFRESH_EVERY``, ``AERIE_REFRESH_WINDOW``,
     ``AERIE_STALE_AFTER_STEPS``, ``AERIE_MAX_TAU_DROP_PERCENT``, ``AERIE_RETAIN_STEPS``) where
-    it is set."""
-    return RefreshPolicyResource(**{f: EnvVar.int(v) for f, v in _ENV.items()
-                                    if v in os.environ})
+    it is set, checked now (the CLI builds the same policy)."""
+    return resource_from_env(RefreshPolicyResource, "AERIE_", names=_ENV)
 
 
-def refresh_policy_from_environment() -> RefreshPolicyResource:
-    """The same policy built outside Dagster (the CLI), values read from the environment."""
-    return RefreshPolicyResource(**{f: int(os.environ[v]) for f, v in _ENV.items()
-                                    if v in os.environ})
+refresh_policy_from_environment = refresh_policy_from_env

@@ -19,6 +19,7 @@ Modes (see :mod:`pipeline.release.backend`):
 
 
 from pathlib import Path
+from typing import Literal
 
 from dagster import ConfigurableResource
 from pydantic import Field
@@ -27,19 +28,22 @@ from pipeline.eagle3.spec import SpecParams
 from pipeline.release.backend import MODES, LedgerBackend
 from pipeline.release.ledger import ServingLedger
 from pipeline.storage import Storage
+from resources.env import resource_from_env
 from resources.home import aerie_home
+
+Mode = Literal["manifest", "sglang-restart", "sglang-hotswap", "vllm-restart", "vllm-reload"]
 
 
 class ServingResource(ConfigurableResource):
     """How promoted drafters reach the rollout servers."""
 
-    mode: str = Field(default="manifest", description="manifest | sglang-restart | "
-                                                      "sglang-hotswap | vllm-restart | "
-                                                      "vllm-reload")
-    num_steps: int = Field(default=3, description="--speculative-num-steps")
-    topk: int = Field(default=1, description="--speculative-eagle-topk")
-    num_draft_tokens: int = Field(default=4, description="--speculative-num-draft-tokens "
-                                                         "(num_steps + 1 when topk is 1)")
+    mode: Mode = Field(default="manifest", description="how a promoted drafter reaches the "
+                                                       "servers (see the README, Serving)")
+    num_steps: int = Field(default=3, ge=1, description="--speculative-num-steps")
+    topk: int = Field(default=1, ge=1, description="--speculative-eagle-topk")
+    num_draft_tokens: int = Field(default=4, ge=2, description="--speculative-num-draft-"
+                                                               "tokens (num_steps + 1 when "
+                                                               "topk is 1)")
     restart_command: list[str] = Field(
         default_factory=list, description="sglang-restart/vllm-restart: argv of the restart "
                                           "hook")
@@ -47,12 +51,13 @@ class ServingResource(ConfigurableResource):
         default_factory=list, description="sglang-restart/vllm-restart: argv that restarts "
                                           "the engine without a drafter (used to undo a first "
                                           "promotion)")
-    restart_timeout_s: float = Field(default=900.0, description="sglang-restart: hook timeout")
+    restart_timeout_s: float = Field(default=900.0, gt=0, description="sglang-restart/vllm-"
+                                                                      "restart: hook timeout")
     server_urls: list[str] = Field(
         default_factory=list, description="sglang-hotswap/vllm-reload: base URLs of the "
                                           "servers")
-    hotswap_timeout_s: float = Field(default=120.0, description="sglang-hotswap/vllm-reload: "
-                                                                "per request")
+    hotswap_timeout_s: float = Field(default=120.0, gt=0, description="sglang-hotswap/vllm-"
+                                                                      "reload: per request")
     cache_dir: str | None = Field(
         default=None, description="local drafter copies for restart/hotswap; unset: "
                                   "$AERIE_HOME/serving-cache")
@@ -89,3 +94,9 @@ class ServingResource(ConfigurableResource):
 
             actuator = SglangHotswap(self.server_urls, timeout_s=self.hotswap_timeout_s)
         return LedgerBackend(ledger, settings, actuator, cache_dir=cache)
+
+
+def serving_from_env() -> ServingResource:
+    """Every field from ``AERIE_SERVING_<FIELD>`` where it is set (commands and URLs as JSON
+    lists, URLs also comma-separated)."""
+    return resource_from_env(ServingResource, "AERIE_SERVING_")

@@ -9,13 +9,14 @@ where resumable runs live.
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from dagster import ConfigurableResource
 from pydantic import Field
 
 from pipeline.storage import Storage
 from pipeline.training.config import TrainConfig
+from resources.env import resource_from_env
 from resources.home import aerie_home
 
 if TYPE_CHECKING:  # torch and the training stage load when a drafter is trained
@@ -28,14 +29,18 @@ EXECUTION_FIELDS = ("world_size", "zero_stage", "dtype", "device", "threads")
 class TrainerResource(ConfigurableResource):
     """Builds and runs the core trainer (:func:`pipeline.training.stage.run`)."""
 
-    world_size: int = Field(default=1, description="training processes (ranks)")
-    launcher: str = Field(default="auto", description="auto | python | torchrun | deepspeed "
-                                                      "(auto: python for 1 rank, else torchrun)")
-    zero_stage: int = Field(default=2, description="DeepSpeed ZeRO stage: 0, 1 or 2")
-    dtype: str = Field(default="auto", description="fp32 | bf16 | auto (bf16 on CUDA, else "
-                                                   "fp32; bf16 needs ZeRO 1 or 2)")
-    device: str = Field(default="auto", description="cpu | cuda | auto (cuda when available)")
-    threads: int = Field(default=0, description="torch threads per rank; 0 = torch default")
+    world_size: int = Field(default=1, ge=1, description="training processes (ranks) on this "
+                                                         "host")
+    launcher: Literal["auto", "python", "torchrun", "deepspeed"] = Field(
+        default="auto", description="auto: python for 1 rank, else torchrun")
+    zero_stage: int = Field(default=2, ge=0, le=2, description="DeepSpeed ZeRO stage: 0, 1 "
+                                                               "or 2")
+    dtype: Literal["fp32", "bf16", "auto"] = Field(
+        default="auto", description="auto: bf16 on CUDA, else fp32 (bf16 needs ZeRO 1 or 2)")
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        default="auto", description="auto: cuda when available")
+    threads: int = Field(default=0, ge=0, description="torch threads per rank; 0 = torch "
+                                                      "default")
     work_dir: str | None = Field(default=None, description="resumable runs (checkpoints, "
                                                            "logs); unset: $AERIE_HOME/training")
 
@@ -68,3 +73,8 @@ class TrainerResource(ConfigurableResource):
                                launcher=self.launcher,
                                storage_options=dict(storage.fs.storage_options),
                                on_line=on_line, observer=observer)
+
+
+def trainer_from_env() -> TrainerResource:
+    """Every field from ``AERIE_TRAINER_<FIELD>`` where it is set."""
+    return resource_from_env(TrainerResource, "AERIE_TRAINER_")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -40,7 +41,8 @@ def open_backend(storage: Storage, step: int, kind: str = "hf", *,
                  hf_device: str = "cpu",
                  sglang_aux_urls: Sequence[str] = (), sglang_final_urls: Sequence[str] = (),
                  vllm_urls: Sequence[str] = (), vllm_files_dir: str | None = None,
-                 vllm_server_files_dir: str | None = None) -> Iterator[CaptureBackend]:
+                 vllm_server_files_dir: str | None = None,
+                 client: Mapping[str, Any] | None = None) -> Iterator[CaptureBackend]:
     """The capture backend for ``step``'s policy checkpoint, closed on exit.
 
     ``hf`` loads ``policies/step=NNNNNN/`` in-process (``hf_dtype``: float32 | bfloat16) on
@@ -49,7 +51,9 @@ def open_backend(storage: Storage, step: int, kind: str = "hf", *,
     (an aux-capture server and a final-state server, see ``capture/sglang.py``); H and the
     default aux ids come from the checkpoint's ``config.json``. ``vllm`` talks to vLLM
     servers that write the states as files into ``vllm_files_dir`` (``capture/vllm.py``),
-    with the checkpoint's final norm read from storage.
+    with the checkpoint's final norm read from storage. ``client``: the engine clients'
+    settings (``timeout_s``, ``connect_timeout_s``, ``max_concurrency``, ``max_retries``,
+    ``api_key``; vllm also ``file_timeout_s``), their defaults where absent.
     """
     if kind == "hf":
         from pipeline.capture.hf import hf_backend_for_step
@@ -76,7 +80,8 @@ def open_backend(storage: Storage, step: int, kind: str = "hf", *,
             built = SGLangCaptureConfig(
                 aux_urls=tuple(sglang_aux_urls), final_urls=tuple(sglang_final_urls),
                 hidden_size=int(config["hidden_size"]), aux_layer_ids=ids,
-                num_target_layers=layers, request_token_budget=token_budget).build()
+                num_target_layers=layers, request_token_budget=token_budget,
+                **(client or {})).build()
         else:
             from pipeline.capture.final_norm import load_final_norm
             from pipeline.capture.vllm import VLLMCaptureConfig
@@ -85,7 +90,7 @@ def open_backend(storage: Storage, step: int, kind: str = "hf", *,
                 urls=tuple(vllm_urls), files_dir=vllm_files_dir or "",
                 server_files_dir=vllm_server_files_dir, hidden_size=int(config["hidden_size"]),
                 aux_layer_ids=ids, num_target_layers=layers,
-                final_norm=load_final_norm(storage, step)).build()
+                final_norm=load_final_norm(storage, step), **(client or {})).build()
         with built as backend:
             yield backend
     else:

@@ -4,6 +4,7 @@ Aerie's conventions out of vLLM's, the files cleaned up, and every planted fault
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import sys
@@ -44,10 +45,9 @@ def policy_dir(tmp_path_factory, model):
     return path
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, policy_dir):
-    """One stand-in server: (URL, the directory its files land in)."""
-    files = tmp_path_factory.mktemp("hidden-states")
+@contextlib.contextmanager
+def vllm_stand_in(policy_dir, files, api_key: str | None = None):
+    """The stand-in serving ``policy_dir``, its files in ``files``: yields its URL."""
     port = free_port()
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {
@@ -58,8 +58,18 @@ def server(tmp_path_factory, policy_dir):
     cmd = [sys.executable, "-m", "tests.vllm_contract.capture_server", str(policy_dir),
            "--port", str(port), "--dtype", "float32", "--speculative-config", json.dumps(spec),
            "--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
-    with local_server(cmd, files.parent / "vllm-capture.log", [port], timeout=120):
-        yield f"http://127.0.0.1:{port}", files
+    if api_key is not None:
+        cmd += ["--api-key", api_key]
+    with local_server(cmd, files.parent / f"vllm-capture-{port}.log", [port], timeout=120):
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, policy_dir):
+    """One stand-in server: (URL, the directory its files land in)."""
+    files = tmp_path_factory.mktemp("hidden-states")
+    with vllm_stand_in(policy_dir, files) as url:
+        yield url, files
 
 
 @pytest.fixture

@@ -111,8 +111,8 @@ def test_every_and_window_come_from_the_refresh_policy(dagster_backend):
             "step-000003"
 
 
-def test_policy_reads_the_environment(dagster_backend, monkeypatch):
-
+def test_policy_reads_the_environment(monkeypatch):
+    from resources.env import EnvConfigError
     from resources.refresh import refresh_policy_from_env
 
     monkeypatch.setenv("AERIE_REFRESH_EVERY", "8")
@@ -128,12 +128,11 @@ def test_policy_reads_the_environment(dagster_backend, monkeypatch):
     defaults = refresh_policy_from_env().process_config_and_initialize()
     assert (defaults.window, defaults.stale_after_steps, defaults.max_tau_drop_percent) == (
         4, 8, 10)
-    monkeypatch.setenv("AERIE_REFRESH_EVERY", "0")
-    with instance_for_test(overrides=dagster_backend) as instance, \
-            pytest.raises(Exception) as failed:
-        refresh_sensor(build_sensor_context(instance=instance,
-                                            resources={"refresh": refresh_policy_from_env()}))
-    assert "every must be >= 1, got 0" in str(failed.value.__cause__)
+    monkeypatch.setenv("AERIE_REFRESH_EVERY", "0")  # refused when the definitions load
+    with pytest.raises(EnvConfigError, match=r"AERIE_REFRESH_EVERY \(RefreshPolicyResource"
+                                             r"\.every\): Input should be greater than or "
+                                             r"equal to 1"):
+        refresh_policy_from_env()
 
 
 def test_sensor_waits_while_a_refresh_is_in_flight(dagster_backend):

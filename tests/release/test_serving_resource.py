@@ -34,8 +34,17 @@ def test_restart_and_hotswap_modes(storage, tmp_path, monkeypatch):
     assert hot.settings.eagle_topk == 4
 
 
+def test_the_resource_offers_every_serving_mode():
+    import typing
+
+    from pipeline.release.backend import MODES
+    from resources.serving import Mode
+
+    assert typing.get_args(Mode) == MODES
+
+
 @pytest.mark.parametrize("config,match", [
-    ({"mode": "sglang-resume"}, "not one of"),
+    ({"mode": "sglang-resume"}, "mode\n.*Input should be 'manifest', 'sglang-restart'"),
     ({"mode": "sglang-restart"}, "needs restart_command"),
     ({"mode": "sglang-restart", "restart_command": ["x", "{model}"]}, "unknown placeholders"),
     ({"mode": "sglang-hotswap"}, "at least one server URL"),

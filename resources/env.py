@@ -1,0 +1,112 @@
+"""Resources from the environment, checked when the definitions load.
+
+Every field of a resource built here has a variable, ``<PREFIX><FIELD>`` in upper case
+(``AERIE_CAPTURE_BACKEND`` for ``capture.backend``). A deployment sets the variables on the
+code server and the run workers; each run (sensor, schedule, UI, ``dagster job execute``)
+gets the resource so configured, and run config (``resources: <name>: config:``) still
+overrides field by field.
+
+- Secrets (``secrets=``) become ``EnvVar``s: Dagster resolves them in the run worker, so
+  they never enter run config, the event log, metadata or storage.
+- Every other value is parsed by the field's type (``int``, ``float``, ``bool``, a list as
+  JSON or comma-separated, a ``Literal`` choice) and validated by the resource's
+  constraints now: a bad value stops the code location from loading, with an error that
+  names the variable and the field, instead of failing a run half-way.
+"""
+
+import json
+import os
+import types
+import typing
+from typing import Any, Literal, TypeVar
+
+from dagster import ConfigurableResource, EnvVar
+from pydantic import ValidationError
+
+R = TypeVar("R", bound=ConfigurableResource)
+
+
+class EnvConfigError(ValueError):
+    """A variable whose value its resource field cannot take."""
+
+
+def env_names(cls: type[ConfigurableResource], prefix: str,
+              names: dict[str, str] | None = None) -> dict[str, str]:
+    """Field → variable, for every field of ``cls`` (``names`` overrides the rule)."""
+    return {f: (names or {}).get(f, f"{prefix}{f.upper()}") for f in cls.model_fields}
+
+
+def resource_from_env(cls: type[R], prefix: str, *, secrets: tuple[str, ...] = (),
+                      names: dict[str, str] | None = None,
+                      environ: typing.Mapping[str, str] | None = None) -> R:
+    """``cls`` with the fields whose variables are set (see the module doc)."""
+    environ = os.environ if environ is None else environ
+    variables = env_names(cls, prefix, names)
+    values: dict[str, Any] = {}
+    for name, var in variables.items():
+        if var not in environ:
+            continue
+        if name in secrets:
+            values[name] = EnvVar(var)
+        else:
+            values[name] = parse_value(environ[var], cls.model_fields[name].annotation,
+                                       f"{var} ({cls.__name__}.{name})")
+    try:
+        return cls(**values)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{variables.get(str(err['loc'][0]), err['loc'][0])} "
+            f"({cls.__name__}.{err['loc'][0]}): {err['msg']}" for err in e.errors())
+        raise EnvConfigError(problems) from None
+
+
+def parse_value(text: str, annotation: Any, where: str) -> Any:
+    """``text`` as a value of ``annotation``; :class:`EnvConfigError` naming ``where``."""
+    kind, optional = _unwrap_optional(annotation)
+    if optional and text.strip() == "":
+        return None
+    origin = typing.get_origin(kind)
+    try:
+        if kind is bool:
+            return _boolean(text)
+        if kind in (int, float):
+            return kind(text.strip())
+        if origin is list:
+            (item,) = typing.get_args(kind) or (str,)
+            return [parse_value(str(v), item, where) for v in _items(text)]
+        if origin is Literal:
+            choices = typing.get_args(kind)
+            value = type(choices[0])(text.strip())
+            if value not in choices:
+                raise ValueError(f"not one of {list(choices)}")
+            return value
+    except (ValueError, TypeError) as e:
+        raise EnvConfigError(f"{where}: {text!r} is not a valid value: {e}") from None
+    return text
+
+
+def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return (args[0] if len(args) == 1 else annotation), True
+    return annotation, False
+
+
+def _items(text: str) -> list[Any]:
+    """A JSON list, or comma-separated values."""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        value = json.loads(stripped)
+        if not isinstance(value, list):
+            raise ValueError("expected a JSON list")
+        return value
+    return [part.strip() for part in stripped.split(",") if part.strip()]
+
+
+def _boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")

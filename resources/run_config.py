@@ -1,0 +1,40 @@
+"""Run config a deployment gives the runs the daemon launches.
+
+``AERIE_INGEST_RUN_CONFIG`` (``ingest_step``) and ``AERIE_REFRESH_RUN_CONFIG``
+(``drafter_refresh``) each name a YAML or JSON file of Dagster run config, e.g. the
+evaluation's device and dtype, or training hyper-parameters::
+
+    ops:
+      acceptance_eval:
+        config: {device: cuda, dtype: bfloat16}
+
+It is read when the definitions load and merged over the job's own defaults: it is the
+Launchpad's default and what every sensor and schedule request carries (a request with run
+config of its own is run with that config whole, never the job's default). A missing file,
+bad YAML or anything but a mapping stops the code location from loading, naming the
+variable.
+"""
+
+import os
+from pathlib import Path
+
+from resources.env import EnvConfigError
+
+
+def run_config_from_env(var: str) -> dict:
+    """The run config in the file ``$var`` names; ``{}`` when ``var`` is unset."""
+    path = os.environ.get(var)
+    if not path:
+        return {}
+    import yaml
+
+    try:
+        config = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise EnvConfigError(f"{var}: cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise EnvConfigError(f"{var}: {path} is not YAML or JSON: {e}") from None
+    if not isinstance(config, dict) or not config:
+        raise EnvConfigError(f"{var}: {path} must hold a mapping of run config (ops:, "
+                             f"resources:, ...), got {type(config).__name__}")
+    return config
