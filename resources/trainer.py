@@ -21,6 +21,7 @@ from resources.home import aerie_home
 
 if TYPE_CHECKING:  # torch and the training stage load when a drafter is trained
     from pipeline.training.curve import TrainingObserver
+    from pipeline.training.launch import Launcher
     from pipeline.training.stage import DrafterRefresh
 
 EXECUTION_FIELDS = ("world_size", "zero_stage", "dtype", "device", "threads")
@@ -41,6 +42,14 @@ class TrainerResource(ConfigurableResource):
         default="auto", description="auto: cuda when available")
     threads: int = Field(default=0, ge=0, description="torch threads per rank; 0 = torch "
                                                       "default")
+    hostfile: str | None = Field(
+        default=None, description="deepspeed: ranks on several hosts, a DeepSpeed hostfile "
+                                  "('host slots=N' lines adding up to world_size); needs ssh "
+                                  "+ pdsh between the hosts and work_dir on a shared "
+                                  "filesystem (docs/deploy.md)")
+    master_addr: str | None = Field(
+        default=None, description="with a hostfile: the address the other hosts reach this "
+                                  "one at; unset: this host's name")
     work_dir: str | None = Field(default=None, description="resumable runs (checkpoints, "
                                                            "logs); unset: $AERIE_HOME/training")
 
@@ -58,6 +67,15 @@ class TrainerResource(ConfigurableResource):
         return replace(config, world_size=self.world_size, zero_stage=self.zero_stage,
                        dtype=dtype, device=device, threads=self.threads)
 
+    def launch_with(self) -> "str | Launcher":
+        """The launcher: its name, or with a hostfile the :class:`Launcher` over the hosts."""
+        if not self.hostfile:
+            return self.launcher
+        from pipeline.training.launch import Launcher
+
+        return Launcher("deepspeed" if self.launcher == "auto" else self.launcher,
+                        self.hostfile, self.master_addr)
+
     def work_root(self) -> Path:
         return Path(self.work_dir) if self.work_dir else aerie_home() / "training"
 
@@ -70,7 +88,7 @@ class TrainerResource(ConfigurableResource):
 
         return training_stage.run(storage, step, self.apply(config), work_root=self.work_root(),
                                warm_start=warm_start, serving_name=serving_name,
-                               launcher=self.launcher,
+                               launcher=self.launch_with(),
                                storage_options=dict(storage.fs.storage_options),
                                on_line=on_line, observer=observer)
 

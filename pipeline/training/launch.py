@@ -10,6 +10,10 @@ Invariants:
 - The child gets the parent's environment plus: ``DS_ACCELERATOR=cpu`` on CPU,
   ``OMP_NUM_THREADS`` when threads are fixed, storage options as JSON in
   ``AERIE_TRAIN_STORAGE_OPTIONS`` (never in the spec file).
+- Several hosts: the ``deepspeed`` launcher with a :class:`Launcher` ``hostfile`` (lines
+  ``host slots=N``; the slots must add up to ``world_size``) starts ranks on each host over
+  ssh (pdsh). The remote ranks get the non-secret variables through ``.deepspeed_env`` in
+  the work dir; storage credentials never go there: each host reads its own (``AWS_*``).
 - A failed child raises :class:`TrainingFailed` with the log's tail. The child leads its own
   session; a parent interrupted while waiting kills that process group (the launcher and its
   ranks) before re-raising, so no orphan keeps training.
@@ -21,12 +25,14 @@ import json
 import logging
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +53,41 @@ class TrainingFailed(RuntimeError):
     """The training process exited with an error; the message holds its last log lines."""
 
 
-def training_command(spec_path: Path, world_size: int, launcher: str = "auto",
+@dataclass(frozen=True)
+class Launcher:
+    """How the training processes start: ``kind`` (one of :data:`LAUNCHERS`), and for ranks
+    on several hosts a DeepSpeed ``hostfile`` with the ``master_addr`` the other hosts reach
+    rank 0 at (default: this host's name)."""
+
+    kind: str = "auto"
+    hostfile: str | None = None
+    master_addr: str | None = None
+
+
+def hostfile_slots(path: str | Path) -> dict[str, int]:
+    """The hosts of a DeepSpeed hostfile and their slots (ranks)."""
+    hosts: dict[str, int] = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = re.fullmatch(r"(\S+)\s+slots=(\d+)", line)
+        if match is None or match.group(1) in hosts:
+            raise ValueError(f"hostfile {path}, line {n}: expected 'host slots=N' once per "
+                             f"host, got {line!r}")
+        hosts[match.group(1)] = int(match.group(2))
+    if not hosts:
+        raise ValueError(f"hostfile {path} names no host")
+    return hosts
+
+
+def training_command(spec_path: Path, world_size: int, launcher: str | Launcher = "auto",
                      python: str = sys.executable) -> list[str]:
     """The command line that runs ``spec_path`` with ``world_size`` processes."""
+    if isinstance(launcher, Launcher):
+        if launcher.hostfile:
+            return _hostfile_command(spec_path, world_size, launcher, python)
+        launcher = launcher.kind
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
     if launcher == "auto":
@@ -67,6 +105,29 @@ def training_command(spec_path: Path, world_size: int, launcher: str = "auto",
                 "-m", *entry]
     return [python, "-m", "deepspeed.launcher.runner", "--num_accelerators", str(world_size),
             "--master_addr", "127.0.0.1", "--master_port", port, "--module", *entry]
+
+
+def _hostfile_command(spec_path: Path, world_size: int, launcher: Launcher,
+                      python: str) -> list[str]:
+    if launcher.kind != "deepspeed":
+        raise ValueError(f"a hostfile needs the deepspeed launcher, not {launcher.kind!r}")
+    hosts = hostfile_slots(launcher.hostfile)
+    slots = sum(hosts.values())
+    if slots != world_size:
+        raise ValueError(f"hostfile {launcher.hostfile} has {slots} slots but world_size is "
+                         f"{world_size}: set world_size to the hostfile's slots")
+    import socket
+
+    # one host: DeepSpeed launches locally, so its ssh reachability check has nothing to do
+    local = ["--no_ssh_check"] if len(hosts) == 1 else []
+    return [python, "-m", "deepspeed.launcher.runner", "--hostfile", str(launcher.hostfile),
+            *local, "--master_addr", launcher.master_addr or socket.gethostname(),
+            "--master_port", str(free_port()), "--module", "pipeline.training.worker",
+            "--spec", str(spec_path)]
+
+
+# what ranks on other hosts get through .deepspeed_env (never the storage options)
+REMOTE_ENV = ("PYTHONPATH", "DS_ACCELERATOR", "OMP_NUM_THREADS", CACHE_ENV)
 
 
 def child_environment(spec: TrainSpec, storage_options: Mapping[str, Any] | None,
@@ -88,7 +149,7 @@ def child_environment(spec: TrainSpec, storage_options: Mapping[str, Any] | None
 class TrainingProcess:
     """A started training run; :meth:`wait` streams its log and returns its result."""
 
-    def __init__(self, spec: TrainSpec, *, launcher: str = "auto",
+    def __init__(self, spec: TrainSpec, *, launcher: str | Launcher = "auto",
                  storage_options: Mapping[str, Any] | None = None,
                  cache: Mapping[str, Any] | None = None,
                  on_line: Callable[[str], None] | None = None,
@@ -100,6 +161,10 @@ class TrainingProcess:
         spec_path.write_text(to_json(spec))
         (self.work_dir / RESULT_NAME).unlink(missing_ok=True)
         self.command = training_command(spec_path, spec.config.world_size, launcher)
+        env = child_environment(spec, storage_options, cache)
+        if isinstance(launcher, Launcher) and launcher.hostfile:
+            (self.work_dir / ".deepspeed_env").write_text("".join(
+                f"{k}={env[k]}\n" for k in REMOTE_ENV if k in env))
         self.on_line = on_line
         self.on_metrics = on_metrics
         self.log_path = self.work_dir / LOG_NAME
@@ -107,7 +172,7 @@ class TrainingProcess:
         self._lines: queue.Queue[str | None] = queue.Queue()
         self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env=child_environment(spec, storage_options, cache),
+                                     env=env,
                                      cwd=str(self.work_dir), start_new_session=True)
         # Drained from the start, so a full pipe never blocks the child, even if nobody waits.
         self._pump = threading.Thread(target=self._drain, daemon=True)
@@ -159,7 +224,7 @@ class TrainingProcess:
         self._pump.join(timeout=30)
 
 
-def launch(spec: TrainSpec, *, launcher: str = "auto",
+def launch(spec: TrainSpec, *, launcher: str | Launcher = "auto",
            storage_options: Mapping[str, Any] | None = None,
            cache: Mapping[str, Any] | None = None,
            on_line: Callable[[str], None] | None = None,

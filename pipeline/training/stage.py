@@ -52,7 +52,7 @@ from pipeline.snapshot.policy import load_policy_ref
 from pipeline.storage import Storage, StorageError
 from pipeline.training.config import TrainConfig
 from pipeline.training.curve import TrainingObserver, display_points, read_curve, write_curve
-from pipeline.training.launch import launch
+from pipeline.training.launch import Launcher, launch
 from pipeline.training.spec import TrainResult, TrainSpec
 from pipeline.verified import fetch
 from pipeline.vocab.stage import load_window_vocab
@@ -154,7 +154,7 @@ def plan(storage: Storage, step: int, config: TrainConfig, work_root: Path,
 
 def run(storage: Storage, step: int, config: TrainConfig, *, work_root: Path,
         warm_start: str = "previous", serving_name: str | None = None,
-        launcher: str = "auto", storage_options: Mapping[str, Any] | None = None,
+        launcher: str | Launcher = "auto", storage_options: Mapping[str, Any] | None = None,
         on_line: Callable[[str], None] | None = None,
         observer: TrainingObserver | None = None) -> DrafterRefresh:
     """Train, export and publish the drafter of refresh step ``step``; ``observer`` follows

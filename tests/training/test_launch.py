@@ -71,3 +71,43 @@ def test_each_logged_step_reaches_on_metrics_while_the_run_trains(vocab_storage,
     for m in metrics:
         assert m == by_step[m["step"]]  # JSON keeps every float digit
     assert lines and not [line for line in lines if METRICS_MARKER in line]
+
+
+def test_a_hostfile_spreads_the_ranks_over_its_hosts(tmp_path):
+    from pipeline.training.launch import Launcher, hostfile_slots
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# the GPU hosts\ngpu-1 slots=8\ngpu-2 slots=8  # second\n")
+    assert hostfile_slots(hostfile) == {"gpu-1": 8, "gpu-2": 8}
+    spec = tmp_path / "spec.json"
+    cmd = training_command(spec, 16, Launcher("deepspeed", str(hostfile), "10.0.0.1"))
+    assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"]
+    assert cmd[cmd.index("--hostfile") + 1] == str(hostfile)
+    assert cmd[cmd.index("--master_addr") + 1] == "10.0.0.1"
+    assert "--num_accelerators" not in cmd and cmd[-3:] == ["pipeline.training.worker",
+                                                             "--spec", str(spec)]
+    assert "--no_ssh_check" not in cmd  # two hosts: DeepSpeed checks ssh reaches them
+    with pytest.raises(ValueError, match="16 slots but world_size is 8"):
+        training_command(spec, 8, Launcher("deepspeed", str(hostfile)))
+    with pytest.raises(ValueError, match="needs the deepspeed launcher"):
+        training_command(spec, 16, Launcher("torchrun", str(hostfile)))
+    hostfile.write_text("gpu-1 slots=8\ngpu-1 slots=8\n")
+    with pytest.raises(ValueError, match="line 2: expected 'host slots=N' once per host"):
+        hostfile_slots(hostfile)
+
+
+def test_a_run_over_a_hostfile_trains_and_keeps_secrets_off_the_remote_env(vocab_storage,
+                                                                          tmp_path):
+    """One host (localhost) in the hostfile: DeepSpeed's runner launches locally, through
+    the same hostfile path a cluster uses; the ranks' environment file holds no secret."""
+    from pipeline.training.launch import Launcher
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n")
+    spec = plan(vocab_storage, STEP, replace(FAST, max_steps=2), tmp_path, "none")
+    result = launch(spec, launcher=Launcher("deepspeed", str(hostfile), "127.0.0.1"),
+                    storage_options={"key": "id", "secret": "s3cr3t-sentinel"})
+    assert result.steps == 2 and result.world_size == 1
+    remote = (Path(spec.work_dir) / ".deepspeed_env").read_text()
+    assert "DS_ACCELERATOR=cpu" in remote and "PYTHONPATH=" in remote
+    assert "s3cr3t-sentinel" not in remote and STORAGE_OPTIONS_ENV not in remote
