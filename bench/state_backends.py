@@ -11,7 +11,7 @@ For each backend, ``--workers`` processes at once (as run workers on several hos
 
 It counts the operations that failed with SQLite's ``database is locked`` (and any other
 error, by type) and the wall time. PostgreSQL is Debian's server, started on 127.0.0.1 for
-the run (``tests/postgres.py``); SQLite files live in a temporary directory.
+the run (``bench/local_postgres.py``); SQLite files live in a temporary directory.
 
     python bench/state_backends.py --json /tmp/bench/state_backends.json
 """
@@ -42,9 +42,18 @@ def _classify(errors: list[str]) -> dict[str, int]:
     return counts
 
 
+def lineage(fingerprint: str, step: int) -> dict:
+    """A complete lineage record of a registered drafter (what a refresh records)."""
+    return {"fingerprint": fingerprint, "drafter_uri": f"file:///d/{fingerprint}",
+            "rl_step": step, "rl_step_window": [step - 1, step],
+            "policy_uri": f"file:///policy/{step}", "policy_sha256": "ab" * 32,
+            "shard_manifest_sha256": {str(step): f"{step:064x}"},
+            "aux_layer_ids": [1, 3, 4], "vocab_mapping_key": "cd" * 32, "tau": 2.5,
+            "alpha": [0.8, 0.6, 0.4], "dagster_run_id": "bench"}
+
+
 def registry_worker(job: dict) -> dict:
     from pipeline.release.mlflow_registry import DrafterRegistry
-    from tests.release.helpers import lineage
 
     registry = DrafterRegistry.connect(job["tracking"], job["family"],
                                        artifact_location=job["artifacts"])
@@ -53,8 +62,7 @@ def registry_worker(job: dict) -> dict:
         try:
             fingerprint = uuid.uuid4().hex
             version = registry.register(None, f"file:///drafters/{fingerprint}",
-                                        lineage(fingerprint, f"file:///d/{fingerprint}",
-                                                step=10 + i)).version.version
+                                        lineage(fingerprint, 10 + i)).version.version
             registry.set_tags(version, {"bench": job["worker"]})
             registry.set_alias(f"w{job['worker']}", version)
             registry.find_version(fingerprint)
@@ -137,8 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", type=int, default=50)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    from bench.local_postgres import PostgresServer
     from pipeline.release.mlflow_registry import DrafterRegistry
-    from tests.postgres import PostgresServer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

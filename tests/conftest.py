@@ -75,7 +75,7 @@ def moto_endpoint(tmp_path_factory) -> str:
 def postgres():
     """A real PostgreSQL server on 127.0.0.1 for the session (tests take their own database
     with ``postgres.new_database()``), stopped by PID at the end."""
-    from tests.postgres import PostgresServer, postgres_bin
+    from bench.local_postgres import PostgresServer, postgres_bin
 
     try:
         postgres_bin("postgres")

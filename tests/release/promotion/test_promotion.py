@@ -253,3 +253,27 @@ def test_reconciling_a_lagging_alias_keeps_the_rollback_chain(
     assert sqlite_registry.get_version(v2).tags[PREVIOUS_CHAMPION] == v1
     assert rollback(sqlite_registry, serving, actor="ops", reason="r").version == v1
     assert served_version(serving) == v1 == sqlite_registry.alias(CHAMPION)
+
+
+def test_an_undo_never_overwrites_someone_elses_update(sqlite_registry, storage, serving,
+                                                      champion_v1, drafter_dirs, monkeypatch):
+    """The alias move fails after another writer changed serving (a promoter without the
+    lock): the undo refuses rather than put the old drafter back over that update."""
+    from pipeline.release.promotion import serving_target
+
+    registry, (v1, v2) = sqlite_registry, champion_v1
+    v3 = register(registry, storage, drafter_dirs[2], 30)
+    real = registry.set_alias
+
+    def interleaved(alias, version):
+        if alias != CHAMPION:
+            return real(alias, version)
+        serving.apply(serving_target(registry.get_version(v3)), reason="another writer")
+        raise ConnectionError("registry went away")
+
+    monkeypatch.setattr(registry, "set_alias", interleaved)
+    with pytest.raises(PromotionError, match="serving moved on from this promotion's "
+                                             "manifest 2 to 3"):
+        promote(registry, serving, v2, gate(2.5, summary(2.0, v1)))
+    assert served_version(serving) == v3  # the other writer's update stands
+    assert len(serving.ledger.history()) == 3

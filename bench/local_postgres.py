@@ -1,9 +1,9 @@
-"""A real PostgreSQL server for the tests: Debian's ``postgresql`` binaries, a fresh cluster
-in a temporary directory, listening on 127.0.0.1 only, stopped by PID.
+"""A real PostgreSQL server for the tests and benchmarks: Debian's ``postgresql`` binaries,
+a fresh cluster in a temporary directory, listening on 127.0.0.1 only, stopped by PID.
 
 PostgreSQL refuses to run as root; under root (CI's machines) ``initdb`` and ``postgres`` run
 as the ``postgres`` user the Debian package creates. Durability is switched off (``fsync``,
-``full_page_writes``): the cluster lives for one test session.
+``full_page_writes``): the cluster lives for one test session or one benchmark.
 """
 
 from __future__ import annotations
