@@ -38,16 +38,21 @@ def env_names(cls: type[ConfigurableResource], prefix: str,
 
 def resource_from_env(cls: type[R], prefix: str, *, secrets: tuple[str, ...] = (),
                       names: dict[str, str] | None = None,
-                      environ: typing.Mapping[str, str] | None = None) -> R:
-    """``cls`` with the fields whose variables are set (see the module doc)."""
+                      environ: typing.Mapping[str, str] | None = None,
+                      outside_dagster: bool = False) -> R:
+    """``cls`` with the fields whose variables are set (see the module doc).
+    ``outside_dagster`` (the ``aerie`` command, which builds resources itself): secrets are
+    read as values, since nothing resolves an ``EnvVar`` there."""
     environ = os.environ if environ is None else environ
     variables = env_names(cls, prefix, names)
     values: dict[str, Any] = {}
     for name, var in variables.items():
         if var not in environ:
             continue
-        if name in secrets:
+        if name in secrets and not outside_dagster:
             values[name] = EnvVar(var)
+        elif name in secrets:
+            values[name] = environ[var]
         else:
             values[name] = parse_value(environ[var], cls.model_fields[name].annotation,
                                        f"{var} ({cls.__name__}.{name})")

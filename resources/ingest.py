@@ -2,18 +2,19 @@
 ``AERIE_INGEST_*`` in Dagster, from flags on the command line."""
 
 import json
-import os
 from pathlib import Path
 
-from dagster import ConfigurableResource, EnvVar
+from dagster import ConfigurableResource
 from pydantic import Field
 
 from pipeline.adapters.frameworks import FRAMEWORKS
+from resources.env import resource_from_env
 
 _ENV = {"framework": "AERIE_INGEST_FRAMEWORK", "directory": "AERIE_INGEST_DIR",
         "initial_policy": "AERIE_INGEST_INITIAL_POLICY",
         "checkpoints": "AERIE_INGEST_CHECKPOINTS", "pattern": "AERIE_INGEST_PATTERN",
-        "sampling": "AERIE_INGEST_SAMPLING"}
+        "sampling": "AERIE_INGEST_SAMPLING", "settle_s": "AERIE_INGEST_SETTLE_S",
+        "allow_multi_turn_text": "AERIE_INGEST_ALLOW_MULTI_TURN_TEXT"}
 
 
 class IngestResource(ConfigurableResource):
@@ -53,4 +54,5 @@ class IngestResource(ConfigurableResource):
 
 
 def ingest_from_env() -> IngestResource:
-    return IngestResource(**{f: EnvVar(v) for f, v in _ENV.items() if v in os.environ})
+    """Every field from its ``AERIE_INGEST_*`` variable where it is set, checked now."""
+    return resource_from_env(IngestResource, "", names=_ENV)

@@ -19,10 +19,11 @@ environment already says otherwise, and exports ``s3_endpoint_url`` as
 import os
 from pathlib import Path
 
-from dagster import ConfigurableResource, EnvVar
+from dagster import ConfigurableResource
 from pydantic import Field
 
 from pipeline.release.mlflow_registry import DrafterRegistry, model_name
+from resources.env import resource_from_env
 from resources.home import aerie_home
 
 _ENV = {
@@ -34,7 +35,10 @@ _ENV = {
     "ui_url": "AERIE_MLFLOW_UI_URL",
     "dagster_ui_url": "AERIE_DAGSTER_UI_URL",
     "lock_url": "AERIE_PROMOTION_LOCK_URL",
+    "lock_dir": "AERIE_PROMOTION_LOCK_DIR",
+    "lock_timeout_s": "AERIE_PROMOTION_LOCK_TIMEOUT_S",
 }
+_SECRETS = ("tracking_uri", "registry_uri", "lock_url")  # database URLs may hold a password
 
 
 def mlflow_home() -> Path:
@@ -151,12 +155,13 @@ def target_family_from_env() -> str:
 
 
 def mlflow_from_env() -> MlflowResource:
-    """A resource whose fields are ``EnvVar``s for the variables that are set (values are
-    resolved by Dagster at run time, never copied into run config)."""
-    return MlflowResource(**{f: EnvVar(v) for f, v in _ENV.items() if v in os.environ})
+    """A resource configured by the variables that are set; the URLs that may carry a
+    password as ``EnvVar``s (resolved by Dagster at run time, never copied into run
+    config)."""
+    return resource_from_env(MlflowResource, "", names=_ENV, secrets=_SECRETS)
 
 
 def mlflow_from_environment() -> DrafterRegistry:
     """The same registry built outside Dagster (the CLI), values read from the environment."""
-    return MlflowResource(**{f: os.environ[v] for f, v in _ENV.items()
-                             if v in os.environ}).build()
+    return resource_from_env(MlflowResource, "", names=_ENV, secrets=_SECRETS,
+                             outside_dagster=True).build()

@@ -1,12 +1,12 @@
 """The storage resource: turns configuration and environment into a :class:`Storage`."""
 
 
-import os
 
-from dagster import ConfigurableResource, EnvVar, Failure, InitResourceContext
+from dagster import ConfigurableResource, Failure, InitResourceContext
 from pydantic import Field
 
 from pipeline.storage import Storage, StorageAccessError
+from resources.env import resource_from_env
 from resources.home import aerie_home, default_storage_url
 
 _ENV = {
@@ -17,6 +17,7 @@ _ENV = {
     "cache_dir": "AERIE_CACHE_DIR",
     "cache_max_gb": "AERIE_CACHE_MAX_GB",
 }
+_SECRETS = ("access_key_id", "secret_access_key")
 
 # what to change, per StorageAccessError.cause (the variables, and the resource's fields)
 _FIX = {
@@ -79,19 +80,17 @@ class StorageResource(ConfigurableResource):
 
 
 def storage_from_env() -> StorageResource:
-    """A resource whose fields are ``EnvVar``s for the variables that are set.
-
-    Only the presence of variables is looked at here; Dagster resolves the values at run
-    time, so secrets never enter run config, logs or metadata.
-    """
-    return StorageResource(**{f: EnvVar(v) for f, v in _ENV.items() if v in os.environ})
+    """A resource configured by the variables that are set; the S3 key id and secret as
+    ``EnvVar``s, resolved by Dagster at run time, so they never enter run config, logs or
+    metadata."""
+    return resource_from_env(StorageResource, "", names=_ENV, secrets=_SECRETS)
 
 
 def storage_from_environment() -> Storage:
     """The same storage, built outside Dagster (the CLI): values read from the environment;
     an unusable root is a :class:`StorageAccessError` naming the variables to set."""
-    return StorageResource(**{f: os.environ[v] for f, v in _ENV.items()
-                              if v in os.environ}).checked()
+    return resource_from_env(StorageResource, "", names=_ENV, secrets=_SECRETS,
+                             outside_dagster=True).checked()
 
 
 def _gigabytes(text: str) -> int:

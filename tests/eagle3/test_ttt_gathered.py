@@ -46,7 +46,9 @@ def loss_and_grads(model, batch: TTTBatch, needs=None):
 
 
 def assert_same_loss_and_grads(a, b) -> None:
-    """Loss, metrics and every gradient equal to fp32 rounding (relative 1e-6)."""
+    """Loss, metrics and every gradient equal to fp32 rounding: relative 1e-6, and for
+    gradients within 2e-6 of their largest element (summation order differs with the CPU's
+    SIMD width: 8.9e-7 · max seen on one Xeon, a few ulps; a wrong gather is far off)."""
     (loss_a, metrics_a, grads_a), (loss_b, metrics_b, grads_b) = a, b
     assert metrics_a.count == metrics_b.count
     assert metrics_a.accuracy == metrics_b.accuracy
@@ -54,7 +56,7 @@ def assert_same_loss_and_grads(a, b) -> None:
     assert metrics_a.step_loss == pytest.approx(metrics_b.step_loss, rel=1e-6, abs=0)
     for name, g in grads_a.items():
         scale = g.abs().max().item()
-        torch.testing.assert_close(g, grads_b[name], rtol=1e-6, atol=1e-6 * scale,
+        torch.testing.assert_close(g, grads_b[name], rtol=1e-6, atol=2e-6 * scale,
                                    msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 

@@ -139,9 +139,10 @@ def test_the_readme_lists_every_variable():
                    "")
         missing += [f"{prefix}: {field}" for field in env_names(cls, prefix)
                     if not re.search(rf"`{field}`", row)]
-    for var in ("AERIE_REFRESH_RUN_CONFIG", "AERIE_INGEST_RUN_CONFIG",
-                "AERIE_PROMOTION_LOCK_URL"):
-        if f"`{var}`" not in section:
+    named = [v for module in ("storage", "mlflow", "ingest", "refresh")
+             for v in importlib.import_module(f"resources.{module}")._ENV.values()]
+    for var in ("AERIE_REFRESH_RUN_CONFIG", "AERIE_INGEST_RUN_CONFIG", *named):
+        if f"`{var}`" not in readme:
             missing.append(var)
     assert missing == []
 

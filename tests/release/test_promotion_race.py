@@ -122,6 +122,7 @@ def violations(world, outcomes: list[dict]) -> list[str]:
 @pytest.mark.slow
 def test_eight_promoters_on_postgres_have_exactly_one_winner(world, tmp_path):
     outcomes = race(world, tmp_path, per_host_files=False)
+    print("lease:", sorted(o["action"] for o in outcomes))
     assert violations(world, outcomes) == []
     assert sorted(o["action"] for o in outcomes) == ["promoted"] + ["refused"] * 7
     winner = next(o["version"] for o in outcomes if o["action"] == "promoted")
@@ -136,7 +137,9 @@ def test_eight_promoters_on_postgres_have_exactly_one_winner(world, tmp_path):
 @pytest.mark.slow
 def test_the_race_catches_per_host_locks(world, tmp_path):
     """The planted bug (a lock file per host): the same race finds the violations."""
-    found = violations(world, race(world, tmp_path, per_host_files=True))
+    outcomes = race(world, tmp_path, per_host_files=True)
+    found = violations(world, outcomes)
+    print("per-host files:", sorted(o["action"] for o in outcomes), found)
     assert any("serving updates were applied" in v for v in found), found
     assert len(found) >= 2, found  # and the records show it: lost or corrupt updates
 
