@@ -2,8 +2,10 @@
 a fresh cluster in a temporary directory, listening on 127.0.0.1 only, stopped by PID.
 
 PostgreSQL refuses to run as root; under root (CI's machines) ``initdb`` and ``postgres`` run
-as the ``postgres`` user the Debian package creates. Durability is switched off (``fsync``,
-``full_page_writes``): the cluster lives for one test session or one benchmark.
+as the ``postgres`` user the Debian package creates. The superuser (``aerie``) connects over
+TCP without a password; every other role must give its password (SCRAM), as on a real
+server. Durability is switched off (``fsync``, ``full_page_writes``): the cluster lives for
+one test session or one benchmark.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ class PostgresServer:
         subprocess.run([postgres_bin("initdb"), "-D", str(data), "-U", SUPERUSER,
                         "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C"],
                        check=True, capture_output=True, **self._as)
+        # the superuser connects without a password; every other role needs its own
+        (data / "pg_hba.conf").write_text(
+            f"local all all trust\nhost all {SUPERUSER} 127.0.0.1/32 trust\n"
+            f"host all all 127.0.0.1/32 scram-sha-256\n")
         self.log = open(self.root / "server.log", "wb")
         self.proc = subprocess.Popen(
             [postgres_bin("postgres"), "-D", str(data), "-h", "127.0.0.1",

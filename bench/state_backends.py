@@ -4,8 +4,10 @@ PostgreSQL (a multi-host deployment), side by side in one run.
 For each backend, ``--workers`` processes at once (as run workers on several hosts would):
 
 - **registry**: ``--registry-ops`` MLflow registry operations in all, each a new model
-  version with lineage tags, a tag write, an alias move and a search (the calls a refresh
-  and a promotion make), through :class:`~pipeline.release.mlflow_registry.DrafterRegistry`;
+  version with lineage tags (under the promotion lock: a lock file for SQLite, the
+  PostgreSQL lease for PostgreSQL, as each is deployed), a tag write, an alias move and a
+  search (the calls a refresh and a promotion make), through
+  :class:`~pipeline.release.mlflow_registry.DrafterRegistry`;
 - **runs**: ``--runs`` Dagster runs in all (a 3-op job that logs and materializes an
   asset), ``execute_in_process`` against one instance.
 
@@ -56,7 +58,8 @@ def registry_worker(job: dict) -> dict:
     from pipeline.release.mlflow_registry import DrafterRegistry
 
     registry = DrafterRegistry.connect(job["tracking"], job["family"],
-                                       artifact_location=job["artifacts"])
+                                       artifact_location=job["artifacts"],
+                                       lock_url=job["lock_url"], lock_path=job["lock_path"])
     done, errors = 0, []
     for i in range(job["ops"]):
         try:
@@ -165,7 +168,10 @@ def main(argv: list[str] | None = None) -> None:
                     .ensure_model()  # the schema, once, before the load
                 registry = measure(pool, registry_worker, [
                     {"tracking": tracking, "family": family, "artifacts": artifacts,
-                     "ops": n, "worker": w}
+                     "ops": n, "worker": w,
+                     # the promotion lock of each deployment: a file on one host, the lease
+                     "lock_path": str(root / name / "promotion.lock"),
+                     "lock_url": tracking if name == "postgres" else None}
                     for w, n in enumerate(_spread(args.registry_ops, args.workers))])
                 from dagster import DagsterInstance
 

@@ -11,7 +11,8 @@ overrides field by field.
 - Every other value is parsed by the field's type (``int``, ``float``, ``bool``, a list as
   JSON or comma-separated, a ``Literal`` choice) and validated by the resource's
   constraints now: a bad value stops the code location from loading, with an error that
-  names the variable and the field, instead of failing a run half-way.
+  names the variable and the field, instead of failing a run half-way. Checks that need a
+  secret's value or a server (a storage root, URLs to reach) run when a run starts.
 """
 
 import json
@@ -32,8 +33,13 @@ class EnvConfigError(ValueError):
 
 def env_names(cls: type[ConfigurableResource], prefix: str,
               names: dict[str, str] | None = None) -> dict[str, str]:
-    """Field → variable, for every field of ``cls`` (``names`` overrides the rule)."""
-    return {f: (names or {}).get(f, f"{prefix}{f.upper()}") for f in cls.model_fields}
+    """Field → variable, for every field of ``cls`` (``names`` overrides the rule; without
+    a prefix every field must be named)."""
+    names = names or {}
+    unnamed = [f for f in cls.model_fields if f not in names]
+    if not prefix and unnamed:
+        raise TypeError(f"{cls.__name__}: fields {unnamed} have no variable")
+    return {f: names.get(f, f"{prefix}{f.upper()}") for f in cls.model_fields}
 
 
 def resource_from_env(cls: type[R], prefix: str, *, secrets: tuple[str, ...] = (),
@@ -59,10 +65,15 @@ def resource_from_env(cls: type[R], prefix: str, *, secrets: tuple[str, ...] = (
     try:
         return cls(**values)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{variables.get(str(err['loc'][0]), err['loc'][0])} "
-            f"({cls.__name__}.{err['loc'][0]}): {err['msg']}" for err in e.errors())
+        problems = "; ".join(_problem(cls, variables, err) for err in e.errors())
         raise EnvConfigError(problems) from None
+
+
+def _problem(cls: type, variables: dict[str, str], err: Any) -> str:
+    if not err["loc"]:  # a check of several fields together
+        return f"{cls.__name__}: {err['msg']}"
+    field = str(err["loc"][0])
+    return f"{variables.get(field, field)} ({cls.__name__}.{field}): {err['msg']}"
 
 
 def parse_value(text: str, annotation: Any, where: str) -> Any:

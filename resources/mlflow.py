@@ -16,8 +16,10 @@ environment already says otherwise, and exports ``s3_endpoint_url`` as
 """
 
 
+import logging
 import os
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from dagster import ConfigurableResource
 from pydantic import Field
@@ -38,6 +40,7 @@ _ENV = {
     "lock_dir": "AERIE_PROMOTION_LOCK_DIR",
     "lock_timeout_s": "AERIE_PROMOTION_LOCK_TIMEOUT_S",
 }
+log = logging.getLogger(__name__)
 _SECRETS = ("tracking_uri", "registry_uri", "lock_url")  # database URLs may hold a password
 
 
@@ -82,9 +85,11 @@ class MlflowResource(ConfigurableResource):
     def mlflow_ui(self) -> str:
         if self.ui_url:
             return self.ui_url.rstrip("/")
-        tracking = self.resolved_tracking_uri()
-        return tracking.rstrip("/") if tracking.startswith(("http://", "https://")) \
-            else "http://127.0.0.1:5000"
+        tracking = urlsplit(self.resolved_tracking_uri())
+        if tracking.scheme not in ("http", "https"):
+            return "http://127.0.0.1:5000"
+        host = tracking.netloc.rpartition("@")[2]  # never a user:password into a link
+        return urlunsplit(tracking._replace(netloc=host)).rstrip("/")
 
     def run_link(self, experiment_id: str, run_id: str) -> str:
         """The MLflow UI page of a run (the model-training view of its experiment)."""
@@ -137,14 +142,20 @@ class MlflowResource(ConfigurableResource):
 
     def resolved_lock_url(self) -> str | None:
         """The lease's database: ``lock_url``, else a PostgreSQL tracking store's (its
-        SQLAlchemy driver suffix dropped: the lease speaks libpq)."""
+        SQLAlchemy driver suffix dropped: the lease speaks libpq). The value never appears
+        in an error: it may hold a password."""
         url = self.lock_url or self.resolved_tracking_uri()
         scheme, sep, rest = url.partition("://")
         if sep and scheme.split("+")[0] in ("postgresql", "postgres"):
             return f"postgresql://{rest}"
         if self.lock_url:
+            got = f"scheme {scheme!r}" if sep else "no URL scheme"
             raise ValueError(f"lock_url / AERIE_PROMOTION_LOCK_URL must be a postgresql:// "
-                             f"URL, got one with scheme {scheme!r}")
+                             f"URL, got {got}")
+        if url.startswith(("http://", "https://")):
+            log.warning("promotions are locked on this host only: MLflow is a server and "
+                        "AERIE_PROMOTION_LOCK_URL is not set; set it to a PostgreSQL "
+                        "database every promoting host reaches (docs/deploy.md)")
         return None
 
 

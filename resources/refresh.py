@@ -5,8 +5,8 @@ steps of hidden-state shards storage keeps (``retain_steps``, applied by ``stora
 after each refresh)."""
 
 
-from dagster import ConfigurableResource, InitResourceContext
-from pydantic import Field
+from dagster import ConfigurableResource
+from pydantic import Field, model_validator
 
 from resources.env import resource_from_env
 
@@ -37,11 +37,13 @@ class RefreshPolicyResource(ConfigurableResource):
                                "many (never a step a queued or running refresh reads); 0 "
                                "keeps everything, else at least the window K")
 
-    def setup_for_execution(self, context: InitResourceContext) -> None:
+    @model_validator(mode="after")
+    def _retention_keeps_the_window(self) -> "RefreshPolicyResource":
         if 0 < self.retain_steps < self.window:
             raise ValueError(f"refresh policy: retain_steps {self.retain_steps} would delete "
                              f"steps the next refresh's window of {self.window} reads: set it "
                              f"to 0 (keep everything) or >= window")
+        return self
 
 
 def refresh_policy_from_env() -> RefreshPolicyResource:

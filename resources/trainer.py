@@ -30,8 +30,9 @@ EXECUTION_FIELDS = ("world_size", "zero_stage", "dtype", "device", "threads")
 class TrainerResource(ConfigurableResource):
     """Builds and runs the core trainer (:func:`pipeline.training.stage.run`)."""
 
-    world_size: int = Field(default=1, ge=1, description="training processes (ranks) on this "
-                                                         "host")
+    world_size: int = Field(default=1, ge=1, description="training processes (ranks): on "
+                                                         "this host, or the hostfile's "
+                                                         "slots")
     launcher: Literal["auto", "python", "torchrun", "deepspeed"] = Field(
         default="auto", description="auto: python for 1 rank, else torchrun")
     zero_stage: int = Field(default=2, ge=0, le=2, description="DeepSpeed ZeRO stage: 0, 1 "
@@ -48,8 +49,9 @@ class TrainerResource(ConfigurableResource):
                                   "+ pdsh between the hosts and work_dir on a shared "
                                   "filesystem (docs/deploy.md)")
     master_addr: str | None = Field(
-        default=None, description="with a hostfile: the address the other hosts reach this "
-                                  "one at; unset: this host's name")
+        default=None, description="with a hostfile of several hosts: the address of its "
+                                  "first host (rank 0) as the others reach it; unset: "
+                                  "DeepSpeed resolves it")
     work_dir: str | None = Field(default=None, description="resumable runs (checkpoints, "
                                                            "logs); unset: $AERIE_HOME/training")
 

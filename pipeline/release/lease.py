@@ -13,21 +13,24 @@ Invariants:
 
 - **Exclusion and liveness**: the holder keeps a session-level advisory lock
   (``pg_try_advisory_lock`` on a key derived from the model name) on a connection of its
-  own for as long as it holds the lease. A holder that dies, or whose session the server
-  ends, releases it at once: no expiry to wait out, no clock involved.
+  own for as long as it holds the lease. A holder process that dies closes that connection
+  and releases the lease at once. A host that crashes or drops off the network holds it
+  until the server notices the session is gone: the session asks the server to probe it
+  after 30 s of silence (TCP keepalives every 10 s, 3 probes), about a minute in all. No
+  clock is involved. Not through a pooler in transaction mode (PgBouncer): session locks
+  need the session.
 - **Fencing token**: each acquisition raises the lease row's ``token``
   (``aerie_promotion_lease``) to ``max(token + 1, the database's clock in ms)``, so tokens
   only grow, even across a re-created table.
-- **Fenced writes**: every write made under the lease runs inside :meth:`fenced`, a
-  transaction that row-locks the lease and goes on only while the row still holds this
-  holder's token and its session is alive. A holder whose session was lost (and whose lease
-  another promoter may hold now) gets :class:`LeaseLost` before it writes. The serving
-  ledger also keeps the token of each manifest and refuses a lower one
-  (:meth:`~pipeline.release.ledger.ServingLedger.publish`).
-- What no lock can undo: a write already sent when the holder's session ends may land after
-  the next holder's writes. The row lock spans each write, so that takes the session ending
-  during the write itself; the ledger's token check then still refuses any later write of
-  the stale holder.
+- **Fenced writes**: every write made under the lease runs inside :meth:`fenced`, which
+  first reads the lease row on the holder's own session: a session that ended (so that
+  another promoter may hold the lease now) or a token that moved on is :class:`LeaseLost`,
+  before anything is written. The serving ledger also keeps the token of each manifest and
+  refuses a lower one (:meth:`~pipeline.release.ledger.ServingLedger.publish`).
+- What no lock can undo: a write already under way when the holder's session ends (a
+  restart hook of several minutes, say) may finish after the next holder's writes. The
+  next holder cannot start before the server ended the old session, and the ledger's token
+  check refuses every later write of the stale holder.
 - Waits at most ``timeout_s`` (polling), then raises
   :class:`~pipeline.release.lock.LockTimeout` naming the holder.
 - The connection URL may carry a password: it is never logged or put in an error (libpq's
@@ -57,6 +60,23 @@ _TAKE = (f"INSERT INTO {TABLE} (name, token, holder, acquired_at) VALUES "
          f" holder = EXCLUDED.holder, acquired_at = EXCLUDED.acquired_at RETURNING token")
 
 
+# the server probes an idle lease session after 30 s (TCP keepalives every 10 s, 3 probes),
+# so a host that crashed or dropped off the network releases the lease in about a minute
+_SERVER_SIDE_PROBES = ("-c tcp_keepalives_idle=30 -c tcp_keepalives_interval=10 "
+                       "-c tcp_keepalives_count=3")
+
+
+def _create_table(cur) -> None:
+    """The lease table, once per database; a promoter of another model creating it at the
+    same moment is no error."""
+    import psycopg2
+
+    try:
+        cur.execute(_CREATE)
+    except psycopg2.errors.UniqueViolation:  # the concurrent CREATE won: the table is there
+        pass
+
+
 class LeaseUnavailable(ConnectionError):
     """The lease's database could not be reached (retried like any connection error)."""
 
@@ -67,13 +87,18 @@ class LeaseLost(RuntimeError):
 
 
 def redacted(url: str) -> str:
-    """``url`` without its password (for messages and reprs)."""
+    """``url`` without its password (userinfo or a ``password=`` parameter), for messages
+    and reprs; a string that is no URL (a keyword DSN) is not shown at all."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    if not parts.scheme or not parts.netloc:
+        return "<connection string>"
+    netloc = parts.netloc
+    if parts.password is not None:
+        host = parts.hostname or ""
+        netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    query = "&".join("password=***" if p.lower().startswith("password=") else p
+                     for p in parts.query.split("&")) if parts.query else ""
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def advisory_key(name: str) -> int:
@@ -95,7 +120,6 @@ class PostgresLease:
         self.holder = holder or f"{socket.gethostname()} pid {os.getpid()}"
         self.token: int | None = None
         self._conn = None
-        self._fencing = False
 
     def __repr__(self) -> str:
         return f"PostgresLease({self.name!r}, {redacted(self.url)!r}, token={self.token})"
@@ -109,7 +133,7 @@ class PostgresLease:
             conn = psycopg2.connect(self.url, connect_timeout=10,
                                     application_name="aerie-promotion-lease",
                                     keepalives=1, keepalives_idle=30, keepalives_interval=10,
-                                    keepalives_count=3)
+                                    keepalives_count=3, options=_SERVER_SIDE_PROBES)
         except psycopg2.Error as e:
             raise LeaseUnavailable(f"promotion lease of {self.name}: cannot connect to "
                             f"{redacted(self.url)}: {_first_line(e)}") from None
@@ -117,7 +141,9 @@ class PostgresLease:
         try:
             self._wait_for_advisory_lock(conn)
             with conn.cursor() as cur:
-                cur.execute(_CREATE)
+                cur.execute("SELECT to_regclass(%s)", (TABLE,))
+                if cur.fetchone()[0] is None:
+                    _create_table(cur)
                 cur.execute(_TAKE, (self.name, self.holder))
                 self.token = int(cur.fetchone()[0])
         except BaseException:
@@ -152,50 +178,29 @@ class PostgresLease:
 
     @contextmanager
     def fenced(self) -> Iterator[None]:
-        """Run the body (one write) only while this holder still holds the lease, with the
-        lease row locked until the body is done; :class:`LeaseLost` otherwise."""
+        """Run the body (one write) only while this holder still holds the lease: its
+        session alive and the token still its own; :class:`LeaseLost` otherwise."""
         import psycopg2
 
-        if self._fencing:  # a write inside a write: the outer fence covers it
-            yield
-            return
         if self._conn is None or self.token is None:
             raise LeaseLost(f"the promotion lease of {self.name} is not held here")
         try:
-            self._conn.autocommit = False
             with self._conn.cursor() as cur:
-                cur.execute(f"SELECT token FROM {TABLE} WHERE name = %s FOR UPDATE",
-                            (self.name,))
+                cur.execute(f"SELECT token FROM {TABLE} WHERE name = %s", (self.name,))
                 row = cur.fetchone()
-        except psycopg2.Error as e:
+        except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
             raise LeaseLost(f"the promotion lease of {self.name} (token {self.token}) was "
                             f"lost: its database session ended ({_first_line(e)}); another "
                             f"promoter may hold it now, so nothing more is written") from None
+        except psycopg2.Error as e:
+            raise LeaseLost(f"the promotion lease of {self.name} (token {self.token}) could "
+                            f"not be checked ({_first_line(e)}), so nothing more is "
+                            f"written") from None
         if row is None or int(row[0]) != self.token:
-            self._conn.rollback()
             raise LeaseLost(f"the promotion lease of {self.name} moved from token "
                             f"{self.token} to {row[0] if row else 'nothing'}: another "
                             f"promoter holds it, so nothing more is written")
-        self._fencing = True
-        try:
-            yield
-        except BaseException:
-            self._end(commit=False)
-            raise
-        self._end(commit=True)
-
-    def _end(self, *, commit: bool) -> None:
-        import psycopg2
-
-        self._fencing = False
-        try:
-            self._conn.commit() if commit else self._conn.rollback()
-            self._conn.autocommit = True
-        except psycopg2.Error as e:
-            if commit:
-                raise LeaseLost(f"the promotion lease of {self.name} (token {self.token}) "
-                                f"was lost while a write ran ({_first_line(e)}): the write "
-                                f"was made, but the next may not be") from None
+        yield
 
     def release(self) -> None:
         conn, self._conn = self._conn, None

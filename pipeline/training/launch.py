@@ -12,8 +12,10 @@ Invariants:
   ``AERIE_TRAIN_STORAGE_OPTIONS`` (never in the spec file).
 - Several hosts: the ``deepspeed`` launcher with a :class:`Launcher` ``hostfile`` (lines
   ``host slots=N``; the slots must add up to ``world_size``) starts ranks on each host over
-  ssh (pdsh). The remote ranks get the non-secret variables through ``.deepspeed_env`` in
-  the work dir; storage credentials never go there: each host reads its own (``AWS_*``).
+  ssh (pdsh); rank 0 on the hostfile's first host. The remote ranks get the non-secret
+  variables through ``.deepspeed_env`` in the work dir; storage credentials never go there
+  (each host reads its own, ``AWS_*``), and ``MLFLOW_*`` is dropped (the runner would put it
+  on the pdsh command line and in the log).
 - A failed child raises :class:`TrainingFailed` with the log's tail. The child leads its own
   session; a parent interrupted while waiting kills that process group (the launcher and its
   ranks) before re-raising, so no orphan keeps training.
@@ -41,7 +43,7 @@ from pipeline.training.curve import parse_metrics_line
 from pipeline.training.distributed import free_port
 from pipeline.training.loop import RESULT_NAME
 from pipeline.training.spec import TrainResult, TrainSpec
-from pipeline.training.worker import CACHE_ENV, STORAGE_OPTIONS_ENV
+from pipeline.training.worker import CACHE_DIR_ENV, CACHE_MAX_BYTES_ENV, STORAGE_OPTIONS_ENV
 
 log = logging.getLogger(__name__)
 LAUNCHERS = ("auto", "python", "torchrun", "deepspeed")
@@ -116,18 +118,28 @@ def _hostfile_command(spec_path: Path, world_size: int, launcher: Launcher,
     if slots != world_size:
         raise ValueError(f"hostfile {launcher.hostfile} has {slots} slots but world_size is "
                          f"{world_size}: set world_size to the hostfile's slots")
-    import socket
-
-    # one host: DeepSpeed launches locally, so its ssh reachability check has nothing to do
-    local = ["--no_ssh_check"] if len(hosts) == 1 else []
+    if len(hosts) == 1:  # DeepSpeed launches locally: no ssh to check, a port free here
+        where = ["--no_ssh_check", "--master_addr", launcher.master_addr or "127.0.0.1",
+                 "--master_port", str(free_port())]
+    else:  # rank 0 runs on the hostfile's first host: DeepSpeed finds its address itself
+        where = ["--master_addr", launcher.master_addr] if launcher.master_addr else []
     return [python, "-m", "deepspeed.launcher.runner", "--hostfile", str(launcher.hostfile),
-            *local, "--master_addr", launcher.master_addr or socket.gethostname(),
-            "--master_port", str(free_port()), "--module", "pipeline.training.worker",
-            "--spec", str(spec_path)]
+            *where, "--module", "pipeline.training.worker", "--spec", str(spec_path)]
 
 
 # what ranks on other hosts get through .deepspeed_env (never the storage options)
-REMOTE_ENV = ("PYTHONPATH", "DS_ACCELERATOR", "OMP_NUM_THREADS", CACHE_ENV)
+REMOTE_ENV = ("PYTHONPATH", "DS_ACCELERATOR", "OMP_NUM_THREADS", CACHE_DIR_ENV,
+              CACHE_MAX_BYTES_ENV)
+
+
+def remote_ready(env: dict[str, str], work_dir: Path) -> dict[str, str]:
+    """``env`` for DeepSpeed's multi-host runner: the ``.deepspeed_env`` it exports to the
+    other hosts, written in ``work_dir`` (its working directory); and without ``MLFLOW_*``,
+    which the runner exports on the pdsh command line and logs (a tracking URI or token may
+    hold a secret; training never talks to MLflow)."""
+    (work_dir / ".deepspeed_env").write_text("".join(
+        f"{k}={env[k]}\n" for k in REMOTE_ENV if k in env))
+    return {k: v for k, v in env.items() if not k.startswith("MLFLOW")}
 
 
 def child_environment(spec: TrainSpec, storage_options: Mapping[str, Any] | None,
@@ -140,7 +152,10 @@ def child_environment(spec: TrainSpec, storage_options: Mapping[str, Any] | None
     if spec.config.threads:
         env["OMP_NUM_THREADS"] = str(spec.config.threads)
     env[STORAGE_OPTIONS_ENV] = json.dumps(dict(storage_options or {}))
-    env[CACHE_ENV] = json.dumps(dict(cache or {}))
+    for var, key in ((CACHE_DIR_ENV, "dir"), (CACHE_MAX_BYTES_ENV, "max_bytes")):
+        value = (cache or {}).get(key)
+        if value is not None:
+            env[var] = str(value)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
@@ -163,8 +178,7 @@ class TrainingProcess:
         self.command = training_command(spec_path, spec.config.world_size, launcher)
         env = child_environment(spec, storage_options, cache)
         if isinstance(launcher, Launcher) and launcher.hostfile:
-            (self.work_dir / ".deepspeed_env").write_text("".join(
-                f"{k}={env[k]}\n" for k in REMOTE_ENV if k in env))
+            env = remote_ready(env, self.work_dir)
         self.on_line = on_line
         self.on_metrics = on_metrics
         self.log_path = self.work_dir / LOG_NAME

@@ -18,7 +18,9 @@ from pathlib import Path
 from pipeline.records import from_json
 
 STORAGE_OPTIONS_ENV = "AERIE_TRAIN_STORAGE_OPTIONS"
-CACHE_ENV = "AERIE_TRAIN_CACHE"  # {"dir": ..., "max_bytes": ...}: the parent's dataset cache
+# the parent's dataset cache: plain values, so that DeepSpeed can hand them to ranks on other
+# hosts (it quotes an exported value whole, which would break JSON)
+CACHE_DIR_ENV, CACHE_MAX_BYTES_ENV = "AERIE_TRAIN_CACHE_DIR", "AERIE_TRAIN_CACHE_MAX_BYTES"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,10 +42,11 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = from_json(TrainSpec, Path(args.spec).read_text())
     options = json.loads(os.environ.get(STORAGE_OPTIONS_ENV) or "{}")
-    cache = json.loads(os.environ.get(CACHE_ENV) or "{}")
+    max_bytes = os.environ.get(CACHE_MAX_BYTES_ENV)
     try:
-        train(spec, Storage(spec.storage_url, options, cache_dir=cache.get("dir"),
-                            cache_max_bytes=cache.get("max_bytes")))
+        train(spec, Storage(spec.storage_url, options,
+                            cache_dir=os.environ.get(CACHE_DIR_ENV) or None,
+                            cache_max_bytes=int(max_bytes) if max_bytes else None))
     finally:
         shutdown()
     return 0

@@ -133,11 +133,10 @@ def test_leftovers_of_a_crash_after_the_marker_are_swept(storage):
 def test_retain_steps_must_cover_the_window():
     with pytest.raises(ValueError, match="retain_steps must be >= 1"):
         keep_from(5, 0)
-    policy = RefreshPolicyResource(window=4, retain_steps=2)
     with pytest.raises(ValueError, match="retain_steps 2 would delete steps the next "
                                          "refresh's window of 4 reads"):
-        policy.setup_for_execution(None)
-    RefreshPolicyResource(window=4, retain_steps=0).setup_for_execution(None)
+        RefreshPolicyResource(window=4, retain_steps=2)  # refused when it is built
+    RefreshPolicyResource(window=4, retain_steps=0)
 
 
 def test_the_asset_keeps_what_queued_and_running_runs_read(tmp_path):

@@ -188,3 +188,14 @@ def test_the_guide_runs_as_written(tmp_path, postgres, moto_endpoint):
         cur.execute("SELECT count(*) FROM alembic_version")
         assert cur.fetchone()[0] == 1
     conn.close()
+
+
+def test_the_docker_run_launcher_passes_every_variable_of_the_environment_file():
+    import yaml
+
+    block = re.search(r"```yaml\n(# docker.*?)```", GUIDE.read_text(), re.S).group(1)
+    launcher = yaml.safe_load(block)["run_launcher"]
+    example = (ROOT / "deploy" / "aerie.env.example").read_text()
+    variables = re.findall(r"^(?:# )?([A-Z][A-Z0-9_]+)=", example, re.M)
+    assert launcher["class"] == "DockerRunLauncher"
+    assert launcher["config"]["env_vars"] == variables

@@ -162,3 +162,18 @@ def test_the_evaluation_offers_the_devices_and_dtypes_it_accepts():
     fields = EvalRunConfig.model_fields
     assert typing.get_args(fields["device"].annotation) == DEVICES
     assert typing.get_args(fields["dtype"].annotation) == DTYPES
+
+
+def test_a_check_of_several_fields_names_the_resource():
+    with pytest.raises(EnvConfigError, match=r"RefreshPolicyResource: .*retain_steps 2 would "
+                                             r"delete steps"):
+        resource_from_env(importlib_resource("refresh", "RefreshPolicyResource"), "X_",
+                          environ={"X_WINDOW": "4", "X_RETAIN_STEPS": "2"})
+    with pytest.raises(TypeError, match=r"fields \['mode'"):
+        resource_from_env(Example, "", names={"count": "COUNT"})
+
+
+def importlib_resource(module: str, name: str):
+    import importlib
+
+    return getattr(importlib.import_module(f"resources.{module}"), name)

@@ -208,3 +208,15 @@ def test_a_dead_holder_releases_the_lease_at_once(world):
         proc.wait()
     with PostgresLease(world["url"], name, timeout_s=10) as lease:
         assert lease.held
+
+
+def test_urls_are_shown_without_their_password():
+    from pipeline.release.lease import redacted
+
+    assert redacted("postgresql://aerie:s3cret@db:5432/m") == "postgresql://aerie:***@db:5432/m"
+    assert redacted("postgresql://db/m?sslmode=require&password=s3cret") == \
+        "postgresql://db/m?sslmode=require&password=***"
+    assert redacted("host=db password=s3cret") == "<connection string>"
+    assert redacted("postgresql://aerie@db/m") == "postgresql://aerie@db/m"
+    lease = PostgresLease("postgresql://aerie:s3cret@db/m", "x")
+    assert "s3cret" not in repr(lease)

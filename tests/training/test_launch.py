@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -87,6 +89,9 @@ def test_a_hostfile_spreads_the_ranks_over_its_hosts(tmp_path):
     assert "--num_accelerators" not in cmd and cmd[-3:] == ["pipeline.training.worker",
                                                              "--spec", str(spec)]
     assert "--no_ssh_check" not in cmd  # two hosts: DeepSpeed checks ssh reaches them
+    assert "--master_port" not in cmd  # rank 0 is on gpu-1: not a port free here
+    unset = training_command(spec, 16, Launcher("deepspeed", str(hostfile)))
+    assert "--master_addr" not in unset  # DeepSpeed resolves gpu-1 itself
     with pytest.raises(ValueError, match="16 slots but world_size is 8"):
         training_command(spec, 8, Launcher("deepspeed", str(hostfile)))
     with pytest.raises(ValueError, match="needs the deepspeed launcher"):
@@ -98,8 +103,9 @@ def test_a_hostfile_spreads_the_ranks_over_its_hosts(tmp_path):
 
 def test_a_run_over_a_hostfile_trains_and_keeps_secrets_off_the_remote_env(vocab_storage,
                                                                           tmp_path):
-    """One host (localhost) in the hostfile: DeepSpeed's runner launches locally, through
-    the same hostfile path a cluster uses; the ranks' environment file holds no secret."""
+    """One host (localhost) in the hostfile: DeepSpeed's runner takes its local branch of
+    the hostfile path (several hosts need ssh + pdsh, which CI lacks); the ranks'
+    environment file holds no secret."""
     from pipeline.training.launch import Launcher
 
     hostfile = tmp_path / "hostfile"
@@ -111,3 +117,39 @@ def test_a_run_over_a_hostfile_trains_and_keeps_secrets_off_the_remote_env(vocab
     remote = (Path(spec.work_dir) / ".deepspeed_env").read_text()
     assert "DS_ACCELERATOR=cpu" in remote and "PYTHONPATH=" in remote
     assert "s3cr3t-sentinel" not in remote and STORAGE_OPTIONS_ENV not in remote
+
+
+def test_what_other_hosts_get_survives_deepspeeds_export(tmp_path, monkeypatch):
+    """DeepSpeed's pdsh runner exports each ``.deepspeed_env`` line through its own quoting
+    (``add_export``) into a remote shell: every value must come out as it went in, and
+    nothing of MLflow's (URIs, tokens) may go on that command line."""
+    from deepspeed.launcher.multinode_runner import MultiNodeRunner
+
+    from pipeline.training.launch import remote_ready
+
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "tok-sentinel")
+    env = {**child_environment(plan_spec_stub(tmp_path), {"secret": "s3cr3t"},
+                               {"dir": str(tmp_path / "cache dir"), "max_bytes": 2**30}),
+           "OMP_NUM_THREADS": "4"}
+    env = remote_ready(env, tmp_path)
+    assert not [k for k in env if k.startswith("MLFLOW")]
+    exports = type("Exports", (), {"exports": {}})()
+    lines = (tmp_path / ".deepspeed_env").read_text().splitlines()
+    for line in lines:
+        key, value = line.split("=", 1)
+        MultiNodeRunner.add_export(exports, key, value)
+    shell = "".join(f"export {k}={v}; " for k, v in exports.exports.items())
+    keys = [line.split("=", 1)[0] for line in lines]
+    code = f"import os, json; print(json.dumps({{k: os.environ[k] for k in {keys!r}}}))"
+    out = subprocess.run(["bash", "-c", f"{shell}{sys.executable} -c {shlex.quote(code)}"],
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == {k: env[k] for k in keys}
+    assert {"AERIE_TRAIN_CACHE_DIR", "AERIE_TRAIN_CACHE_MAX_BYTES"} <= set(keys)
+    assert "s3cr3t" not in "".join(lines) and "tok-sentinel" not in "".join(lines)
+
+
+def plan_spec_stub(tmp_path):
+    """A spec whose config trains on the CPU (what child_environment looks at)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(config=SimpleNamespace(device="cpu", threads=0))
