@@ -136,7 +136,7 @@ class PostgresLease:
                                     keepalives_count=3, options=_SERVER_SIDE_PROBES)
         except psycopg2.Error as e:
             raise LeaseUnavailable(f"promotion lease of {self.name}: cannot connect to "
-                            f"{redacted(self.url)}: {_first_line(e)}") from None
+                                   f"{redacted(self.url)}: {_first_line(e)}") from None
         conn.autocommit = True
         try:
             self._wait_for_advisory_lock(conn)
