@@ -342,7 +342,9 @@ def _move_alias(registry: DrafterRegistry, serving: ServingBackend, version: str
                 before: ServingManifest | None, written: ServingManifest,
                 decision_id: int | None = None) -> None:
     """Move alias ``champion`` to ``version`` (None: remove it) and read it back; if that
-    fails, undo exactly this promotion's serving update (``written``, back to ``before``)."""
+    fails, undo exactly this promotion's serving update (``written``, back to ``before``).
+    A move the registry accepted but that cannot be read back is not undone: the alias has
+    most likely moved, and undoing serving would split the two."""
     error: Exception | None = None
     readback: str | None = "unread"
     try:
@@ -355,6 +357,12 @@ def _move_alias(registry: DrafterRegistry, serving: ServingBackend, version: str
     try:
         readback = registry.alias(CHAMPION)
     except Exception as e:
+        if error is None:
+            raise PromotionError(
+                f"{registry.model_name}: the registry accepted moving {CHAMPION} to "
+                f"{_v(version)} but reading it back failed ({e}); serving serves "
+                f"{_v(version)} (manifest {written.sequence}). Check the alias; "
+                f"promote_drafter_manually reconciles it if it did not move") from e
         error = error or e
     if readback == version:
         if error is not None:

@@ -277,3 +277,28 @@ def test_an_undo_never_overwrites_someone_elses_update(sqlite_registry, storage,
         promote(registry, serving, v2, gate(2.5, summary(2.0, v1)))
     assert served_version(serving) == v3  # the other writer's update stands
     assert len(serving.ledger.history()) == 3
+
+
+def test_an_alias_move_that_cannot_be_read_back_is_not_undone(sqlite_registry, serving,
+                                                              champion_v1, monkeypatch):
+    """The registry took the move, only the read-back failed: serving keeps the new drafter
+    (undoing it would split alias and serving), and the error says what to check."""
+    registry, (v1, v2) = sqlite_registry, champion_v1
+    real_set, real_alias, moved = registry.set_alias, registry.alias, []
+
+    def set_alias(alias, version):
+        real_set(alias, version)
+        moved.append(alias)
+
+    def alias(name):
+        if CHAMPION in moved:
+            raise ConnectionError("registry went away")
+        return real_alias(name)
+
+    monkeypatch.setattr(registry, "set_alias", set_alias)
+    monkeypatch.setattr(registry, "alias", alias)
+    with pytest.raises(PromotionError, match="accepted moving champion to v2 but reading it "
+                                             "back failed .*serving serves v2"):
+        promote(registry, serving, v2, gate(2.5, summary(2.0, v1)))
+    monkeypatch.undo()
+    assert registry.alias(CHAMPION) == v2 and served_version(serving) == v2
