@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from jobs.cli import prepare_dagster_home, run_demo
     from pipeline.demo.config import DemoConfig
-    from resources.refresh import refresh_policy_from_environment
+    from resources.refresh import refresh_policy_from_env
 
     prepare_dagster_home()
-    policy = refresh_policy_from_environment()
+    policy = refresh_policy_from_env()
     started = time.perf_counter()
     run_demo(DemoConfig(), policy, progress=False)
     seconds = time.perf_counter() - started

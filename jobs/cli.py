@@ -187,10 +187,10 @@ def run_demo(world_config, policy, *, regenerate: bool = False, verbose: bool = 
 def cmd_demo(args: argparse.Namespace) -> int:
     from jobs.status import refresh_table, staleness_lines
     from pipeline.demo.config import DemoConfig
-    from resources.refresh import refresh_policy_from_environment
+    from resources.refresh import refresh_policy_from_env
 
     home = prepare_dagster_home()
-    world_config, policy = DemoConfig(), refresh_policy_from_environment()
+    world_config, policy = DemoConfig(), refresh_policy_from_env()
     print(f"Aerie demo: the demo RL trainer writes {world_config.num_steps} RL steps; after "
           f"each one Aerie ingests it and, every {policy.every} steps, refreshes the drafter "
           f"on the last {policy.window} steps.\n(state: {home.parent})")
@@ -258,11 +258,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from jobs.launch import fail_orphaned_runs
     from jobs.status import render, serving_status
-    from resources.refresh import refresh_policy_from_environment
+    from resources.refresh import refresh_policy_from_env
 
     prepare_dagster_home()
     registry, storage = _registry_and_storage()
-    policy = refresh_policy_from_environment()
+    policy = refresh_policy_from_env()
     instance = DagsterInstance.get()
     for run_id in fail_orphaned_runs(instance):
         print(f"run {run_id} was left in flight by an aerie process that died: marked failed")

@@ -52,5 +52,3 @@ def refresh_policy_from_env() -> RefreshPolicyResource:
     it is set, checked now (the CLI builds the same policy)."""
     return resource_from_env(RefreshPolicyResource, "AERIE_", names=_ENV)
 
-
-refresh_policy_from_environment = refresh_policy_from_env

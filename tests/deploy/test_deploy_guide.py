@@ -199,3 +199,15 @@ def test_the_docker_run_launcher_passes_every_variable_of_the_environment_file()
     variables = re.findall(r"^(?:# )?([A-Z][A-Z0-9_]+)=", example, re.M)
     assert launcher["class"] == "DockerRunLauncher"
     assert launcher["config"]["env_vars"] == variables
+
+
+def test_the_deployed_instance_keeps_the_embedded_defaults_limits():
+    """deploy/dagster.yaml sets the same concurrency limits as the embedded default's
+    instance (one refresh at a time, one promotion step at a time)."""
+    import yaml
+
+    from jobs.cli import INSTANCE_YAML
+
+    deployed = yaml.safe_load((ROOT / "deploy" / "dagster.yaml").read_text())
+    assert deployed["concurrency"] == yaml.safe_load(INSTANCE_YAML)["concurrency"]
+    assert deployed["storage"]["postgres"]["postgres_db"]["scheme"] == "postgresql+psycopg2"

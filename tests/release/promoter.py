@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.release.backend import LedgerBackend
@@ -37,7 +38,7 @@ def arrive(directory: Path, phase: str, n: int, timeout_s: float = 120.0) -> Non
 class CountingServing:
     """The serving backend, counting the updates it applied (and holding before each)."""
 
-    def __init__(self, inner: LedgerBackend, hold: callable | None):
+    def __init__(self, inner: LedgerBackend, hold: Callable[[], None] | None):
         self.inner, self.hold, self.applied = inner, hold, 0
         self.mode = inner.mode
 
