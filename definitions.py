@@ -4,7 +4,8 @@ from dagster import Definitions
 
 from assets.drafter import drafter_checkpoint, vocab_mapping
 from assets.evaluation import acceptance_eval
-from assets.groups import DATA_ASSETS, REFRESH_ASSETS
+from assets.groups import DATA_ASSETS, MONITOR_ASSETS, REFRESH_ASSETS
+from assets.monitor import serving_acceptance
 from assets.release import registered_drafter, serving_drafter
 from assets.retention import storage_retention
 from assets.shards import hidden_state_shards
@@ -12,7 +13,7 @@ from assets.snapshots import rollout_snapshot
 from assets.tokenized import tokenized_rollouts
 from jobs.drafter import drafter_refresh
 from jobs.ingest import dump_sensor, ingest_dumps
-from jobs.refresh import drafter_refresh_schedule, refresh_sensor
+from jobs.refresh import drafter_refresh_schedule, drift_sensor, refresh_sensor
 from jobs.release import promote_drafter_manually, rollback_drafter
 from jobs.snapshots import ingest_step, snapshot_sensor
 from resources.capture import capture_from_env
@@ -25,23 +26,24 @@ from resources.trainer import trainer_from_env
 
 FLOW = (rollout_snapshot, tokenized_rollouts, hidden_state_shards, vocab_mapping,
         drafter_checkpoint, acceptance_eval, registered_drafter, serving_drafter,
-        storage_retention)
+        storage_retention, serving_acceptance)
 OWNERS = ["team:aerie"]
 
 
 def _conventions(spec):
     """Owner and flow position of every asset (the catalog filters and sorts by them)."""
-    stage = f"{(DATA_ASSETS + REFRESH_ASSETS).index(spec.key.path[-1]) + 1}"
+    name = spec.key.path[-1]
+    stage = f"{(DATA_ASSETS + REFRESH_ASSETS + MONITOR_ASSETS).index(name) + 1}"
     return spec.replace_attributes(owners=OWNERS, tags={**spec.tags, "aerie/stage": stage,
                                                         "aerie/partitioned_by": (
-        "rl_step" if spec.key.path[-1] in DATA_ASSETS else "refresh_step")})
+        "refresh_step" if name in REFRESH_ASSETS else "rl_step")})
 
 
 defs = Definitions(
     assets=[a.map_asset_specs(_conventions) for a in FLOW],
     jobs=[ingest_step, drafter_refresh, promote_drafter_manually, rollback_drafter,
           ingest_dumps],
-    sensors=[snapshot_sensor, refresh_sensor, dump_sensor],
+    sensors=[snapshot_sensor, refresh_sensor, drift_sensor, dump_sensor],
     schedules=[drafter_refresh_schedule],
     # every resource from the deployment's environment (README, Configuration); run config
     # overrides field by field

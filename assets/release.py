@@ -117,7 +117,11 @@ def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
        check_specs=[spec("serving_drafter", "serving_staleness",
                          "the serving drafter is at most stale_after_steps RL steps behind the "
                          "newest ingested step, and its τ fell at most max_tau_drop_percent "
-                         "since its promotion (warning)")])
+                         "since its promotion (warning)"),
+                     spec("serving_drafter", "promotion_verified",
+                          "in the SGLang modes with server_urls: after a promotion, the live "
+                          "servers' τ on the refresh's held-out prompts is not below the floor "
+                          "(else the promotion was rolled back)")])
 def serving_drafter(context: AssetExecutionContext, config: GateConfig,
                     storage: StorageResource, mlflow: MlflowResource,
                     serving: ServingResource, refresh: RefreshPolicyResource
@@ -133,12 +137,62 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
                             config.to_core(), dagster_run_id=context.run.run_id)
     p = r.promotion
     context.log.info(f"step {step}: {p.action} ({'; '.join(p.reasons)})")
+    p, verified = _verify_live(context, store, registry, serving, step, p)
     stale = staleness_now(context.instance, store, registry.model_name, refresh)
+    chart = _log_loop_chart(store, registry, step, r.promotion.version)
     return MaterializeResult(metadata={
         **champion_metadata(p, registry, actor=GATE_ACTOR, reason=f"refresh at step {step}"),
+        "loop_chart": MetadataValue.path(store.url(chart)),
         "decision": MetadataValue.json(_rounded(json.loads(to_json(r.decision)))),
         "refresh_summary": MetadataValue.md(refresh_summary(context.instance, step))},
-        check_results=[result("serving_staleness", stale, AssetCheckSeverity.WARN)])
+        check_results=[result("serving_staleness", stale, AssetCheckSeverity.WARN),
+                       result("promotion_verified", verified)])
+
+
+def _log_loop_chart(store: Storage, registry: DrafterRegistry, step: int,
+                    version: str | None) -> str:
+    """The loop's chart (τ observed over RL steps, offline τ per refresh, promotions and
+    rollbacks) up to ``step``, stored and logged to the MLflow run of ``version``; its key."""
+    from assets.monitor import LOOP_CHART, publish_loop_chart
+
+    key = publish_loop_chart(store, registry.model_name, step)
+    run_id = registry.get_version(version).run_id if version else None
+    if run_id:
+        with tempfile.TemporaryDirectory(prefix="aerie-chart-") as tmp:
+            path = Path(tmp) / f"{LOOP_CHART}.png"
+            path.write_bytes(store.read_bytes(key))
+            registry.runs.log_charts(run_id, [path])
+    return key
+
+
+def _verify_live(context, store: Storage, registry: DrafterRegistry, serving: ServingResource,
+                 step: int, p: PromotionResult) -> tuple[PromotionResult, CheckOutcome]:
+    """Verify a promotion just made on the live servers; a broken one is rolled back, and
+    the result says so (action ``rolled_back``, the champion after the rollback)."""
+    if p.action != "promoted":
+        return p, CheckOutcome(True, f"{p.action}: no new drafter to verify")
+    if not serving.verifies_live():
+        how = "off (AERIE_SERVING_VERIFY)" if serving.verify == "off" else (
+            "from the acceptance the RL engine reports in the next RL steps "
+            "(serving_acceptance's promotion_verified)")
+        return p, CheckOutcome(True, f"v{p.version}: verification {how}")
+    from pipeline.monitor import stage as monitor_stage
+
+    checked = monitor_stage.verify_promotion(
+        store, registry, serving.build(store, registry.model_name), step, p.version,
+        serving.server_urls, serving.verify_policy())
+    v = checked.verification
+    context.log.info(f"step {step}: v{p.version} on the live servers: {v.verdict}: {v.reason}")
+    if checked.rollback is None:
+        return p, CheckOutcome(not v.broken, f"v{p.version} {v.verdict}: {v.reason}",
+                               v.metadata())
+    back = checked.rollback
+    context.log.error(f"step {step}: v{p.version} rolled back to "
+                      f"{'v' + back.version if back.version else 'no drafter'}")
+    rolled = PromotionResult("rolled_back", p.model, back.version, p.previous_champion,
+                             back.serving, (*p.reasons, *back.reasons))
+    return rolled, CheckOutcome(False, f"v{p.version} broken after promotion: {v.reason}; "
+                                       f"rolled back", v.metadata())
 
 
 def _rounded(value, digits: int = 4):

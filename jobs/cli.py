@@ -104,15 +104,20 @@ def generate_demo_world(force: bool = False, config=None, after_step=None,
     if report_path.exists() and not force:
         log.info("demo world already generated (%s)", report_path)
         return json.loads(report_path.read_text())
-    writer = SnapshotWriter(storage_from_environment())
+    from jobs.demo import reported_records
+
+    config = config or DemoConfig()
+    storage = storage_from_environment()
+    writer = SnapshotWriter(storage)
 
     def publish(out) -> None:
-        writer.write_step(out.step, out.records, out.policy_dir, out.policy_version,
+        records = reported_records(out, storage, config.max_new_tokens)
+        writer.write_step(out.step, records, out.policy_dir, out.policy_version,
                           sampling=out.sampling)
         if after_step is not None:
             after_step(out)
 
-    report = generate_world(config or DemoConfig(), work_dir, on_step=publish,
+    report = generate_world(config, work_dir, on_step=publish,
                             progress=progress)
     text = to_json(report)
     report_path.write_text(text)

@@ -21,6 +21,7 @@ from assets.partitions import step_of
 from assets.release import GATE_ACTOR
 from jobs import launch
 from jobs.launch import deep_merge, record_tick
+from jobs.refresh import TRIGGER_TAG
 from resources.refresh import RefreshPolicyResource
 
 log = logging.getLogger("aerie")
@@ -87,6 +88,21 @@ def execute_requests(instance: DagsterInstance, job_name: str, requests,
     return runs
 
 
+def reported_records(out, storage, max_new_tokens: int, prompts: int = 4) -> list[dict]:
+    """Step ``out``'s records as the demo trainer reports them: with the speculative counters
+    its engine would have had with the drafter serving now (:mod:`pipeline.demo.speculation`;
+    the records as they are while none serves)."""
+    from definitions import defs
+    from pipeline.demo.speculation import with_counters
+    from pipeline.release.mlflow_registry import model_name
+    from resources.home import aerie_home
+
+    return with_counters(out.records, out.policy_dir, storage,
+                         model_name(defs.resources["mlflow"].target_family),
+                         aerie_home() / "serving-cache", sampling=out.sampling,
+                         max_new_tokens=max_new_tokens, prompts=prompts, seed=out.step)
+
+
 @dataclass
 class RefreshLoop:
     """The sensors' cursors and what they launched. ``refresh_config(step)`` is the run
@@ -102,6 +118,9 @@ class RefreshLoop:
     ingested: list[str] = field(default_factory=list)
     refreshed: list[str] = field(default_factory=list)
     refresh_ticks: list[str] = field(default_factory=list)  # "run" / "skip" per tick
+    drift_cursor: str | None = None
+    drift_ticks: list[str] = field(default_factory=list)  # "run" / why it skipped, per tick
+    triggers: dict[str, str] = field(default_factory=dict)  # refresh partition -> trigger
 
     def __post_init__(self) -> None:
         for run_id in launch.fail_orphaned_runs(self.instance):
@@ -129,13 +148,30 @@ class RefreshLoop:
         from jobs.refresh import refresh_sensor
 
         tick = refresh_sensor(build_sensor_context(
-            instance=self.instance, cursor=self.refresh_cursor,
-            resources={"refresh": self.policy or defs.resources["refresh"]}))
+            instance=self.instance, cursor=self.refresh_cursor, resources=self._resources(defs)))
         requests = getattr(tick, "run_requests", None) or []
         self.refresh_ticks.append("run" if requests else "skip")
         if requests:
             self.refresh_cursor = tick.cursor
         return self._refresh(tick, {SENSOR_TAG: refresh_sensor.name})
+
+    def drift(self) -> list[str]:
+        """Tick ``drift_sensor`` and run the ``drafter_refresh`` it requests, if any."""
+        from definitions import defs
+        from jobs.refresh import drift_sensor
+
+        tick = drift_sensor(build_sensor_context(
+            instance=self.instance, cursor=self.drift_cursor, resources=self._resources(defs)))
+        self.drift_cursor = getattr(tick, "cursor", None) or self.drift_cursor
+        requests = getattr(tick, "run_requests", None) or []
+        skip = getattr(tick, "skip_message", None) or getattr(
+            getattr(tick, "skip_reason", None), "skip_message", None)
+        self.drift_ticks.append("run" if requests else str(skip))
+        return self._refresh(tick, {SENSOR_TAG: drift_sensor.name})
+
+    def _resources(self, defs) -> dict:
+        return {"refresh": self.policy or defs.resources["refresh"],
+                "storage": defs.resources["storage"], "mlflow": defs.resources["mlflow"]}
 
     def refresh_newest(self) -> list[str]:
         """Tick ``drafter_refresh_schedule`` (refresh the newest ingested step unless a
@@ -146,8 +182,7 @@ class RefreshLoop:
         from jobs.refresh import drafter_refresh_schedule
 
         tick = drafter_refresh_schedule(build_schedule_context(
-            instance=self.instance,
-            resources={"refresh": self.policy or defs.resources["refresh"]}))
+            instance=self.instance, resources=self._resources(defs)))
         return self._refresh(tick, {SCHEDULE_TAG: drafter_refresh_schedule.name})
 
     def _refresh(self, tick, launched_by: dict[str, str]) -> list[str]:
@@ -158,13 +193,16 @@ class RefreshLoop:
                           self.verbose)
         ran = [r.tags["dagster/partition"] for r in runs]
         self.refreshed += ran
+        for r in runs:
+            self.triggers[r.tags["dagster/partition"]] = r.tags.get(TRIGGER_TAG, "cadence")
         return ran
 
     def after_step(self) -> list[str]:
         """What the daemon's next ticks do once a step is written: ingest, then refresh if
-        another block of N steps is in. Returns the refresh partitions that ran."""
+        another block of N steps is in, else if the serving drafter drifted. Returns the
+        refresh partitions that ran."""
         self.ingest()
-        return self.refresh()
+        return self.refresh() or self.drift()
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,10 @@ from assets.drafter import VocabRunConfig
 from assets.partitions import ensure_partition, ingested_steps, refresh_steps, step_key
 from jobs.drafter import DEFAULT_RUN_CONFIG, drafter_refresh
 from jobs.launch import deep_merge
+from pipeline.release.mlflow_registry import model_name
+from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
+from resources.storage import StorageResource
 
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
              DagsterRunStatus.STARTED]
@@ -56,16 +59,26 @@ def due_refresh(ingested: list[int], last: int, every: int) -> int | None:
 
 
 REFRESH_STEP_TAG = "aerie/refresh_step"
+TRIGGER_TAG = "aerie/refresh_trigger"  # cadence | drift | schedule
+DRIFT_VERSION_TAG = "aerie/drifted_version"  # the serving version a drift refresh replaces
 
 
-def refresh_request(step: int, window: int | None = None) -> RunRequest:
+def drift_fired_versions(instance) -> set[str]:
+    """Serving versions a drift refresh was launched for, whatever became of it."""
+    return {v for _, values in instance.get_run_tags(tag_keys=[DRIFT_VERSION_TAG])
+            for v in values}
+
+
+def refresh_request(step: int, window: int | None = None, trigger: str = "cadence"
+                    ) -> RunRequest:
     """The run of the refresh at ``step``: the job's default run config (the family's
-    training preset) plus the window; ``window`` None leaves K to the refresh resource."""
+    training preset) plus the window; ``window`` None leaves K to the refresh resource.
+    Whatever ``trigger`` asked for it, the run key is the step's: one refresh per step."""
     key = step_key(step)
     vocab = RunConfig(ops={"vocab_mapping": VocabRunConfig(window=window)}).to_config_dict()
     return RunRequest(run_key=f"drafter-refresh-{key}", partition_key=key,
                       run_config=deep_merge(DEFAULT_RUN_CONFIG or {}, vocab),
-                      tags={REFRESH_STEP_TAG: str(step)})
+                      tags={REFRESH_STEP_TAG: str(step), TRIGGER_TAG: trigger})
 
 
 def requested_steps(instance) -> set[int]:
@@ -81,16 +94,26 @@ def refresh_in_flight(instance) -> bool:
 
 @sensor(job=drafter_refresh, minimum_interval_seconds=60,
         default_status=DefaultSensorStatus.STOPPED,
-        description="Every 60 s: once another N RL steps are ingested (AERIE_REFRESH_EVERY), "
-                    "runs one drafter_refresh on the last K (AERIE_REFRESH_WINDOW); never two "
-                    "at once, never twice for a step.")
-def refresh_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResource):
+        description="Every 60 s: once another N RL steps are ingested (AERIE_REFRESH_EVERY; "
+                    "up to AERIE_REFRESH_MAX_INTERVAL while the serving drafter's observed τ "
+                    "holds), runs one drafter_refresh on the last K (AERIE_REFRESH_WINDOW); "
+                    "never two at once, never twice for a step.")
+def refresh_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResource,
+                   storage: StorageResource, mlflow: MlflowResource):
     """Requests one drafter refresh per completed block of N ingested steps."""
     last = max(json.loads(context.cursor)["last"] if context.cursor else -1,
                max(requested_steps(context.instance), default=-1))
     step = due_refresh(ingested_steps(context.instance), last, refresh.every)
     if step is None:
         return SkipReason(f"no new block of {refresh.every} ingested steps since step {last}")
+    if refresh.max_interval > refresh.every and step - last < refresh.max_interval:
+        from pipeline.monitor.drift import healthy, serving_reading
+
+        r = serving_reading(storage.build(), model_name(mlflow.target_family),
+                            refresh.drift_window, step)
+        if healthy(r, refresh.drift_policy()):
+            return SkipReason(f"cadence stretched: {r.describe()}; the next refresh by step "
+                              f"{last + refresh.max_interval} (AERIE_REFRESH_MAX_INTERVAL)")
     if refresh_in_flight(context.instance):
         return SkipReason("a drafter refresh is still queued or running")
     return SensorResult(run_requests=[refresh_request(step, refresh.window)],
@@ -115,4 +138,49 @@ def drafter_refresh_schedule(context: ScheduleEvaluationContext,
     if refresh_in_flight(context.instance):
         return SkipReason("a drafter refresh is still queued or running")
     ensure_partition(context.instance, refresh_steps, step_key(steps[-1]))
-    return refresh_request(steps[-1], refresh.window)
+    return refresh_request(steps[-1], refresh.window, trigger="schedule")
+
+
+@sensor(job=drafter_refresh, minimum_interval_seconds=60,
+        default_status=DefaultSensorStatus.STOPPED,
+        description="Every 60 s: when the serving drafter's τ as the RL engine observed it "
+                    "(serving_acceptance, over AERIE_DRIFT_WINDOW steps) fell more than "
+                    "AERIE_MAX_TAU_DROP_PERCENT below its τ at promotion, runs a "
+                    "drafter_refresh at the newest ingested step now; once per drop.")
+def drift_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResource,
+                 storage: StorageResource, mlflow: MlflowResource):
+    """Requests a refresh when the serving drafter drifted (pipeline.monitor.drift). Cursor:
+    ``{"version": v, "armed": bool}``, the drafter it watched and whether it may fire;
+    without it (lost), a drafter a drift refresh was launched for (run tag
+    ``aerie/drifted_version``) starts disarmed: never two refreshes for one drop."""
+    from pipeline.monitor.drift import decide, serving_reading
+
+    steps = ingested_steps(context.instance)
+    if not steps:
+        return SkipReason("no ingested RL step yet")
+    newest = steps[-1]
+    r = serving_reading(storage.build(), model_name(mlflow.target_family),
+                        refresh.drift_window, newest)
+    cursor = json.loads(context.cursor) if context.cursor else {}
+    version = r.version if r is not None else None
+    if cursor and cursor.get("version") == version:
+        armed = cursor.get("armed", True)
+    else:  # a new drafter, or a lost cursor: armed unless it already fired for this one
+        armed = version not in drift_fired_versions(context.instance)
+    requested = requested_steps(context.instance)
+    verdict = decide(r, refresh.drift_policy(), armed=armed, newest_step=newest,
+                     last_refresh_step=max(requested, default=None))
+    after = json.dumps({"version": version, "armed": verdict.armed})
+    if not verdict.trigger:
+        return SensorResult(skip_reason=verdict.reason, cursor=after)
+    if newest in requested:
+        return SensorResult(skip_reason=f"{verdict.reason}; a refresh at step {newest} was "
+                                        f"launched already", cursor=after)
+    if refresh_in_flight(context.instance):  # fire on a later tick, still armed
+        return SkipReason(f"{verdict.reason}; waiting: a drafter refresh is still running")
+    request = refresh_request(newest, refresh.window, "drift")
+    request = request.with_replaced_attrs(tags={**request.tags, DRIFT_VERSION_TAG: version})
+    return SensorResult(run_requests=[request],
+                        dynamic_partitions_requests=[
+                            refresh_steps.build_add_request([step_key(newest)])],
+                        cursor=after)

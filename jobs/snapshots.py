@@ -41,7 +41,7 @@ from dagster import (
     sensor,
 )
 
-from assets.groups import DATA_ASSETS
+from assets.groups import DATA_ASSETS, MONITOR_ASSETS
 from assets.partitions import ingested_steps, rl_steps, step_key, step_of
 from pipeline.layout import ROLLOUTS, committed_steps, odd_entries
 from resources.run_config import run_config_from_env
@@ -51,9 +51,10 @@ from resources.storage import StorageResource
 INGEST_RUN_CONFIG = run_config_from_env("AERIE_INGEST_RUN_CONFIG") or None
 
 ingest_step = define_asset_job(
-    "ingest_step", selection=list(DATA_ASSETS), config=INGEST_RUN_CONFIG,
+    "ingest_step", selection=[*DATA_ASSETS, *MONITOR_ASSETS], config=INGEST_RUN_CONFIG,
     description="One RL step's data path: validate the snapshot, tokenize with loss masks, "
-                "capture hidden states into shards (partition = step).")
+                "capture hidden states into shards; and the acceptance the RL engine "
+                "observed with the serving drafter (partition = step).")
 
 NOT_DONE = (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED, DagsterRunStatus.CANCELING)
 ODD_NAMES_SHOWN = 5

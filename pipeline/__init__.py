@@ -28,14 +28,16 @@ settings a snapshot records and the evaluation decodes at).
 
 Data flows one way: a stage imports the foundation and earlier stages, never a later one;
 the foundation imports no stage. :mod:`checks` (quality checks over several stages),
-:mod:`demo` (the demo RL trainer) and :mod:`adapters` (real RL trainers writing snapshots
-and reading the serving drafter back) sit on top, with the deprecated aliases of
-:data:`DEPRECATED` (old import paths users of earlier releases relied on).
+:mod:`demo` (the demo RL trainer), :mod:`adapters` (real RL trainers writing snapshots
+and reading the serving drafter back) and :mod:`monitor` (the serving drafter after its
+promotion: acceptance as the RL engine saw it, verification, drift) sit on top, with the
+deprecated aliases of :data:`DEPRECATED` (old import paths users of earlier releases relied
+on).
 ``tests/test_architecture.py`` enforces this, and that nothing here imports ``dagster``.
 """
 
 STAGES = ("snapshot", "tokenize", "capture", "vocab", "training", "evaluation", "release")
 FOUNDATION = ("owners", "storage", "layout", "records", "contracts", "manifest", "verified",
               "parquet", "serving_now", "eagle3", "sampling")
-ON_TOP = ("checks", "demo", "adapters")
+ON_TOP = ("checks", "demo", "adapters", "monitor")
 DEPRECATED = ("data", "serving")  # import paths of earlier releases, re-exported

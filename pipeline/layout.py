@@ -35,6 +35,7 @@ VOCAB = "vocab"
 DRAFTERS = "drafters"
 EVALS = "evals"
 SERVING = "serving"
+OBSERVED = "observed"  # acceptance the RL engine reported, per RL step
 
 _STEP_DIR = re.compile(r"step=([0-9]{6}|[1-9][0-9]{6,})")  # what step_dir writes
 _SERVING_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -90,6 +91,12 @@ def chart_key(step: int, name: str) -> str:
     """A PNG chart of refresh step ``step`` (α per position, τ over steps, training curve):
     stored beside the report, never inside the drafter directory that is served."""
     return f"{eval_prefix(step)}/charts/{name}.png"
+
+
+def observed_key(step: int) -> str:
+    """The acceptance the rollout engine reported for RL step ``step``, per drafter version
+    (:mod:`pipeline.monitor.observed`)."""
+    return f"{OBSERVED}/{step_dir(step)}/acceptance.json"
 
 
 def serving_prefix(name: str) -> str:

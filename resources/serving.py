@@ -1,4 +1,6 @@
-"""The serving resource: which serving mode promotes drafters, and its parameters.
+"""The serving resource: which serving mode promotes drafters, its parameters, and how a
+promotion is verified afterwards (``verify*``; ``server_urls`` are the servers probed in the
+SGLang modes, see :mod:`pipeline.monitor.verify`).
 
 Modes (see :mod:`pipeline.release.backend`):
 
@@ -58,6 +60,17 @@ class ServingResource(ConfigurableResource):
                                           "servers")
     hotswap_timeout_s: float = Field(default=120.0, gt=0, description="sglang-hotswap/vllm-"
                                                                       "reload: per request")
+    verify: Literal["auto", "off"] = Field(
+        default="auto", description="after a promotion, check that the servers draft as well "
+                                    "as the gate measured (below the floor: roll back): live "
+                                    "on server_urls in the sglang modes, else from the "
+                                    "acceptance the RL engine reports; off: never")
+    verify_min_tau: float = Field(default=1.1, ge=1.0, description="verification floor: "
+                                                                   "absolute τ")
+    verify_min_share: float = Field(default=0.8, ge=0.0, le=1.0,
+                                    description="verification floor: share of the gated τ")
+    verify_min_cycles: int = Field(default=20, ge=1, description="verification: verify "
+                                                                 "passes before a verdict")
     cache_dir: str | None = Field(
         default=None, description="local drafter copies for restart/hotswap; unset: "
                                   "$AERIE_HOME/serving-cache")
@@ -65,6 +78,19 @@ class ServingResource(ConfigurableResource):
     def settings(self) -> SpecParams:
         return SpecParams(num_steps=self.num_steps, eagle_topk=self.topk,
                           num_draft_tokens=self.num_draft_tokens)
+
+    def verify_policy(self):
+        """The post-promotion check's :class:`~pipeline.monitor.verify.VerifyPolicy`."""
+        from pipeline.monitor.verify import VerifyPolicy
+
+        return VerifyPolicy(min_tau=self.verify_min_tau, min_share=self.verify_min_share,
+                            min_cycles=self.verify_min_cycles)
+
+    def verifies_live(self) -> bool:
+        """Whether promotions are verified on the live servers (SGLang modes with
+        ``server_urls``), rather than from what the RL engine reports."""
+        return self.verify == "auto" and self.mode.startswith("sglang") and bool(
+            self.server_urls)
 
     def build(self, storage: Storage, name: str) -> LedgerBackend:
         """The backend that serves drafters of ``name`` (the registered model name)."""

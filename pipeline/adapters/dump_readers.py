@@ -37,6 +37,7 @@ from pipeline.adapters.ingest import (
     number,
     step_files,
 )
+from pipeline.adapters.spec_counters import UNKNOWN_DRAFTER, from_slime
 
 _NEMO_FILE = re.compile(r"train_data_step([0-9]+)\.jsonl")
 _SLIME_FILE = re.compile(r"(?:rollout_)?([0-9]+)\.pt")
@@ -173,12 +174,24 @@ class SlimeReader:
             "prompt_token_ids": tokens[:len(tokens) - n], "response_token_ids": tokens[-n:],
             "response_loss_mask": mask, "reward": number(reward, f"{where}.reward"),
             "finish_reason": _finish(sample.get("status")), "token_fidelity": "exact"}
+        spec = from_slime(sample.get("spec_info"), _drafter_version(sample))
+        if spec is not None:
+            record["speculative"] = spec
         if isinstance(prompt, str):
             record["prompt"] = prompt
         elif isinstance(prompt, list):
             record["prompt"] = "\n".join(str(m.get("content", "")) if isinstance(m, dict)
                                          else str(m) for m in prompt)
         return record, max(min(version, step), 0)
+
+
+def _drafter_version(sample: dict[str, Any]) -> str:
+    """The drafter that served a slime sample: ``metadata["aerie_drafter_version"]`` where the
+    rollout function records it (slime itself does not know Aerie's versions), else
+    ``unknown`` (its τ is reported, but no version's drift or verification counts it)."""
+    metadata = sample.get("metadata")
+    version = metadata.get("aerie_drafter_version") if isinstance(metadata, dict) else None
+    return str(version) if version is not None else UNKNOWN_DRAFTER
 
 
 def _finish(status: Any) -> str | None:

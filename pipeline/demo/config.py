@@ -40,6 +40,11 @@ class DemoConfig:
     max_new_tokens: int = 160  # longest well-formed 3-digit answer is ~130 tokens
     # held-out prompts for greedy accuracy and drift
     eval_prompts: int = 64
+    # a reward change mid-run (as RL runs change curricula): from ``shift_step`` on, the
+    # length penalty and learning rate below, so the policy moves faster than before
+    shift_step: int | None = None
+    shift_length_penalty: float = 0.1
+    shift_rl_lr: float = 1e-3
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits:

@@ -143,10 +143,14 @@ def run_rl(config: DemoConfig, tok: PreTrainedTokenizerBase, model: PreTrainedMo
         problems = [task.sample_problem(rng, config.min_digits, config.max_digits)
                     for _ in range(config.prompts_per_step)]
         generator = torch.Generator().manual_seed(derive_seed(config.seed, "sample", step))
+        shifted = config.shift_step is not None and step >= config.shift_step
+        for group in optimizer.param_groups:
+            group["lr"] = config.shift_rl_lr if shifted else config.rl_lr
         rollouts = rl.collect_rollouts(
             model, tok, problems, samples_per_prompt=config.samples_per_prompt,
             max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-            generator=generator, length_penalty=config.length_penalty)
+            generator=generator,
+            length_penalty=config.shift_length_penalty if shifted else config.length_penalty)
         policy_dir = work_dir / "policy" / f"step-{step:06d}"
         policy.save_checkpoint(model, tok, policy_dir)
         metrics = {**rl.rollout_metrics(rollouts),

@@ -202,10 +202,15 @@ def _require_version(registry: DrafterRegistry, version: str) -> None:
 
 def rollback(registry: DrafterRegistry, serving: ServingBackend, *, actor: str = "aerie",
              reason: str = "rollback", dagster_run_id: str | None = None,
-             lock: AbstractContextManager[Any] | None = None) -> PromotionResult:
-    """Restore the champion before the current one (alias and serving)."""
+             lock: AbstractContextManager[Any] | None = None,
+             expected: str | None = None) -> PromotionResult:
+    """Restore the champion before the current one (alias and serving); ``expected``: only
+    if that one is this version (a check judged it), else :class:`PromotionNotApplied`."""
     with _held(registry, serving, lock) as (registry, serving):
         serving_version = serving_champion(registry, serving)
+        if expected is not None and serving_version != expected:
+            raise PromotionNotApplied(f"{registry.model_name}: v{expected} is no longer the "
+                                      f"champion ({_v(serving_version)} is); not rolled back")
         if serving_version is None:
             raise PromotionError(f"{registry.model_name} has no champion to roll back: no "
                                  f"drafter was promoted yet (a refresh promotes the first one "

@@ -23,7 +23,12 @@ from pipeline.contracts import FileEntry, Manifest
 from pipeline.manifest import ManifestError, manifest_key, meta_value, read_manifest
 from pipeline.parquet import ParquetFileError, read_table
 from pipeline.snapshot.render import int_text, quote
-from pipeline.snapshot.schema import INT64_MAX, READABLE_SCHEMA_VERSIONS, ROLLOUT_SCHEMA
+from pipeline.snapshot.schema import (
+    ADDED_FIELDS,
+    INT64_MAX,
+    READABLE_SCHEMA_VERSIONS,
+    ROLLOUT_SCHEMA,
+)
 from pipeline.snapshot.sieve import SnapshotError
 from pipeline.storage import Storage
 from pipeline.verified import IntegrityError
@@ -101,7 +106,8 @@ def read_part(storage: Storage, prefix: str, entry: FileEntry, *, claimed: bool,
               schema: pa.Schema | None = None) -> pa.Table:
     """The Parquet file of manifest ``entry``, its bytes checked against the entry; refused
     when it claims another kind or schema version (``claimed``: it must claim ours); cast
-    to ``schema`` when given."""
+    to ``schema`` when given (a field newer than the file's schema version,
+    :data:`~.schema.ADDED_FIELDS`, is null in its rows)."""
     key = f"{prefix}/{entry.path}"
     url = storage.url(key)
     try:
@@ -113,6 +119,10 @@ def read_part(storage: Storage, prefix: str, entry: FileEntry, *, claimed: bool,
     _check_claim(url, table.schema.metadata or {}, claimed)
     if schema is None:
         return table
+    for name in ADDED_FIELDS:
+        if name in schema.names and name not in table.column_names:
+            table = table.append_column(schema.field(name),
+                                        pa.nulls(table.num_rows, schema.field(name).type))
     try:
         return table.select(schema.names).cast(schema)
     except (pa.ArrowException, KeyError, ValueError, TypeError) as e:

@@ -13,6 +13,10 @@ UTF-8 is caught per record rather than failing a whole column). Integers may be 
 :data:`~.render.QUOTE_CHARS` characters. It reads a mapping once, into a plain dict, so a
 mapping that raises while being read is a :class:`RecordError` too. Duplicate ids are a
 property of a set of records, checked by the callers.
+
+Schema 2 adds ``speculative``: the counters of the speculative decoding that generated the
+rollout, as the engine reported them (:data:`SPECULATIVE_FIELDS`), and the drafter version
+that served it. Schema-1 files are still read (the column is then null).
 """
 
 from __future__ import annotations
@@ -29,11 +33,21 @@ import pyarrow as pa
 
 from pipeline.snapshot.render import int_text, quote, safe_repr, type_name
 
-ROLLOUT_SCHEMA_VERSION = 1
+ROLLOUT_SCHEMA_VERSION = 2  # 2: speculative counters
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 FIDELITIES = frozenset({"exact", "retokenized"})
 
 _MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+# What the rollout engine reported about its speculative decoding of one rollout:
+SPECULATIVE_FIELDS = (
+    "drafter_version",  # the registry version that drafted it ("none": no drafter)
+    "verify_ct",  # draft-verify passes (SGLang spec_verify_ct; the prefill is not one)
+    "completion_tokens",  # generated tokens, the prefill token included (SGLang's count)
+    "accepted_tokens",  # accepted draft tokens, where the engine reports them
+    "draft_tokens",  # proposed draft tokens, where the engine reports them
+)
+_SPECULATIVE = pa.struct([("drafter_version", pa.string())]
+                         + [(name, pa.int64()) for name in SPECULATIVE_FIELDS[1:]])
 ROLLOUT_SCHEMA = pa.schema(
     [
         pa.field("rollout_id", pa.string(), nullable=False),
@@ -48,11 +62,13 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("reward", pa.float64()),
         pa.field("finish_reason", pa.string()),
         pa.field("token_fidelity", pa.string(), nullable=False),
+        pa.field("speculative", _SPECULATIVE),
     ],
     metadata={"aerie.kind": "rollout_snapshot",
               "aerie.schema_version": str(ROLLOUT_SCHEMA_VERSION)},
 )
-READABLE_SCHEMA_VERSIONS = (ROLLOUT_SCHEMA_VERSION,)  # what this release reads
+READABLE_SCHEMA_VERSIONS = (1, ROLLOUT_SCHEMA_VERSION)  # what this release reads
+ADDED_FIELDS = {"speculative": 2}  # nullable fields newer than schema 1: null when absent
 REQUIRED = ("rollout_id", "trainer_step", "generated_by_policy_version", "policy_uri",
             "token_fidelity")
 
@@ -154,6 +170,7 @@ def validate_record(raw: Mapping[str, Any], *, vocab_size: int, step: int | None
             if rec[name] is None:
                 raise RecordError(name, "missing although token_fidelity is 'exact'")
     _check_response_present(rec)
+    rec["speculative"] = _speculative(record.get("speculative"))
     return rec
 
 
@@ -226,15 +243,16 @@ def _is_integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _int(record: dict[str, Any], name: str, *, minimum: int) -> int:
-    value = record.get(name)
+def _int(record: dict[str, Any], name: str, *, minimum: int, where: str | None = None
+         ) -> int:
+    value, where = record.get(name), where or name
     if not _is_integer(value):
-        raise RecordError(name, f"expected an integer, got {type_name(value)}")
+        raise RecordError(where, f"expected an integer, got {type_name(value)}")
     value = operator.index(value)
     if value < minimum:
-        raise RecordError(name, f"{int_text(value)} is below {minimum}")
+        raise RecordError(where, f"{int_text(value)} is below {minimum}")
     if value > INT64_MAX:
-        raise RecordError(name, f"{int_text(value)} is beyond the int64 range")
+        raise RecordError(where, f"{int_text(value)} is beyond the int64 range")
     return value
 
 
@@ -336,3 +354,49 @@ def _reward(value: Any) -> float | None:
     if not math.isfinite(reward):
         raise RecordError("reward", f"not finite: {reward}")
     return reward
+
+
+def _speculative(value: Any) -> dict[str, Any] | None:
+    """The engine's speculative counters of one rollout: ``drafter_version`` and
+    ``verify_ct`` always, with ``completion_tokens`` or ``accepted_tokens`` (or both);
+    ``draft_tokens`` optional. Each verify pass emits at least one token, so neither count
+    of emitted tokens can be below ``verify_ct``."""
+    if value is None:
+        return None
+    raw = _read_mapping("speculative", value)
+    for key in raw:
+        if key not in SPECULATIVE_FIELDS:
+            raise RecordError("speculative", f"unknown key {quote(safe_repr(key), 60)}")
+    if raw.get("drafter_version") is None:
+        raise RecordError("speculative.drafter_version", "missing")
+    out: dict[str, Any] = {"drafter_version": _version_text(raw["drafter_version"])}
+    for name in SPECULATIVE_FIELDS[1:]:
+        if raw.get(name) is None:
+            if name == "verify_ct":
+                raise RecordError("speculative.verify_ct", "missing")
+            out[name] = None
+        else:
+            out[name] = _int(raw, name, minimum=0, where=f"speculative.{name}")
+    verify, completion, accepted, drafted = (out[n] for n in SPECULATIVE_FIELDS[1:])
+    if completion is None and accepted is None:
+        raise RecordError("speculative", "needs completion_tokens or accepted_tokens to "
+                                         "count what the verify passes emitted")
+    if completion is not None and completion < verify:
+        raise RecordError("speculative.completion_tokens",
+                          f"{completion} tokens from {verify} verify passes (each emits >= 1)")
+    if accepted is not None and drafted is not None and accepted > drafted:
+        raise RecordError("speculative.accepted_tokens",
+                          f"{accepted} accepted of {drafted} drafted")
+    return out
+
+
+def _version_text(value: Any) -> str:
+    """A registry version as text (an integer, as MLflow numbers them, is written out)."""
+    if _is_integer(value) and operator.index(value) >= 0:
+        return str(operator.index(value))
+    text = _decode("speculative.drafter_version", value)
+    if not has_visible_content(text) or len(text) > 128:
+        raise RecordError("speculative.drafter_version",
+                          "empty (nothing visible)" if not has_visible_content(text)
+                          else f"absurd length: {len(text)} chars (limit 128)")
+    return text

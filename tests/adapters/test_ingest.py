@@ -135,6 +135,7 @@ def test_slime_files_load_as_plain_data_and_anything_else_is_refused(world, tmp_
     dump = tmp_path / "debug"
     dump.mkdir()
     samples = [_slime_sample(tok, i, tool=i == 1) for i in range(3)]
+    samples[2]["metadata"] = {"aerie_drafter_version": 7}  # where a rollout function says
     torch.save({"rollout_id": 5, "samples": samples}, dump / "rollout_5.pt")
     # an object a weights-only load refuses (a full unpickle would import and build it)
     torch.save({"rollout_id": 6, "samples": [samples[0] | {"status": _Status.COMPLETED}]},
@@ -158,6 +159,9 @@ def test_slime_files_load_as_plain_data_and_anything_else_is_refused(world, tmp_
         # before rollout 0)
         assert rec["generated_by_policy_version"] == 3
         assert rec["finish_reason"] == "stop"
+        assert rec["speculative"] == {
+            "drafter_version": "7" if sample["metadata"] else "unknown", "verify_ct": 2,
+            "completion_tokens": n, "accepted_tokens": 3, "draft_tokens": 6}
     assert 0 in records[1]["response_loss_mask"]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dagster import AssetKey
 
-from assets.groups import DATA_ASSETS, REFRESH_ASSETS
+from assets.groups import DATA_ASSETS, MONITOR_ASSETS, REFRESH_ASSETS
 from definitions import defs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,15 +23,17 @@ def test_definitions_load_and_names_are_stable():
     assert {k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()} == {
         "rollout_snapshot", "tokenized_rollouts", "hidden_state_shards", "vocab_mapping",
         "drafter_checkpoint", "acceptance_eval", "registered_drafter", "serving_drafter",
-        "storage_retention"}
-    assert {c.name for c in repo.asset_graph.asset_check_keys} == {
-        "quarantine_ratio", "shard_integrity", "vocab_coverage", "training_loss",
-        "acceptance_lossless", "serving_staleness"}
+        "storage_retention", "serving_acceptance"}
+    assert {c.to_user_string() for c in repo.asset_graph.asset_check_keys} == {
+        "rollout_snapshot:quarantine_ratio", "hidden_state_shards:shard_integrity",
+        "vocab_mapping:vocab_coverage", "drafter_checkpoint:training_loss",
+        "acceptance_eval:acceptance_lossless", "serving_drafter:serving_staleness",
+        "serving_drafter:promotion_verified", "serving_acceptance:promotion_verified"}
     assert {j.name for j in repo.get_all_jobs() if not j.name.startswith("__")} == {
         "ingest_step", "drafter_refresh", "promote_drafter_manually", "rollback_drafter",
         "ingest_dumps"}
     assert {s.name for s in repo.sensor_defs} == {"snapshot_sensor", "refresh_sensor",
-                                                  "dump_sensor"}
+                                                  "drift_sensor", "dump_sensor"}
     assert {s.name for s in repo.schedule_defs} == {"drafter_refresh_schedule"}
     assert set(defs.resources) == {"storage", "capture", "trainer", "mlflow", "serving",
                                   "refresh", "ingest"}
@@ -93,8 +95,9 @@ def test_run_config_defaults_mirror_the_stage_configs():
 
 def test_every_asset_has_an_owner_a_stage_and_every_trigger_a_description():
     specs = {spec.key.path[-1]: spec for spec in defs.resolve_all_asset_specs()}
-    stages = [specs[name].tags["aerie/stage"] for name in (*DATA_ASSETS, *REFRESH_ASSETS)]
-    assert stages == [str(n) for n in range(1, 10)]
+    flow = (*DATA_ASSETS, *REFRESH_ASSETS, *MONITOR_ASSETS)
+    stages = [specs[name].tags["aerie/stage"] for name in flow]
+    assert stages == [str(n) for n in range(1, len(flow) + 1)]
     assert all(spec.owners == ["team:aerie"] for spec in specs.values())
     for sensor in defs.sensors:
         assert sensor.description and "runs" in sensor.description

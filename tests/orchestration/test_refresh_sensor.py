@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 from dagster import (
@@ -24,7 +26,19 @@ from jobs.refresh import (
     refresh_request,
     refresh_sensor,
 )
+from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
+from resources.storage import StorageResource
+
+EMPTY_STORAGE = Path(tempfile.mkdtemp(prefix="aerie-refresh-tests-"))
+
+
+def trigger_resources(policy=None, storage_url: str | None = None) -> dict:
+    """What the refresh triggers are given: the policy, and where they read the serving
+    drafter's acceptance (a storage root holding none unless a test writes it)."""
+    return {"refresh": policy or RefreshPolicyResource(),
+            "storage": StorageResource(url=storage_url or EMPTY_STORAGE.as_uri()),
+            "mlflow": MlflowResource()}
 
 
 @pytest.mark.parametrize(("ingested", "last", "every", "due"), [
@@ -51,8 +65,7 @@ def ingest(instance, *steps: int, assets=DATA_ASSETS) -> None:
 
 def tick(instance, cursor, policy=None):
     return refresh_sensor(build_sensor_context(
-        instance=instance, cursor=cursor,
-        resources={"refresh": policy or RefreshPolicyResource()}))
+        instance=instance, cursor=cursor, resources=trigger_resources(policy)))
 
 
 def test_sensor_requests_exactly_one_refresh_per_block(dagster_backend):
@@ -159,7 +172,7 @@ def _job():
 def test_schedule_refreshes_the_newest_step_once(dagster_backend):
     with instance_for_test(overrides=dagster_backend) as instance, \
             build_schedule_context(  # `with`: it is exited
-            instance=instance, resources={"refresh": RefreshPolicyResource()}) as ctx:
+            instance=instance, resources=trigger_resources()) as ctx:
         instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(4)])
         assert isinstance(drafter_refresh_schedule(ctx), SkipReason)
         ingest(instance, 0, 1, 2, 3)
@@ -199,13 +212,13 @@ def test_dagster_resolves_the_triggers_requests_in_the_refresh_partitions(dagste
         ingest(instance, 0, 1, 2, 3)
         sensor_ctx = build_sensor_context(instance=instance, instance_ref=instance.get_ref(),
                                           repository_def=repo,
-                                          resources={"refresh": RefreshPolicyResource()})
+                                          resources=trigger_resources())
         data = refresh_sensor.evaluate_tick(sensor_ctx)
         (req,) = data.run_requests
         assert req.tags["dagster/partition"] == "step-000003"
         assert instance.get_dynamic_partitions("refresh_steps") == []  # the daemon adds it
-        with build_schedule_context(instance=instance, repository_def=repo, resources={
-                "refresh": RefreshPolicyResource()}) as schedule_ctx:
+        with build_schedule_context(instance=instance, repository_def=repo,
+                                    resources=trigger_resources()) as schedule_ctx:
             (req,) = drafter_refresh_schedule.evaluate_tick(schedule_ctx).run_requests
         assert req.tags["dagster/partition"] == "step-000003"
         assert instance.get_dynamic_partitions("refresh_steps") == ["step-000003"]

@@ -30,7 +30,7 @@ STEP = 3
 VOCAB = 64
 FIELDS = {"rollout_id", "trainer_step", "generated_by_policy_version", "policy_uri",
           "messages", "prompt", "prompt_token_ids", "response_token_ids",
-          "response_loss_mask", "reward", "finish_reason", "token_fidelity"}
+          "response_loss_mask", "reward", "finish_reason", "token_fidelity", "speculative"}
 ROLES = {"system", "user", "assistant", "tool"}
 # blank although neither control, format nor separator (Hangul fillers, braille blank)
 BLANKS = {"\u3164", "\u115f", "\u1160", "\uffa0", "\u2800"}
@@ -108,7 +108,28 @@ def contract_violations(rec: dict[str, Any], *, step: int = STEP,
               and messages[-1].get("role") == "assistant"
               and visible(messages[-1].get("content") or "")):
         bad.append("no visible response")
+    if rec["speculative"] is not None and not _speculative_ok(rec["speculative"]):
+        bad.append("speculative")
     return bad
+
+
+def _speculative_ok(spec: Any) -> bool:
+    """The engine's counters: a visible drafter version, counts that are non-negative ints
+    (verify passes always; emitted tokens by one count or the other), no count of emitted
+    tokens below the verify passes, no more accepted drafts than proposed ones."""
+    names = ("verify_ct", "completion_tokens", "accepted_tokens", "draft_tokens")
+    if not (isinstance(spec, dict) and set(spec) == {"drafter_version", *names}):
+        return False
+    version = spec["drafter_version"]
+    counts = [spec[n] for n in names]
+    if not (_utf8(version) and visible(version)) or counts[0] is None:
+        return False
+    if not all(c is None or (type(c) is int and c >= 0) for c in counts):
+        return False
+    verify, completion, accepted, drafted = counts
+    return ((completion is not None or accepted is not None)
+            and (completion is None or completion >= verify)
+            and (accepted is None or drafted is None or accepted <= drafted))
 
 
 def names_file(error: BaseException, prefixes: list[str]) -> bool:

@@ -1,0 +1,131 @@
+"""``serving_acceptance``: acceptance as the RL engine saw it, per RL step.
+
+Partition = the RL step (``rl_steps``), in the ``ingest_step`` job: it summarises the step's
+speculative counters (τ per drafter version, :mod:`pipeline.monitor.observed`), stores them
+for the drift sensor, and draws the loop's chart (τ observed over RL steps, offline τ at each
+refresh, promotions and rollbacks). Its check ``promotion_verified`` judges the drafter
+serving now on those counters where promotions are not verified on live servers (the
+``manifest`` and vLLM modes): below the floor, the promotion is rolled back. It runs in the
+pool ``promotion``, as every path that can move the champion.
+"""
+
+from dagster import (
+    AssetCheckSeverity,
+    AssetExecutionContext,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+)
+
+from assets.checks import result, spec
+from assets.partitions import rl_steps, step_of
+from assets.release import PROMOTION_POOL, record_champion_change
+from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from pipeline.checks import CheckOutcome
+from pipeline.monitor.stage import VERIFY_ACTOR
+from pipeline.release.mlflow_registry import model_name
+from resources.mlflow import MlflowResource
+from resources.refresh import RefreshPolicyResource
+from resources.serving import ServingResource
+from resources.storage import StorageResource
+
+LOOP_CHART = "tau_over_rl_steps"
+
+
+@asset(partitions_def=rl_steps, group_name="monitor", kinds={"sglang"},
+       deps=["rollout_snapshot"], retry_policy=SERVICE_RETRY, pool=PROMOTION_POOL,
+       description="τ per drafter version as the RL engine observed it in this RL step "
+                   "(the rollouts' speculative counters), and the loop's chart.",
+       check_specs=[spec("serving_acceptance", "promotion_verified",
+                         "where promotions are not verified on live servers: the serving "
+                         "drafter's observed τ is not below the floor (else it was rolled "
+                         "back)")])
+def serving_acceptance(context: AssetExecutionContext, storage: StorageResource,
+                       mlflow: MlflowResource, serving: ServingResource,
+                       refresh: RefreshPolicyResource) -> MaterializeResult:
+    """τ per drafter version as the RL engine observed it in this RL step."""
+    from pipeline.monitor import stage as monitor_stage
+
+    store, step = storage.build(), step_of(context.partition_key)
+    with fail_fast_on_permanent_errors():
+        observed = monitor_stage.observe(store, step)
+        outcome = _check(context, store, mlflow, serving, refresh)
+    chart = store.url(publish_loop_chart(store, model_name(mlflow.target_family), step))
+    per_version = {f"tau_v{v.drafter_version}": round(v.tau, 4) for v in observed.versions
+                   if v.tau is not None}
+    return MaterializeResult(metadata={
+        "rollouts": observed.rollouts, "with_counters": observed.with_counters,
+        **per_version,
+        "versions": MetadataValue.md(_table(observed)),
+        "chart": MetadataValue.path(chart)},
+        check_results=[result("promotion_verified", outcome, AssetCheckSeverity.ERROR)])
+
+
+def _check(context, store, mlflow: MlflowResource, serving: ServingResource,
+           refresh: RefreshPolicyResource) -> CheckOutcome:
+    from pipeline.monitor import stage as monitor_stage
+
+    if serving.verify == "off" or serving.verifies_live():
+        why = "off" if serving.verify == "off" else "on the live servers, at promotion"
+        return CheckOutcome(True, f"promotions are verified {why} (serving_drafter's check)")
+    built = {}
+
+    def connect():
+        built["registry"] = registry = mlflow.build()
+        return registry, serving.build(store, registry.model_name)
+
+    checked = monitor_stage.check_reported(store, model_name(mlflow.target_family), connect,
+                                           serving.verify_policy())
+    return checked_outcome(context, checked, built.get("registry"), store, refresh)
+
+
+def checked_outcome(context, checked, registry, store, refresh) -> CheckOutcome:
+    """The ``promotion_verified`` outcome of a verdict; a rollback is recorded as a
+    ``serving_drafter`` event naming the new champion."""
+    v = checked.verification
+    if v is None:
+        return CheckOutcome(True, checked.note)
+    if checked.rollback is not None:
+        r = checked.rollback
+        context.log.error(f"v{v.version}: {v.reason}; rolled back to "
+                          f"{r.version or 'no drafter'}")
+        record_champion_change(context, registry, r, actor=VERIFY_ACTOR,
+                               reason=f"post-promotion check: {v.reason}", store=store,
+                               refresh=refresh)
+        return CheckOutcome(False, f"v{v.version} broken after promotion: {v.reason}; "
+                                   f"rolled back to {_v(r.version)}",
+                            v.metadata() | {"rolled_back_to": r.version or "none"})
+    return CheckOutcome(not v.broken, f"v{v.version} {v.verdict}: {v.reason}", v.metadata())
+
+
+def publish_loop_chart(store, name: str, step: int) -> str:
+    """Draw the loop's chart up to RL step ``step`` and store it beside the step's observed
+    acceptance; returns its storage key."""
+    from pipeline.evaluation.stage import tau_history
+    from pipeline.layout import observed_key
+    from pipeline.monitor.chart import loop_chart, loop_events
+    from pipeline.monitor.observed import observed_series
+
+    series = [o for o in observed_series(store) if o.step <= step]
+    offline = tau_history(store).get("candidate", {})
+    png = loop_chart(series, {s: t for s, t in offline.items() if s <= step},
+                     [e for e in loop_events(store, name) if e.step <= step],
+                     title=f"{name}: τ over RL steps (to step {step})")
+    key = observed_key(step).rsplit("/", 1)[0] + f"/{LOOP_CHART}.png"
+    store.write_bytes(key, png)
+    return key
+
+
+def _table(observed) -> str:
+    rows = [f"| v{v.drafter_version} | {v.rollouts} | {v.verify_ct} | "
+            f"{'-' if v.tau is None else f'{v.tau:.3f}'} | "
+            f"{'-' if v.tau_low is None else f'[{v.tau_low:.3f}, {v.tau_high:.3f}]'} |"
+            for v in observed.versions]
+    if not rows:
+        return f"none of the {observed.rollouts} rollouts carries speculative counters"
+    return ("| drafter | rollouts | verify passes | τ | 95% interval |\n|---|---|---|---|---|\n"
+            + "\n".join(rows))
+
+
+def _v(version):
+    return f"v{version}" if version else "no drafter"

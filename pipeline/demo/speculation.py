@@ -1,0 +1,59 @@
+"""What the demo trainer's rollout engine reports about its speculative decoding.
+
+A real RL engine generating with an EAGLE-3 drafter reports per request how many verify
+passes it ran and how many tokens came out (SGLang's ``meta_info``). The demo world samples
+its rollouts without a drafter, so its trainer computes what its engine would have reported:
+for the first rollout of each of the first ``prompts`` prompts, Aerie's own lossless EAGLE-3
+engine (:func:`pipeline.evaluation.engine.evaluate`, the one the offline evaluation and the
+SGLang contract server use) decodes the rollout's prompt with the step's policy and the
+drafter serving now (the serving record), at the rollouts' sampler, and the counts become the
+record's ``speculative`` field. Speculative sampling is lossless in distribution, so those
+counts are those of a sample of the same distribution the rollout was drawn from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.sampling import SamplingParams
+from pipeline.serving_now import materialize_drafter, read_serving
+from pipeline.storage import Storage
+
+
+def with_counters(records: Sequence[Mapping[str, Any]], policy_dir: Path, storage: Storage,
+                  name: str, cache_dir: Path, *, sampling: Mapping[str, Any],
+                  max_new_tokens: int, prompts: int = 4, seed: int = 0
+                  ) -> list[dict[str, Any]]:
+    """``records`` with ``speculative`` counters on the first rollout of each of the first
+    ``prompts`` distinct prompts; unchanged while no drafter serves ``name``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.eagle3.export import load_drafter
+    from pipeline.evaluation.engine import evaluate
+    from pipeline.evaluation.stage import stop_token_ids
+
+    out = [dict(r) for r in records]
+    serving = read_serving(storage, name)
+    if serving is None or serving.target is None:
+        return out
+    chosen, seen = [], set()
+    for i, r in enumerate(out):
+        key = tuple(r["prompt_token_ids"])
+        if key not in seen and len(chosen) < prompts:
+            seen.add(key)
+            chosen.append(i)
+    target = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
+    local = materialize_drafter(storage, serving.target.drafter_uri, cache_dir,
+                                fingerprint=serving.target.fingerprint)
+    drafter = load_drafter(local, target.get_input_embeddings().weight.detach())
+    run = evaluate(target, drafter, [out[i]["prompt_token_ids"] for i in chosen],
+                   serving.settings, max_new_tokens=max_new_tokens,
+                   eos_token_id=stop_token_ids(target),
+                   sampler=SamplingParams.from_mapping(sampling), seed=seed)
+    for i, tokens, (_, cycles) in zip(chosen, run.outputs, run.per_prompt, strict=True):
+        out[i]["speculative"] = {"drafter_version": serving.target.registry_version,
+                                 "verify_ct": cycles, "completion_tokens": len(tokens)}
+    return out

@@ -1,0 +1,117 @@
+"""Acceptance as the RL engine saw it: τ per RL step and drafter version, from the
+speculative counters of the step's rollouts (the snapshot's ``speculative`` column).
+
+Definition, the offline evaluation's (:mod:`pipeline.evaluation.metrics`): τ = tokens emitted
+by draft-verify passes ÷ passes, both summed over the rollouts before dividing. A rollout's
+passes are its ``verify_ct``; what they emitted is ``completion_tokens - 1`` where the engine
+counts completion tokens (the prefill token is no pass's), else ``accepted_tokens +
+verify_ct`` (each pass adds its bonus token). The interval is the evaluation's bootstrap over
+rollouts (:func:`pipeline.evaluation.confidence.tau_interval`).
+
+Stored per step as ``observed/step=NNNNNN/acceptance.json`` (:func:`observe_step`), which the
+drift trigger, the promotion check in ``manifest`` mode and the chart read back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.layout import OBSERVED, observed_key, steps_of
+from pipeline.records import from_json, to_json
+from pipeline.storage import Storage
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class VersionAcceptance:
+    """The rollouts one drafter version drafted in one RL step."""
+
+    drafter_version: str  # registry version ("none": the engine ran without a drafter)
+    rollouts: int
+    verify_ct: int
+    emitted: int  # tokens the verify passes emitted
+    tau: float | None  # emitted / verify_ct; None without a verify pass
+    tau_low: float | None  # the 95% bootstrap interval over rollouts
+    tau_high: float | None
+    per_rollout: tuple[tuple[int, int], ...] = ()  # (emitted, verify passes) per rollout
+
+
+@dataclass(frozen=True)
+class StepAcceptance:
+    """What the engine reported for one RL step: per drafter version, and how many of the
+    step's rollouts carried counters at all."""
+
+    step: int
+    rollouts: int
+    with_counters: int
+    versions: tuple[VersionAcceptance, ...]
+    schema_version: int = SCHEMA_VERSION
+
+    def of(self, version: str) -> VersionAcceptance | None:
+        return next((v for v in self.versions if v.drafter_version == version), None)
+
+
+def rollout_counts(spec: Mapping[str, Any]) -> tuple[int, int]:
+    """(tokens emitted by verify passes, verify passes) of one rollout's counters."""
+    verify = int(spec["verify_ct"])
+    if spec.get("completion_tokens") is not None:
+        return max(int(spec["completion_tokens"]) - 1, 0), verify
+    return int(spec["accepted_tokens"]) + verify, verify
+
+
+def summarise(step: int, counters: Iterable[Mapping[str, Any] | None]) -> StepAcceptance:
+    """:class:`StepAcceptance` of the ``speculative`` values of one step's rollouts (None:
+    a rollout without counters)."""
+    from pipeline.evaluation.confidence import tau_interval
+
+    per_version: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    rollouts = 0
+    for spec in counters:
+        rollouts += 1
+        if spec is not None:
+            per_version[spec["drafter_version"]].append(rollout_counts(spec))
+    versions = []
+    for version, counts in sorted(per_version.items()):
+        emitted, verify = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        low, high = tau_interval(counts) if verify else (math.nan, math.nan)
+        versions.append(VersionAcceptance(
+            version, len(counts), verify, emitted, emitted / verify if verify else None,
+            _finite(low), _finite(high), tuple(counts)))
+    return StepAcceptance(step, rollouts, sum(len(c) for c in per_version.values()),
+                          tuple(versions))
+
+
+def observe_step(storage: Storage, step: int) -> StepAcceptance:
+    """Summarise step ``step``'s validated snapshot and store the result (a re-run rewrites
+    it with the same numbers)."""
+    from pipeline.snapshot.stage import read_accepted
+
+    column = read_accepted(storage, step).column("speculative").to_pylist()
+    observed = summarise(step, column)
+    storage.write_bytes(observed_key(step), to_json(observed).encode())
+    return observed
+
+
+def read_observed(storage: Storage, step: int) -> StepAcceptance | None:
+    """The stored summary of ``step``, or None when none was stored."""
+    try:
+        data = storage.read_bytes(observed_key(step))
+    except FileNotFoundError:
+        return None
+    return from_json(StepAcceptance, data)
+
+
+def observed_series(storage: Storage, since: int = 0) -> list[StepAcceptance]:
+    """Every stored summary from RL step ``since`` on, oldest first."""
+    found = (read_observed(storage, s) for s in steps_of(storage.list_dirs(OBSERVED))
+             if s >= since)
+    return [o for o in found if o is not None]
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
