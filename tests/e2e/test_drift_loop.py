@@ -60,3 +60,14 @@ def test_every_step_has_its_serving_acceptance_and_the_chart(drift):
     assert _meta(drift, "serving_acceptance", "step-000006")["tau_v1"] > 1.0
     png = drift.storage.read_bytes("observed/step=000010/tau_over_rl_steps.png")
     assert png.startswith(b"\x89PNG")
+
+
+def test_the_healthy_promotion_was_verified_and_left_alone(drift):
+    """In ``manifest`` mode v1 is judged on what the trainer reported with it (step 6 on):
+    healthy, so it kept serving until the drift refresh."""
+    from pipeline.monitor.stage import VERDICT_TAG
+    from resources.mlflow import mlflow_from_environment
+
+    tags = mlflow_from_environment().get_version("1").tags
+    assert tags[VERDICT_TAG] == "healthy" and tags["post_promotion.source"] == "reported"
+    assert "rolled_back_by" not in tags

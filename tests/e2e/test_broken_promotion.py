@@ -1,0 +1,119 @@
+"""Broken promotions on the demo world, rolled back by the post-promotion check:
+
+- ``manifest`` mode: the refresh at step 1 promotes v1; the trainer's engine then reports
+  that every verify pass with v1 emitted only its bonus token (τ = 1, as with a drafter
+  loaded with a wrong ``d2t``). ``serving_acceptance`` of step 2 judges v1 broken, rolls it
+  back (no drafter serves again) and fails its check.
+- ``sglang-restart`` mode: the restart "succeeds" but the server probed afterwards decodes
+  without speculation (the contract server, serving the step's policy); ``serving_drafter``
+  rolls the promotion back at once and fails its check.
+The healthy promotion left alone is in test_drift_loop (v1 verified healthy at step 6).
+"""
+
+from __future__ import annotations
+
+import pytest
+from dagster import AssetCheckKey, AssetKey, DagsterInstance
+
+from jobs import cli
+from jobs.demo import RefreshLoop, reported_records
+from pipeline.demo.config import DemoConfig
+from pipeline.demo.world import generate_world
+from pipeline.monitor.stage import VERDICT_TAG, VERIFY_ACTOR
+from pipeline.release.mlflow_registry import CHAMPION
+from pipeline.serving_now import read_serving
+from pipeline.snapshot.writer import SnapshotWriter
+from pipeline.storage import Storage
+from resources.mlflow import mlflow_from_environment
+from resources.refresh import RefreshPolicyResource
+from tests.e2e.loop import TRAIN, home_env
+from tests.sglang_contract import fixtures
+
+pytestmark = pytest.mark.slow
+
+WORLD = DemoConfig.small(num_steps=3)
+POLICY = RefreshPolicyResource(every=2, window=2)  # one refresh, at step 1
+
+
+def _bonus_only(records: list[dict]) -> list[dict]:
+    """What an engine serving v1 with a wrong ``d2t`` reports: no draft accepted."""
+    for r in records:
+        if r.get("speculative"):
+            r["speculative"]["completion_tokens"] = r["speculative"]["verify_ct"] + 1
+    return records
+
+
+def _world(home) -> list:
+    cli.prepare_dagster_home()
+    outputs = []
+    generate_world(WORLD, home / "demo-world", outputs.append, progress=False)
+    return outputs
+
+
+def _run(home, outputs, refresh_config: dict, plant=lambda records: records):
+    storage = Storage((home / "storage").as_uri())
+    writer = SnapshotWriter(storage)
+    loop = RefreshLoop(DagsterInstance.get(), policy=POLICY,
+                       refresh_config=lambda step: refresh_config)
+    for out in outputs:
+        records = reported_records(out, storage, WORLD.max_new_tokens, prompts=3)
+        writer.write_step(out.step, plant(records), out.policy_dir, out.policy_version,
+                          sampling=out.sampling)
+        loop.after_step()
+    return loop.instance, storage
+
+
+def _check(instance, asset: str):
+    """The newest ``promotion_verified`` evaluation of ``asset``."""
+    record = instance.event_log_storage.get_latest_asset_check_execution_by_key(
+        [AssetCheckKey(AssetKey(asset), "promotion_verified")])
+    (execution,) = record.values()
+    return execution.event.dagster_event.event_specific_data
+
+
+def _meta(instance, asset: str, partition: str) -> dict:
+    for r in instance.fetch_materializations(AssetKey(asset), limit=100).records:
+        if r.asset_materialization.partition == partition:
+            return {k: v.value for k, v in r.asset_materialization.metadata.items()}
+    raise AssertionError(f"no {asset} event for {partition}")
+
+
+def test_manifest_mode_rolls_back_on_what_the_trainer_reports(tmp_path):
+    home = tmp_path / "home"
+    with home_env(home):
+        instance, storage = _run(home, _world(home), TRAIN, plant=_bonus_only)
+        registry = mlflow_from_environment()
+        actions = [r.asset_materialization.metadata["action"].value for r in
+                   instance.fetch_materializations(AssetKey("serving_drafter"), limit=9).records]
+        assert actions == ["rolled_back", "promoted"]  # newest first: the gate's, then ours
+        check = _check(instance, "serving_acceptance")
+        assert not check.passed and "v1 broken after promotion" in check.description
+        assert check.metadata["verdict"].value == "broken"
+        assert read_serving(storage, registry.model_name).target is None  # no drafter again
+        assert registry.alias(CHAMPION) is None
+        tags = registry.get_version("1").tags
+        assert tags[VERDICT_TAG] == "broken" and tags["rolled_back_by"] == VERIFY_ACTOR
+        event = _meta(instance, "serving_drafter", "step-000001")  # the rollback's event
+        assert (event["action"], event["champion"]) == ("rolled_back", "none")
+
+
+def test_sglang_restart_mode_rolls_back_when_the_servers_do_not_speculate(tmp_path):
+    home = tmp_path / "home"
+    work = tmp_path / "server"
+    work.mkdir()
+    policy = home / "demo-world" / "policy" / "step-000001"
+    with home_env(home):
+        outputs = _world(home)
+    with home_env(home), fixtures.contract_process(
+            work, policy, {"plain": {"mode": "final"}}, lambda: None) as servers:
+        serving = {"resources": {"serving": {"config": {
+            "mode": "sglang-restart", "restart_command": ["true"],
+            "no_drafter_command": ["true"], "server_urls": [servers["plain"].url]}}}}
+        instance, storage = _run(home, outputs, {**TRAIN, **serving})
+        registry = mlflow_from_environment()
+        event = _meta(instance, "serving_drafter", "step-000001")
+        assert event["action"] == "rolled_back" and event["champion"] == "none"
+        check = _check(instance, "serving_drafter")
+        assert not check.passed and "SpeculativeConfigError" in check.description
+        assert read_serving(storage, registry.model_name).target is None
+        assert registry.get_version("1").tags["post_promotion.source"] == "live"
