@@ -18,7 +18,7 @@ from dagster import (
 )
 
 from assets.checks import result, spec
-from assets.partitions import rl_steps, step_of
+from assets.partitions import refresh_triggers, rl_steps, step_of
 from assets.release import PROMOTION_POOL, record_champion_change
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.checks import CheckOutcome
@@ -50,7 +50,8 @@ def serving_acceptance(context: AssetExecutionContext, storage: StorageResource,
     with fail_fast_on_permanent_errors():
         observed = monitor_stage.observe(store, step)
         outcome = _check(context, store, mlflow, serving, refresh)
-    chart = store.url(publish_loop_chart(store, model_name(mlflow.target_family), step))
+    chart = store.url(publish_loop_chart(store, model_name(mlflow.target_family), step,
+                                         context.instance))
     per_version = {f"tau_v{v.drafter_version}": round(v.tau, 4) for v in observed.versions
                    if v.tau is not None}
     return MaterializeResult(metadata={
@@ -98,9 +99,10 @@ def checked_outcome(context, checked, registry, store, refresh) -> CheckOutcome:
     return CheckOutcome(not v.broken, f"v{v.version} {v.verdict}: {v.reason}", v.metadata())
 
 
-def publish_loop_chart(store, name: str, step: int) -> str:
-    """Draw the loop's chart up to RL step ``step`` and store it beside the step's observed
-    acceptance; returns its storage key."""
+def publish_loop_chart(store, name: str, step: int, instance=None) -> str:
+    """Draw the loop's chart up to RL step ``step`` (with what triggered each refresh, from
+    ``instance``'s runs) and store it beside the step's observed acceptance; returns its
+    storage key."""
     from pipeline.evaluation.stage import tau_history
     from pipeline.layout import observed_key
     from pipeline.monitor.chart import loop_chart, loop_events
@@ -110,7 +112,8 @@ def publish_loop_chart(store, name: str, step: int) -> str:
     offline = tau_history(store).get("candidate", {})
     png = loop_chart(series, {s: t for s, t in offline.items() if s <= step},
                      [e for e in loop_events(store, name) if e.step <= step],
-                     title=f"{name}: τ over RL steps (to step {step})")
+                     title=f"{name}: τ over RL steps (to step {step})",
+                     triggers=refresh_triggers(instance) if instance is not None else None)
     key = observed_key(step).rsplit("/", 1)[0] + f"/{LOOP_CHART}.png"
     store.write_bytes(key, png)
     return key

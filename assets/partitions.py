@@ -23,6 +23,9 @@ from dagster import AssetKey, DynamicPartitionsDefinition
 
 from assets.groups import DATA_ASSETS
 
+REFRESH_STEP_TAG = "aerie/refresh_step"  # on every refresh run: the step it refreshes at
+TRIGGER_TAG = "aerie/refresh_trigger"  # on every refresh run: cadence | drift | schedule
+
 rl_steps = DynamicPartitionsDefinition(name="rl_steps")
 refresh_steps = DynamicPartitionsDefinition(name="refresh_steps")
 
@@ -53,3 +56,12 @@ def step_of(key: str) -> int:
     if prefix != "step" or not digits.isdigit():
         raise ValueError(f"partition key {key!r} is not of the form step-NNNNNN")
     return int(digits)
+
+
+def refresh_triggers(instance) -> dict[int, str]:
+    """What asked for the refresh run of each refresh step (the oldest run's trigger)."""
+    from dagster import RunsFilter
+
+    runs = instance.get_runs(filters=RunsFilter(job_name="drafter_refresh"))
+    return {int(r.tags[REFRESH_STEP_TAG]): r.tags.get(TRIGGER_TAG, "manual")
+            for r in reversed(runs) if REFRESH_STEP_TAG in r.tags}

@@ -139,7 +139,7 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
     context.log.info(f"step {step}: {p.action} ({'; '.join(p.reasons)})")
     p, verified = _verify_live(context, store, registry, serving, step, p)
     stale = staleness_now(context.instance, store, registry.model_name, refresh)
-    chart = _log_loop_chart(store, registry, step, r.promotion.version)
+    chart = _log_loop_chart(store, registry, step, r.promotion.version, context.instance)
     return MaterializeResult(metadata={
         **champion_metadata(p, registry, actor=GATE_ACTOR, reason=f"refresh at step {step}"),
         "loop_chart": MetadataValue.path(store.url(chart)),
@@ -150,12 +150,12 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
 
 
 def _log_loop_chart(store: Storage, registry: DrafterRegistry, step: int,
-                    version: str | None) -> str:
+                    version: str | None, instance) -> str:
     """The loop's chart (τ observed over RL steps, offline τ per refresh, promotions and
     rollbacks) up to ``step``, stored and logged to the MLflow run of ``version``; its key."""
     from assets.monitor import LOOP_CHART, publish_loop_chart
 
-    key = publish_loop_chart(store, registry.model_name, step)
+    key = publish_loop_chart(store, registry.model_name, step, instance)
     run_id = registry.get_version(version).run_id if version else None
     if run_id:
         with tempfile.TemporaryDirectory(prefix="aerie-chart-") as tmp:

@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 
 from dagster import AssetKey, DagsterInstance, DagsterRun, RunRequest, build_sensor_context
 
-from assets.partitions import step_of
+from assets.partitions import TRIGGER_TAG, step_of
 from assets.release import GATE_ACTOR
 from jobs import launch
 from jobs.launch import deep_merge, record_tick
-from jobs.refresh import TRIGGER_TAG
 from resources.refresh import RefreshPolicyResource
 
 log = logging.getLogger("aerie")

@@ -37,7 +37,14 @@ from dagster import (
 )
 
 from assets.drafter import VocabRunConfig
-from assets.partitions import ensure_partition, ingested_steps, refresh_steps, step_key
+from assets.partitions import (
+    REFRESH_STEP_TAG,
+    TRIGGER_TAG,
+    ensure_partition,
+    ingested_steps,
+    refresh_steps,
+    step_key,
+)
 from jobs.drafter import DEFAULT_RUN_CONFIG, drafter_refresh
 from jobs.launch import deep_merge
 from pipeline.release.mlflow_registry import model_name
@@ -58,8 +65,6 @@ def due_refresh(ingested: list[int], last: int, every: int) -> int | None:
     return newest if (newest + 1) // every > (last + 1) // every else None
 
 
-REFRESH_STEP_TAG = "aerie/refresh_step"
-TRIGGER_TAG = "aerie/refresh_trigger"  # cadence | drift | schedule
 DRIFT_VERSION_TAG = "aerie/drifted_version"  # the serving version a drift refresh replaces
 
 

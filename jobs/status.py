@@ -75,6 +75,7 @@ class ServingStatus:
     staleness: str
     stale: bool
     last_refresh: str
+    observed: str = ""  # the serving drafter's τ as the RL engine reported it
 
 
 def serving_status(instance: DagsterInstance, storage: Storage, model: str, *,
@@ -92,7 +93,19 @@ def serving_status(instance: DagsterInstance, storage: Storage, model: str, *,
         model=model, drafter=drafter, since=record.written_at if record else "never",
         reason=record.reason if record else "",
         staleness=stale.description if stale else f"newest ingested RL step: {newest}",
-        stale=bool(stale and not stale.passed), last_refresh=_last_refresh(instance))
+        stale=bool(stale and not stale.passed), last_refresh=_last_refresh(instance),
+        observed=_observed(storage, model) if target else "")
+
+
+def _observed(storage: Storage, model: str, window: int = 2) -> str:
+    """The serving drafter's τ over its last ``window`` RL steps, as the RL engine reported
+    it (serving_acceptance), against its τ at promotion."""
+    from pipeline.monitor.drift import serving_reading
+
+    r = serving_reading(storage, model, window)
+    if r is None:
+        return "its τ at promotion is unknown"
+    return r.describe() if r.cycles else "no speculative counters reported with it yet"
 
 
 def _last_refresh(instance: DagsterInstance) -> str:
@@ -122,5 +135,6 @@ def render(s: ServingStatus) -> str:
         f"serving now:  {s.drafter}" + (f", since {s.since}" if s.since != "never" else ""),
         *([f"why:          {s.reason}"] if s.reason else []),
         f"staleness:    {'STALE: ' if s.stale else ''}{s.staleness}",
+        *([f"observed:     {s.observed}"] if s.observed else []),
         f"last refresh: {s.last_refresh}",
     ])

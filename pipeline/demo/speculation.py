@@ -30,6 +30,7 @@ def with_counters(records: Sequence[Mapping[str, Any]], policy_dir: Path, storag
     ``prompts`` distinct prompts; unchanged while no drafter serves ``name``."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from pipeline.eagle3.export import load_drafter
     from pipeline.evaluation.engine import evaluate
@@ -45,7 +46,13 @@ def with_counters(records: Sequence[Mapping[str, Any]], policy_dir: Path, storag
         if key not in seen and len(chosen) < prompts:
             seen.add(key)
             chosen.append(i)
-    target = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar per step would break the demo's step lines
+    try:
+        target = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     local = materialize_drafter(storage, serving.target.drafter_uri, cache_dir,
                                 fingerprint=serving.target.fingerprint)
     drafter = load_drafter(local, target.get_input_embeddings().weight.detach())

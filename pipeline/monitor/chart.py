@@ -52,9 +52,11 @@ def _step(storage: Storage, target) -> int:
 
 
 def loop_chart(observed: Sequence[StepAcceptance], offline: Mapping[int, float],
-               events: Sequence[LoopEvent], title: str = "") -> bytes:
+               events: Sequence[LoopEvent], title: str = "",
+               triggers: Mapping[int, str] | None = None) -> bytes:
     """τ per RL step observed per drafter version (lines), the candidate's offline τ at each
-    refresh (crosses), promotions (green dashes) and rollbacks (red dashes)."""
+    refresh (crosses, labelled with what triggered the refresh where ``triggers`` says),
+    promotions (green dashes) and rollbacks (red dashes)."""
     from pipeline.evaluation.charts import _png, _pyplot
 
     fig, ax = _pyplot().subplots(figsize=(7, 3.6), dpi=100)
@@ -69,6 +71,11 @@ def loop_chart(observed: Sequence[StepAcceptance], offline: Mapping[int, float],
         steps = sorted(offline)
         ax.scatter(steps, [offline[s] for s in steps], marker="x", color="black", zorder=3,
                    label="offline τ at refresh")
+        for s in steps:
+            trigger = (triggers or {}).get(s)
+            if trigger is not None:
+                ax.annotate(trigger, (s, offline[s]), xytext=(4, 4), textcoords="offset points",
+                            fontsize=7, color="#d62728" if trigger == "drift" else "black")
     for kind, color in (("promoted", "#2ca02c"), ("rolled_back", "#d62728")):
         for i, e in enumerate(x for x in events if x.kind == kind):
             ax.axvline(e.step, color=color, linestyle="--", linewidth=1,

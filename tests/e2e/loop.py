@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from dagster import DagsterInstance
 
+from bench.closed_loop import SMALL_TRAIN
 from jobs import cli
 from jobs.demo import RefreshLoop
 from jobs.launch import deep_merge
@@ -29,12 +30,7 @@ from pipeline.storage import Storage
 from resources.refresh import RefreshPolicyResource
 
 POLICY = RefreshPolicyResource(every=2, window=2)
-TRAIN = {"ops": {
-    # from scratch, the demo drafter needs ~20 steps before its first accepted draft
-    "drafter_checkpoint": {"config": {"lr": 3e-3, "epochs": 15, "micro_batch_size": 8}},
-    # a small world has a few hundred draft-verify cycles per evaluation, not thousands
-    "serving_drafter": {"config": {"min_cycles": 20}},
-}}
+TRAIN = SMALL_TRAIN  # what a small world's refresh trains with
 UNREACHABLE = {"ops": {"serving_drafter": {"config": {"min_relative_gain": 10.0}}}}
 WORSE = {"ops": {"drafter_checkpoint": {"config": {
     "warm_start": "none", "max_steps": 1, "lr": 1e-6}}}}  # an untrained drafter
@@ -90,48 +86,3 @@ def run_loop(home: Path) -> Loop:
                           sampling=out.sampling)
         driver.after_step()  # snapshot sensor tick + ingest runs, refresh sensor tick + run
     return Loop(home, driver.instance, storage, driver.refreshed, driver.refresh_ticks)
-
-
-# The drift world: the RL learning rate jumps 30× at step 6 (a training instability), the
-# policy's outputs change and the serving drafter's observed τ collapses. The cadence (N=6)
-# refreshes at step 5 and would next at step 11; the drift trigger (a 10% drop over one RL
-# step) fires at step 8, once.
-DRIFT_WORLD = DemoConfig.small(num_steps=11, temperature=0.5, prompts_per_step=8,
-                               shift_step=6, shift_rl_lr=3e-3)
-DRIFT_POLICY = RefreshPolicyResource(every=6, window=2, max_tau_drop_percent=10,
-                                     drift_window=1, drift_rearm_percent=5,
-                                     drift_cooldown_steps=2, drift_min_cycles=50)
-
-
-@dataclass
-class DriftLoop:
-    home: Path
-    instance: DagsterInstance
-    storage: Storage
-    triggers: dict[str, str]  # refresh partition -> what requested it
-    drift_ticks: list[tuple[int, str]]  # (RL step, "run" or why the drift sensor skipped)
-
-
-def run_drift_loop(home: Path) -> DriftLoop:
-    """The drift world, step by step: the trainer reports its speculative counters with the
-    drafter serving now, and the sensors (cadence, then drift) tick after every step."""
-    from jobs.demo import reported_records
-    from pipeline.demo.world import generate_world
-    from pipeline.snapshot.writer import SnapshotWriter
-
-    cli.prepare_dagster_home()
-    outputs = []
-    generate_world(DRIFT_WORLD, home / "demo-world", outputs.append, progress=False)
-    storage = Storage((home / "storage").as_uri())
-    writer = SnapshotWriter(storage)
-    driver = RefreshLoop(DagsterInstance.get(), refresh_config=lambda step: TRAIN,
-                         policy=DRIFT_POLICY)
-    ticks = []
-    for out in outputs:
-        records = reported_records(out, storage, DRIFT_WORLD.max_new_tokens, prompts=8)
-        writer.write_step(out.step, records, out.policy_dir, out.policy_version,
-                          sampling=out.sampling)
-        seen = len(driver.drift_ticks)
-        driver.after_step()
-        ticks += [(out.step, t) for t in driver.drift_ticks[seen:]]
-    return DriftLoop(home, driver.instance, storage, dict(driver.triggers), ticks)

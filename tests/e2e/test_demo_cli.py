@@ -140,6 +140,7 @@ def test_status_promote_and_rollback(demo, capfd):
     out = capfd.readouterr().out
     assert f"serving now:  v{champion.registry_version} ({champion.fingerprint[:8]})" in out
     assert "last refresh: step-000005: run" in out
+    assert "observed:     " in out  # the serving drafter as the RL engine reports it
     other = next(o.version for o in demo[2] if o.version != champion.registry_version)
     assert cli.main(["promote", other, "--actor", "ci", "--reason", "test"]) == 0
     assert read_serving(storage, "aerie-drafter-demo").target.registry_version == other

@@ -8,21 +8,22 @@ from __future__ import annotations
 import pytest
 from dagster import AssetKey
 
+from bench.closed_loop import DRIFT_POLICY, ClosedLoop, run
 from pipeline.evaluation.stage import read_report
 from pipeline.monitor.observed import observed_series
-from tests.e2e.loop import DRIFT_POLICY, DriftLoop, home_env, run_drift_loop
+from tests.e2e.loop import home_env
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def drift(tmp_path_factory) -> DriftLoop:
+def drift(tmp_path_factory) -> ClosedLoop:
     home = tmp_path_factory.mktemp("drift") / "home"
     with home_env(home):
-        yield run_drift_loop(home)
+        yield run(home)
 
 
-def _meta(loop: DriftLoop, asset: str, partition: str) -> dict:
+def _meta(loop: ClosedLoop, asset: str, partition: str) -> dict:
     for r in loop.instance.fetch_materializations(AssetKey(asset), limit=100).records:
         if r.asset_materialization.partition == partition:
             return {k: v.value for k, v in r.asset_materialization.metadata.items()}
