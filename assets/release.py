@@ -180,7 +180,7 @@ def _verify_live(context, store: Storage, registry: DrafterRegistry, serving: Se
 
     checked = monitor_stage.verify_promotion(
         store, registry, serving.build(store, registry.model_name), step, p.version,
-        serving.server_urls, serving.verify_policy())
+        serving.server_urls, serving.verify_policy(), api_key=serving.api_key)
     v = checked.verification
     context.log.info(f"step {step}: v{p.version} on the live servers: {v.verdict}: {v.reason}")
     if checked.rollback is None:

@@ -65,6 +65,9 @@ class ServingResource(ConfigurableResource):
                                     "as the gate measured (below the floor: roll back): live "
                                     "on server_urls in the sglang modes, else from the "
                                     "acceptance the RL engine reports; off: never")
+    api_key: str | None = Field(
+        default=None, description="the servers' --api-key, for the post-promotion probe "
+                                  "(a secret: set AERIE_SERVING_API_KEY, read as an EnvVar)")
     verify_min_tau: float = Field(default=1.1, ge=1.0, description="verification floor: "
                                                                    "absolute τ")
     verify_min_share: float = Field(default=0.8, ge=0.0, le=1.0,
@@ -124,5 +127,5 @@ class ServingResource(ConfigurableResource):
 
 def serving_from_env() -> ServingResource:
     """Every field from ``AERIE_SERVING_<FIELD>`` where it is set (commands and URLs as JSON
-    lists, URLs also comma-separated)."""
-    return resource_from_env(ServingResource, "AERIE_SERVING_")
+    lists, URLs also comma-separated; the API key as an ``EnvVar``)."""
+    return resource_from_env(ServingResource, "AERIE_SERVING_", secrets=("api_key",))

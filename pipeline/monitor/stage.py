@@ -70,10 +70,11 @@ def check_reported(storage: Storage, name: str,
 
 
 def verify_promotion(storage: Storage, registry: DrafterRegistry, serving: ServingBackend,
-                     step: int, version: str, urls: Sequence[str], policy: VerifyPolicy
-                     ) -> Checked:
+                     step: int, version: str, urls: Sequence[str], policy: VerifyPolicy, *,
+                     api_key: str | None = None) -> Checked:
     """Judge ``version``, promoted by the refresh of ``step``, on the servers at ``urls``."""
-    return _settle(registry, serving, verify_live(storage, step, version, urls, policy))
+    return _settle(registry, serving, verify_live(storage, step, version, urls, policy,
+                                                  api_key=api_key))
 
 
 def _settle(registry: DrafterRegistry, serving: ServingBackend,

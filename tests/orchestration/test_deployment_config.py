@@ -83,6 +83,8 @@ def test_the_definitions_take_every_resource_from_the_environment(tmp_path):
            "AERIE_TRAINER_DEVICE": "cuda", "AERIE_TRAINER_DTYPE": "bf16",
            "AERIE_SERVING_MODE": "vllm-reload",
            "AERIE_SERVING_SERVER_URLS": "http://rollout-1:8000", "AERIE_REFRESH_EVERY": "10",
+           "AERIE_SERVING_API_KEY": "never-printed", "AERIE_SERVING_VERIFY_MIN_SHARE": "0.9",
+           "AERIE_DRIFT_WINDOW": "3", "AERIE_REFRESH_MAX_INTERVAL": "20",
            "AERIE_REFRESH_RUN_CONFIG": str(refresh), "AERIE_INGEST_RUN_CONFIG": str(ingest)}
     code = """
 import json
@@ -96,8 +98,9 @@ print(json.dumps({
                 r["capture"].engine_api_key == EnvVar("AERIE_CAPTURE_ENGINE_API_KEY")],
     "trainer": [r["trainer"].world_size, r["trainer"].launcher, r["trainer"].device,
                 r["trainer"].dtype],
-    "serving": [r["serving"].mode, r["serving"].server_urls],
-    "refresh": r["refresh"].every,
+    "serving": [r["serving"].mode, r["serving"].server_urls, r["serving"].verify_min_share,
+                r["serving"].api_key == EnvVar("AERIE_SERVING_API_KEY")],
+    "refresh": [r["refresh"].every, r["refresh"].drift_window, r["refresh"].max_interval],
     "refresh_request": refresh_request(12).run_config["ops"]["acceptance_eval"],
     "ingest_request": INGEST_RUN_CONFIG}))
 """
@@ -107,8 +110,8 @@ print(json.dumps({
     assert got["capture"] == ["sglang", ["http://gpu-1:30001", "http://gpu-2:30001"],
                               ["http://gpu-1:30002"], 32, True]
     assert got["trainer"] == [8, "deepspeed", "cuda", "bf16"]
-    assert got["serving"] == ["vllm-reload", ["http://rollout-1:8000"]]
-    assert got["refresh"] == 10
+    assert got["serving"] == ["vllm-reload", ["http://rollout-1:8000"], 0.9, True]
+    assert got["refresh"] == [10, 3, 20]
     assert got["refresh_request"] == {"config": {"device": "cuda", "dtype": "bfloat16"}}
     assert got["ingest_request"]["ops"]["hidden_state_shards"]["config"]["token_budget"] == \
         8192
@@ -119,6 +122,7 @@ print(json.dumps({
     ({"AERIE_TRAINER_LAUNCHER": "mpirun"}, "AERIE_TRAINER_LAUNCHER (TrainerResource.launcher)"),
     ({"AERIE_CAPTURE_HF_DEVICE": "gpu0"}, "AERIE_CAPTURE_HF_DEVICE (CaptureResource.hf_device)"),
     ({"AERIE_SERVING_NUM_STEPS": "0"}, "AERIE_SERVING_NUM_STEPS (ServingResource.num_steps)"),
+    ({"AERIE_REFRESH_MAX_INTERVAL": "2"}, "max_interval 2 is below every 4"),
     ({"AERIE_REFRESH_RUN_CONFIG": "/nonexistent.yaml"}, "AERIE_REFRESH_RUN_CONFIG: cannot read"),
 ])
 def test_a_bad_deployment_value_stops_the_definitions_loading(env, message):
