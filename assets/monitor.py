@@ -30,6 +30,7 @@ from resources.serving import ServingResource
 from resources.storage import StorageResource
 
 LOOP_CHART = "tau_over_rl_steps"
+CHART_STEPS = 200  # RL steps the loop chart shows, up to the newest
 
 
 @asset(partitions_def=rl_steps, group_name="monitor", kinds={"sglang"},
@@ -100,18 +101,20 @@ def checked_outcome(context, checked, registry, store, refresh) -> CheckOutcome:
 
 
 def publish_loop_chart(store, name: str, step: int, instance=None) -> str:
-    """Draw the loop's chart up to RL step ``step`` (with what triggered each refresh, from
-    ``instance``'s runs) and store it beside the step's observed acceptance; returns its
-    storage key."""
+    """Draw the loop's chart of the last :data:`CHART_STEPS` RL steps up to ``step`` (with
+    what triggered each refresh, from ``instance``'s runs) and store it beside the step's
+    observed acceptance; returns its storage key."""
     from pipeline.evaluation.stage import tau_history
     from pipeline.layout import observed_key
     from pipeline.monitor.chart import loop_chart, loop_events
     from pipeline.monitor.observed import observed_series
 
-    series = [o for o in observed_series(store) if o.step <= step]
+    first = max(0, step - CHART_STEPS + 1)
+    shown = range(first, step + 1)
+    series = [o for o in observed_series(store, since=first) if o.step in shown]
     offline = tau_history(store).get("candidate", {})
-    png = loop_chart(series, {s: t for s, t in offline.items() if s <= step},
-                     [e for e in loop_events(store, name) if e.step <= step],
+    png = loop_chart(series, {s: t for s, t in offline.items() if s in shown},
+                     [e for e in loop_events(store, name) if e.step in shown],
                      title=f"{name}: τ over RL steps (to step {step})",
                      triggers=refresh_triggers(instance) if instance is not None else None)
     key = observed_key(step).rsplit("/", 1)[0] + f"/{LOOP_CHART}.png"

@@ -59,7 +59,7 @@ def step_of(key: str) -> int:
 
 
 def refresh_triggers(instance) -> dict[int, str]:
-    """What asked for the refresh run of each refresh step (the oldest run's trigger)."""
+    """What asked for the refresh of each refresh step (its newest run's trigger tag)."""
     from dagster import RunsFilter
 
     runs = instance.get_runs(filters=RunsFilter(job_name="drafter_refresh"))

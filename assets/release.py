@@ -139,10 +139,16 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
     context.log.info(f"step {step}: {p.action} ({'; '.join(p.reasons)})")
     p, verified = _verify_live(context, store, registry, serving, step, p)
     stale = staleness_now(context.instance, store, registry.model_name, refresh)
-    chart = _log_loop_chart(store, registry, step, r.promotion.version, context.instance)
+    try:  # the picture must not fail a promotion that happened: said, not hidden
+        chart = MetadataValue.path(store.url(_log_loop_chart(
+            store, registry, step, r.promotion.version, context.instance)))
+    except Exception as e:
+        context.log.warning(f"step {step}: the loop chart could not be drawn or logged: "
+                            f"{type(e).__name__}: {e}")
+        chart = f"not drawn: {type(e).__name__}: {e}"
     return MaterializeResult(metadata={
         **champion_metadata(p, registry, actor=GATE_ACTOR, reason=f"refresh at step {step}"),
-        "loop_chart": MetadataValue.path(store.url(chart)),
+        "loop_chart": chart,
         "decision": MetadataValue.json(_rounded(json.loads(to_json(r.decision)))),
         "refresh_summary": MetadataValue.md(refresh_summary(context.instance, step))},
         check_results=[result("serving_staleness", stale, AssetCheckSeverity.WARN),
@@ -167,17 +173,23 @@ def _log_loop_chart(store: Storage, registry: DrafterRegistry, step: int,
 
 def _verify_live(context, store: Storage, registry: DrafterRegistry, serving: ServingResource,
                  step: int, p: PromotionResult) -> tuple[PromotionResult, CheckOutcome]:
-    """Verify a promotion just made on the live servers; a broken one is rolled back, and
-    the result says so (action ``rolled_back``, the champion after the rollback)."""
-    if p.action != "promoted":
+    """Verify on the live servers a promotion just made (or re-run: a champion of this
+    refresh without a verdict yet, e.g. after a probe that could not reach the servers); a
+    broken one is rolled back, and the result says so (action ``rolled_back``, the champion
+    after the rollback)."""
+    from pipeline.monitor import stage as monitor_stage
+
+    if p.action not in ("promoted", "already_champion"):
         return p, CheckOutcome(True, f"{p.action}: no new drafter to verify")
+    verdict = registry.get_version(p.version).tags.get(monitor_stage.VERDICT_TAG)
+    if verdict is not None:  # a re-run: judged when it was promoted
+        return p, CheckOutcome(verdict != "broken", f"v{p.version} was verified already: "
+                                                    f"{verdict}")
     if not serving.verifies_live():
         how = "off (AERIE_SERVING_VERIFY)" if serving.verify == "off" else (
             "from the acceptance the RL engine reports in the next RL steps "
             "(serving_acceptance's promotion_verified)")
         return p, CheckOutcome(True, f"v{p.version}: verification {how}")
-    from pipeline.monitor import stage as monitor_stage
-
     checked = monitor_stage.verify_promotion(
         store, registry, serving.build(store, registry.model_name), step, p.version,
         serving.server_urls, serving.verify_policy(), api_key=serving.api_key)
@@ -189,8 +201,8 @@ def _verify_live(context, store: Storage, registry: DrafterRegistry, serving: Se
     back = checked.rollback
     context.log.error(f"step {step}: v{p.version} rolled back to "
                       f"{'v' + back.version if back.version else 'no drafter'}")
-    rolled = PromotionResult("rolled_back", p.model, back.version, p.previous_champion,
-                             back.serving, (*p.reasons, *back.reasons))
+    rolled = PromotionResult("rolled_back", p.model, back.version, p.version, back.serving,
+                             (*p.reasons, *back.reasons))
     return rolled, CheckOutcome(False, f"v{p.version} broken after promotion: {v.reason}; "
                                        f"rolled back", v.metadata())
 

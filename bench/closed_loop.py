@@ -2,11 +2,13 @@
 at each refresh, and which trigger asked for each refresh.
 
 The drift world: the small demo world (8 prompts of 4 rollouts per RL step, sampled at
-T = 0.5) whose RL learning rate jumps 30x at step 6 (a training instability). The trainer
+T = 0.5) whose RL learning rate jumps 30x at step 6 while the length penalty rises from
+0.03 to 0.1 (a training instability). The trainer
 reports the speculative counters of the first rollout of each prompt with the drafter
 serving now (:mod:`pipeline.demo.speculation`); after every step the sensors tick as the
 daemon would: ``snapshot_sensor`` (ingest, ``serving_acceptance``), ``refresh_sensor``
-(every N = 6), then ``drift_sensor`` (a fall of more than 10% over one RL step). It prints
+(every N = 6), then, where that did not refresh, ``drift_sensor`` (a fall of more than 10%
+over one RL step). It prints
 the table of observed τ per step and drafter, the offline τ of each refresh, the triggers,
 and writes the loop's chart.
 
@@ -33,7 +35,7 @@ from pipeline.demo.config import DemoConfig  # noqa: E402
 from resources.refresh import RefreshPolicyResource  # noqa: E402
 
 DRIFT_WORLD = DemoConfig.small(num_steps=11, temperature=0.5, prompts_per_step=8,
-                               shift_step=6, shift_rl_lr=3e-3)
+                               shift_step=6, shift_rl_lr=3e-3, shift_length_penalty=0.1)
 DRIFT_POLICY = RefreshPolicyResource(every=6, window=2, max_tau_drop_percent=10,
                                      drift_window=1, drift_rearm_percent=5,
                                      drift_cooldown_steps=2, drift_min_cycles=50)

@@ -273,7 +273,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"run {run_id} was left in flight by an aerie process that died: marked failed")
     status = serving_status(instance, storage, registry.model_name,
                             stale_after_steps=policy.stale_after_steps,
-                            max_tau_drop=policy.max_tau_drop_percent / 100)
+                            max_tau_drop=policy.max_tau_drop_percent / 100,
+                            drift_window=policy.drift_window)
     print(render(status))
     return 0
 

@@ -68,10 +68,17 @@ def due_refresh(ingested: list[int], last: int, every: int) -> int | None:
 DRIFT_VERSION_TAG = "aerie/drifted_version"  # the serving version a drift refresh replaces
 
 
-def drift_fired_versions(instance) -> set[str]:
-    """Serving versions a drift refresh was launched for, whatever became of it."""
-    return {v for _, values in instance.get_run_tags(tag_keys=[DRIFT_VERSION_TAG])
-            for v in values}
+def drift_fired(instance) -> dict[str, int]:
+    """The serving versions a drift refresh was launched for (whatever became of it), each
+    with the step of its newest such refresh."""
+    runs = instance.get_runs(filters=RunsFilter(job_name=drafter_refresh.name,
+                                                tags={TRIGGER_TAG: "drift"}))
+    fired: dict[str, int] = {}
+    for run in runs:
+        version, step = run.tags.get(DRIFT_VERSION_TAG), run.tags.get(REFRESH_STEP_TAG)
+        if version is not None and step is not None:
+            fired[version] = max(fired.get(version, -1), int(step))
+    return fired
 
 
 def refresh_request(step: int, window: int | None = None, trigger: str = "cadence"
@@ -155,26 +162,28 @@ def drafter_refresh_schedule(context: ScheduleEvaluationContext,
 def drift_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResource,
                  storage: StorageResource, mlflow: MlflowResource):
     """Requests a refresh when the serving drafter drifted (pipeline.monitor.drift). Cursor:
-    ``{"version": v, "armed": bool}``, the drafter it watched and whether it may fire;
-    without it (lost), a drafter a drift refresh was launched for (run tag
-    ``aerie/drifted_version``) starts disarmed: never two refreshes for one drop."""
-    from pipeline.monitor.drift import decide, serving_reading
+    ``{"version": v, "armed": bool}``, the drafter it watched and whether it may fire.
+    Without it (lost, or another drafter): armed, unless a drift refresh was launched for
+    this drafter (run tag ``aerie/drifted_version``) and no reading since was back within
+    the re-arm threshold: never two refreshes for one drop."""
+    from pipeline.monitor import drift
 
     steps = ingested_steps(context.instance)
     if not steps:
         return SkipReason("no ingested RL step yet")
-    newest = steps[-1]
-    r = serving_reading(storage.build(), model_name(mlflow.target_family),
-                        refresh.drift_window, newest)
+    newest, policy = steps[-1], refresh.drift_policy()
+    w = drift.watch(storage.build(), model_name(mlflow.target_family))
+    r = w.reading(policy.window, newest) if w is not None else None
     cursor = json.loads(context.cursor) if context.cursor else {}
     version = r.version if r is not None else None
     if cursor and cursor.get("version") == version:
         armed = cursor.get("armed", True)
-    else:  # a new drafter, or a lost cursor: armed unless it already fired for this one
-        armed = version not in drift_fired_versions(context.instance)
+    else:
+        fired = drift_fired(context.instance).get(version) if version else None
+        armed = fired is None or w.recovered_after(fired, policy)
     requested = requested_steps(context.instance)
-    verdict = decide(r, refresh.drift_policy(), armed=armed, newest_step=newest,
-                     last_refresh_step=max(requested, default=None))
+    verdict = drift.decide(r, policy, armed=armed, newest_step=newest,
+                           last_refresh_step=max(requested, default=None))
     after = json.dumps({"version": version, "armed": verdict.armed})
     if not verdict.trigger:
         return SensorResult(skip_reason=verdict.reason, cursor=after)

@@ -79,7 +79,8 @@ class ServingStatus:
 
 
 def serving_status(instance: DagsterInstance, storage: Storage, model: str, *,
-                   stale_after_steps: int, max_tau_drop: float) -> ServingStatus:
+                   stale_after_steps: int, max_tau_drop: float, drift_window: int = 2
+                   ) -> ServingStatus:
     """The drafter serving ``model`` now and the newest refresh run."""
     from assets.partitions import ingested_steps
 
@@ -94,10 +95,10 @@ def serving_status(instance: DagsterInstance, storage: Storage, model: str, *,
         reason=record.reason if record else "",
         staleness=stale.description if stale else f"newest ingested RL step: {newest}",
         stale=bool(stale and not stale.passed), last_refresh=_last_refresh(instance),
-        observed=_observed(storage, model) if target else "")
+        observed=_observed(storage, model, drift_window) if target else "")
 
 
-def _observed(storage: Storage, model: str, window: int = 2) -> str:
+def _observed(storage: Storage, model: str, window: int) -> str:
     """The serving drafter's τ over its last ``window`` RL steps, as the RL engine reported
     it (serving_acceptance), against its τ at promotion."""
     from pipeline.monitor.drift import serving_reading

@@ -43,10 +43,11 @@ class RefreshPolicyResource(ConfigurableResource):
                                      "refreshes instead of N; 0 keeps every N")
     drift_window: int = Field(default=2, ge=1, description="drift_sensor: RL steps of observed "
                                                             "acceptance summed per reading")
-    drift_rearm_percent: int = Field(
-        default=5, ge=0, description="drift_sensor: after a trigger, fires again only once the "
-                                     "drop was back at or below this many percent (or another "
-                                     "drafter serves)")
+    drift_rearm_percent: int | None = Field(
+        default=None, ge=0, description="drift_sensor: after a trigger, fires again only once "
+                                        "the drop was back at or below this many percent (or "
+                                        "another drafter serves); unset: half of "
+                                        "max_tau_drop_percent")
     drift_cooldown_steps: int = Field(
         default=2, ge=0, description="drift_sensor: no trigger within this many RL steps of a "
                                      "refresh")
@@ -68,7 +69,8 @@ class RefreshPolicyResource(ConfigurableResource):
         if 0 < self.max_interval < self.every:
             raise ValueError(f"refresh policy: max_interval {self.max_interval} is below every "
                              f"{self.every}: set it to 0 (no stretching) or >= every")
-        if self.drift_rearm_percent > self.max_tau_drop_percent:
+        if self.drift_rearm_percent is not None and \
+                self.drift_rearm_percent > self.max_tau_drop_percent:
             raise ValueError(f"refresh policy: drift_rearm_percent {self.drift_rearm_percent} "
                              f"is above max_tau_drop_percent {self.max_tau_drop_percent}: the "
                              f"trigger would re-arm while still drifted")
@@ -78,8 +80,10 @@ class RefreshPolicyResource(ConfigurableResource):
         """The drift trigger's :class:`~pipeline.monitor.drift.DriftPolicy`."""
         from pipeline.monitor.drift import DriftPolicy
 
+        rearm = self.drift_rearm_percent if self.drift_rearm_percent is not None else \
+            self.max_tau_drop_percent / 2
         return DriftPolicy(max_drop=self.max_tau_drop_percent / 100, window=self.drift_window,
-                           rearm_drop=self.drift_rearm_percent / 100,
+                           rearm_drop=rearm / 100,
                            cooldown_steps=self.drift_cooldown_steps,
                            min_cycles=self.drift_min_cycles)
 

@@ -74,6 +74,9 @@ class ServingResource(ConfigurableResource):
                                     description="verification floor: share of the gated τ")
     verify_min_cycles: int = Field(default=20, ge=1, description="verification: verify "
                                                                  "passes before a verdict")
+    verify_min_samples: int = Field(default=5, ge=1, description="verification: prompts (live) "
+                                                                 "or rollouts (reported) "
+                                                                 "before a verdict")
     cache_dir: str | None = Field(
         default=None, description="local drafter copies for restart/hotswap; unset: "
                                   "$AERIE_HOME/serving-cache")
@@ -87,7 +90,8 @@ class ServingResource(ConfigurableResource):
         from pipeline.monitor.verify import VerifyPolicy
 
         return VerifyPolicy(min_tau=self.verify_min_tau, min_share=self.verify_min_share,
-                            min_cycles=self.verify_min_cycles)
+                            min_cycles=self.verify_min_cycles,
+                            min_samples=self.verify_min_samples)
 
     def verifies_live(self) -> bool:
         """Whether promotions are verified on the live servers (SGLang modes with

@@ -5,7 +5,10 @@
   reports them ``spec_num_correct_drafts`` / ``spec_num_proposed_drafts`` (0.5.14's aliases
   ``spec_accepted_drafts`` / ``spec_proposed_drafts``).
 - slime, a sample's ``spec_info``: ``spec_verify_ct``, ``completion_token_num``,
-  ``spec_accept_token_num``, ``spec_draft_token_num``.
+  ``spec_accept_token_num``, ``spec_draft_token_num``, summed over every SGLang request of
+  the sample (a multi-turn or partial rollout has several, each with its own prefill token),
+  so τ is counted from the accepted tokens, which hold per verify pass; all zeros means
+  the engine did not speculate.
 - vLLM with ``--per-request-spec-decode-metrics``, ``metrics.speculative_decoding``:
   ``num_spec_steps`` (verify passes: its mean acceptance length is ``1 +
   num_accepted_draft_tokens / num_spec_steps``), ``num_accepted_draft_tokens``,
@@ -41,13 +44,17 @@ def from_sglang(meta_info: Mapping[str, Any], drafter_version: str) -> dict[str,
 
 def from_slime(spec_info: Mapping[str, Any] | None, drafter_version: str
                ) -> dict[str, Any] | None:
-    """Counters of one slime sample (``Sample.spec_info``)."""
+    """Counters of one slime sample (``Sample.spec_info``); the completion tokens only where
+    slime reports no accepted ones (they carry one prefill token per request)."""
     if not spec_info or spec_info.get("spec_verify_ct") is None:
         return None
+    accepted = spec_info.get("spec_accept_token_num")
+    if not spec_info["spec_verify_ct"] and not spec_info.get("completion_token_num"):
+        return None  # slime's zeroed SpecInfo: no speculation
     return {"drafter_version": drafter_version, "verify_ct": spec_info["spec_verify_ct"],
-            "completion_tokens": spec_info.get("completion_token_num"),
-            "accepted_tokens": spec_info.get("spec_accept_token_num"),
-            "draft_tokens": spec_info.get("spec_draft_token_num")}
+            "completion_tokens": spec_info.get("completion_token_num")
+            if accepted is None else None,
+            "accepted_tokens": accepted, "draft_tokens": spec_info.get("spec_draft_token_num")}
 
 
 def from_vllm(speculative_decoding: Mapping[str, Any] | None, drafter_version: str

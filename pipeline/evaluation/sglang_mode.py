@@ -231,8 +231,8 @@ def measure_server_acceptance(urls: str | Sequence[str], prompts: Sequence[Seque
                               timeout: float = 600.0, retries: int = 3,
                               backoff_s: float = 0.5, ignore_eos: bool = False,
                               return_outputs: bool = False, api_key: str | None = None,
-                              sampler: SamplingParams = GREEDY, seed: int | None = 0
-                              ) -> ServerAcceptance:
+                              sampler: SamplingParams = GREEDY, seed: int | None = 0,
+                              flush: bool = True) -> ServerAcceptance:
     """Decode ``prompts`` on the servers at ``urls`` and sum their acceptance counts.
 
     ``urls``: ``http(s)://host:port`` (a string is read as a comma-separated list); prompts
@@ -241,7 +241,9 @@ def measure_server_acceptance(urls: str | Sequence[str], prompts: Sequence[Seque
     is passed to SGLang (decode to ``max_new_tokens``). ``return_outputs`` keeps each prompt's
     generated ids in the result. ``sampler``: greedy by default; a sampled one sends prompt
     i ``sampling_seed = prompt_seed(seed, i)`` (the in-process engine's seeds; None sends
-    no seed). Raises :class:`SpeculativeConfigError` for servers without
+    no seed). ``flush`` False leaves the servers' caches and counters alone (servers busy
+    with other requests refuse ``/flush_cache``; the per-request counts do not need it).
+    Raises :class:`SpeculativeConfigError` for servers without
     EAGLE-3 decoding and :class:`ServerAcceptanceError` when a prompt fails for good.
     """
     urls = _clean_urls(urls)
@@ -266,7 +268,8 @@ def measure_server_acceptance(urls: str | Sequence[str], prompts: Sequence[Seque
 
         infos = on_each("server info", lambda url: _server_info(http, url))
         settings = _check_settings(urls, infos)
-        on_each("cache flush", lambda url: _flush(http, url))
+        if flush:
+            on_each("cache flush", lambda url: _flush(http, url))
         requests = [_sampling_params(sampler, seed, i, max_new_tokens, ignore_eos)
                     for i in range(len(prompts))]
         answers = _decode_all(http, urls, prompts, requests, max_new_tokens,

@@ -8,7 +8,9 @@ sensor asks :func:`healthy` whether it may wait up to ``max_interval`` steps ins
 Exactly once per drop: a trigger disarms the sensor until the observed τ is back within
 ``rearm_drop`` of the reference (hysteresis) or another drafter serves (a new reference);
 ``cooldown_steps`` after any refresh no trigger fires (the refresh's effect is not observed
-yet). A window with fewer than ``min_cycles`` verify passes decides nothing.
+yet). A window with fewer than ``min_cycles`` verify passes decides nothing. Without its
+cursor, the sensor rebuilds the state from the run that fired last for the drafter and the
+readings since (:meth:`Watch.recovered_after`).
 """
 
 from __future__ import annotations
@@ -110,15 +112,47 @@ def decide(r: Reading | None, policy: DriftPolicy, *, armed: bool, newest_step: 
     return Verdict(True, False, f"{r.describe()}: more than {policy.max_drop:.0%}")
 
 
-def serving_reading(storage, name: str, window: int, newest_step: int | None = None
-                    ) -> Reading | None:
-    """The drafter serving ``name`` now, read against its τ at promotion: None when no
-    drafter serves or its τ at promotion is unknown (no report of its own refresh)."""
+@dataclass(frozen=True)
+class Watch:
+    """The drafter serving now, its τ at promotion, and what the RL engine reported in the
+    RL steps since its refresh (oldest first)."""
+
+    version: str
+    reference: float
+    series: tuple[StepAcceptance, ...]
+
+    def reading(self, window: int, newest_step: int | None = None) -> Reading:
+        return reading(list(self.series), self.version, self.reference, window, newest_step)
+
+    def recovered_after(self, step: int, policy: DriftPolicy) -> bool:
+        """Whether a reading ending after RL step ``step`` was back within ``rearm_drop``
+        (on enough verify passes): what re-arms the trigger after it fired at ``step``."""
+        for o in self.series:
+            if o.step <= step or o.of(self.version) is None:
+                continue
+            r = self.reading(policy.window, o.step)
+            if r.cycles >= policy.min_cycles and r.drop is not None \
+                    and r.drop <= policy.rearm_drop:
+                return True
+        return False
+
+
+def watch(storage, name: str) -> Watch | None:
+    """The :class:`Watch` of the drafter serving ``name``: None when no drafter serves or its
+    τ at promotion is unknown (no report of its own refresh). Reads the observed steps from
+    its refresh step on only."""
     from pipeline.checks import serving_state
     from pipeline.monitor.observed import observed_series
 
     state = serving_state(storage, name)
     if state is None or not state.version or state.tau_at_promotion is None:
         return None
-    return reading(observed_series(storage), state.version, state.tau_at_promotion, window,
-                   newest_step)
+    return Watch(state.version, state.tau_at_promotion,
+                 tuple(observed_series(storage, since=state.window_end)))
+
+
+def serving_reading(storage, name: str, window: int, newest_step: int | None = None
+                    ) -> Reading | None:
+    """The serving drafter's :class:`Reading` (None: see :func:`watch`)."""
+    w = watch(storage, name)
+    return None if w is None else w.reading(window, newest_step)

@@ -5,9 +5,10 @@
 - :func:`verify_promotion` judges a promotion just made on the live servers.
 
 A verdict is recorded on the registry version (tags ``post_promotion.*``) and is final: a
-``broken`` one rolls the promotion back (:func:`pipeline.release.promotion.rollback`: alias and
-serving, the reason recorded), a ``healthy`` one is not judged again (drift is the drift
-sensor's business). A version is judged only while it is the drafter serving now.
+``broken`` one rolls the promotion back first (:func:`pipeline.release.promotion.rollback`:
+alias and serving, the reason recorded; the verdict is written only once that succeeded), a
+``healthy`` one is not judged again (drift is the drift sensor's business). A version is
+judged only while it is the drafter serving now.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pipeline.monitor.verify import (
 )
 from pipeline.release.backend import ServingBackend
 from pipeline.release.mlflow_registry import DrafterRegistry
-from pipeline.release.promotion import PromotionResult, rollback
+from pipeline.release.promotion import PromotionNotApplied, PromotionResult, rollback
 from pipeline.storage import Storage
 
 VERIFY_ACTOR = "aerie (post-promotion check)"
@@ -38,7 +39,8 @@ VERDICT_TAG = "post_promotion.verdict"
 
 @dataclass(frozen=True)
 class Checked:
-    """A verdict (None: nothing serving, or judged already) and the rollback it caused."""
+    """A verdict (None: nothing serving, or judged already), the rollback it caused, and why
+    a broken one was not rolled back (``note``: another drafter serves by then)."""
 
     verification: Verification | None
     rollback: PromotionResult | None = None
@@ -64,8 +66,8 @@ def check_reported(storage: Storage, name: str,
         return Checked(None, note=f"v{state.version} was verified already: {done}")
     if state.tau_at_promotion is None:
         return Checked(None, note=f"v{state.version} has no gated τ to compare with")
-    verification = verify_reported(observed_series(storage), state.version,
-                                   state.tau_at_promotion, policy)
+    verification = verify_reported(observed_series(storage, since=state.window_end),
+                                   state.version, state.tau_at_promotion, policy)
     return _settle(registry, serving, verification)
 
 
@@ -79,15 +81,20 @@ def verify_promotion(storage: Storage, registry: DrafterRegistry, serving: Servi
 
 def _settle(registry: DrafterRegistry, serving: ServingBackend,
             verification: Verification) -> Checked:
-    """Record a decided verdict; roll a broken promotion back."""
+    """Roll a broken promotion back, then record the decided verdict: a rollback that fails
+    leaves no verdict, so the next attempt judges (and rolls back) again."""
     if verification.verdict == UNDECIDED:
         return Checked(verification)
+    result, note = None, ""
+    if verification.broken:
+        try:
+            result = rollback(registry, serving, actor=VERIFY_ACTOR,
+                              expected=verification.version,
+                              reason=f"post-promotion check: {verification.reason}")
+        except PromotionNotApplied as e:  # another drafter serves by now: nothing to undo
+            note = str(e)
     registry.set_tags(verification.version, {
         VERDICT_TAG: verification.verdict, "post_promotion.source": verification.source,
         "post_promotion.reason": verification.reason,
         "post_promotion.at": datetime.now(UTC).isoformat(timespec="seconds")})
-    if not verification.broken:
-        return Checked(verification)
-    result = rollback(registry, serving, actor=VERIFY_ACTOR, expected=verification.version,
-                      reason=f"post-promotion check: {verification.reason}")
-    return Checked(verification, result)
+    return Checked(verification, result, note)

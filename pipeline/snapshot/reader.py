@@ -106,8 +106,9 @@ def read_part(storage: Storage, prefix: str, entry: FileEntry, *, claimed: bool,
               schema: pa.Schema | None = None) -> pa.Table:
     """The Parquet file of manifest ``entry``, its bytes checked against the entry; refused
     when it claims another kind or schema version (``claimed``: it must claim ours); cast
-    to ``schema`` when given (a field newer than the file's schema version,
-    :data:`~.schema.ADDED_FIELDS`, is null in its rows)."""
+    to ``schema`` when given (a field newer than the schema version the file claims,
+    :data:`~.schema.ADDED_FIELDS`, is null in its rows; missing from a file that claims a
+    version with it, it is a schema mismatch)."""
     key = f"{prefix}/{entry.path}"
     url = storage.url(key)
     try:
@@ -119,8 +120,10 @@ def read_part(storage: Storage, prefix: str, entry: FileEntry, *, claimed: bool,
     _check_claim(url, table.schema.metadata or {}, claimed)
     if schema is None:
         return table
-    for name in ADDED_FIELDS:
-        if name in schema.names and name not in table.column_names:
+    claimed_version = (table.schema.metadata or {}).get(b"aerie.schema_version", b"")
+    for name, since in ADDED_FIELDS.items():
+        older = claimed_version.isdigit() and int(claimed_version) < since
+        if name in schema.names and name not in table.column_names and older:
             table = table.append_column(schema.field(name),
                                         pa.nulls(table.num_rows, schema.field(name).type))
     try:

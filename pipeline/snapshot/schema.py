@@ -359,8 +359,8 @@ def _reward(value: Any) -> float | None:
 def _speculative(value: Any) -> dict[str, Any] | None:
     """The engine's speculative counters of one rollout: ``drafter_version`` and
     ``verify_ct`` always, with ``completion_tokens`` or ``accepted_tokens`` (or both);
-    ``draft_tokens`` optional. Each verify pass emits at least one token, so neither count
-    of emitted tokens can be below ``verify_ct``."""
+    ``draft_tokens`` optional. Each verify pass emits at least one token after the prefill
+    token, so ``completion_tokens`` is at least ``verify_ct + 1`` once there was a pass."""
     if value is None:
         return None
     raw = _read_mapping("speculative", value)
@@ -381,9 +381,10 @@ def _speculative(value: Any) -> dict[str, Any] | None:
     if completion is None and accepted is None:
         raise RecordError("speculative", "needs completion_tokens or accepted_tokens to "
                                          "count what the verify passes emitted")
-    if completion is not None and completion < verify:
+    if completion is not None and verify > 0 and completion < verify + 1:
         raise RecordError("speculative.completion_tokens",
-                          f"{completion} tokens from {verify} verify passes (each emits >= 1)")
+                          f"{completion} tokens from {verify} verify passes (each emits >= 1, "
+                          f"after the prefill token)")
     if accepted is not None and drafted is not None and accepted > drafted:
         raise RecordError("speculative.accepted_tokens",
                           f"{accepted} accepted of {drafted} drafted")

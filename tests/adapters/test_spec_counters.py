@@ -27,9 +27,14 @@ def test_sglang_meta_info():
 def test_slime_spec_info():
     info = {"spec_accept_token_num": 9, "spec_draft_token_num": 18, "spec_verify_ct": 6,
             "completion_token_num": 16}
+    # summed over the sample's requests: τ from the accepted tokens, not the completion's
     assert _speculative(from_slime(info, "2")) == {
-        "drafter_version": "2", "verify_ct": 6, "completion_tokens": 16,
+        "drafter_version": "2", "verify_ct": 6, "completion_tokens": None,
         "accepted_tokens": 9, "draft_tokens": 18}
+    older = {"spec_verify_ct": 6, "completion_token_num": 16}
+    assert from_slime(older, "2")["completion_tokens"] == 16
+    zeroed = dict.fromkeys(info, 0)  # slime's SpecInfo when the engine did not speculate
+    assert from_slime(zeroed, "2") is None
     assert from_slime({}, "2") is None and from_slime(None, "2") is None
 
 

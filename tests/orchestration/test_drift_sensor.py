@@ -99,30 +99,60 @@ def _launch(instance, request) -> None:
                                 status=DagsterRunStatus.SUCCESS)
 
 
-def test_the_drift_sensor_fires_once_per_drop_through_its_cursor(dagster_backend,
-                                                                 monkeypatch):
-    taus = {3: 1.98, 4: 1.97, 5: 1.7, 6: 1.65, 7: 1.7, 8: 1.96, 9: 1.97, 10: 1.6, 11: 1.6}
-    series = []
-    monkeypatch.setattr(drift, "serving_reading", lambda storage, name, window, newest: (
-        reading(series, "1", REFERENCE, window, newest)))
-    policy = RefreshPolicyResource(every=100, drift_window=1, drift_cooldown_steps=2)
+def _drive(instance, taus: dict[int, float], policy, series, keep_cursor_until: int = 99):
+    """Tick the drift sensor after each step of ``taus``, launching what it requests; from
+    step ``keep_cursor_until`` on its cursor is lost at every tick. Also checks that a tick
+    without the cursor never requests what the one with it did not."""
     requested, cursor = [], None
+    for step, tau in taus.items():
+        ingest(instance, step)
+        series.append(_step(step, tau))
+        if step >= keep_cursor_until:
+            cursor = None
+        result = _tick(drift_sensor, instance, cursor, policy)
+        cursor = result.cursor
+        for request in result.run_requests or []:
+            requested.append(request)
+            _launch(instance, request)
+        assert not _tick(drift_sensor, instance, None, policy).run_requests
+    return requested
+
+
+@pytest.fixture
+def watched(monkeypatch):
+    """The drafter serving now is v1 at τ 2.0 at promotion; what it observed is the list."""
+    series = []
+    monkeypatch.setattr(drift, "watch", lambda storage, name: drift.Watch(
+        "1", REFERENCE, tuple(series)))
+    return series
+
+
+def test_the_drift_sensor_fires_once_per_drop_through_its_cursor(dagster_backend, watched):
+    taus = {3: 1.98, 4: 1.97, 5: 1.7, 6: 1.65, 7: 1.7, 8: 1.96, 9: 1.97, 10: 1.6, 11: 1.6}
+    policy = RefreshPolicyResource(every=100, drift_window=1, drift_cooldown_steps=2)
     with instance_for_test(overrides=dagster_backend) as instance:
         instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(12)])
-        for step, tau in taus.items():
-            ingest(instance, step)
-            series.append(_step(step, tau))
-            result = _tick(drift_sensor, instance, cursor, policy)
-            cursor = result.cursor
-            for request in result.run_requests or []:
-                requested.append(request)
-                _launch(instance, request)
-            again = _tick(drift_sensor, instance, None, policy)  # a lost cursor
-            assert not again.run_requests
+        requested = _drive(instance, taus, policy, watched)
     assert [r.partition_key for r in requested] == ["step-000005", "step-000010"]
     assert [r.run_key for r in requested] == ["drafter-refresh-step-000005",
                                               "drafter-refresh-step-000010"]
-    assert all(r.tags["aerie/refresh_trigger"] == "drift" for r in requested)
+    assert all(r.tags["aerie/refresh_trigger"] == "drift" and
+               r.tags["aerie/drifted_version"] == "1" for r in requested)
+
+
+@pytest.mark.parametrize("taus, fired", [
+    # recovered at 8, then the cursor is lost for good: the second drop still fires, once
+    ({3: 1.98, 5: 1.7, 6: 1.7, 8: 1.96, 9: 1.97, 10: 1.6, 11: 1.6, 12: 1.6}, [5, 10]),
+    # never recovered: however often the cursor is lost, one refresh for the one drop
+    ({3: 1.98, 5: 1.7, 6: 1.7, 8: 1.8, 9: 1.75, 10: 1.6, 11: 1.6, 12: 1.6}, [5]),
+])
+def test_a_lost_cursor_rebuilds_the_arming_from_the_runs_and_readings(
+        dagster_backend, watched, taus, fired):
+    policy = RefreshPolicyResource(every=100, drift_window=1, drift_cooldown_steps=2)
+    with instance_for_test(overrides=dagster_backend) as instance:
+        instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(13)])
+        requested = _drive(instance, taus, policy, watched, keep_cursor_until=7)
+    assert [int(r.partition_key[-6:]) for r in requested] == fired
 
 
 def test_the_cadence_stretches_only_while_the_drafter_holds_up(dagster_backend, monkeypatch):

@@ -115,8 +115,8 @@ def contract_violations(rec: dict[str, Any], *, step: int = STEP,
 
 def _speculative_ok(spec: Any) -> bool:
     """The engine's counters: a visible drafter version, counts that are non-negative ints
-    (verify passes always; emitted tokens by one count or the other), no count of emitted
-    tokens below the verify passes, no more accepted drafts than proposed ones."""
+    (verify passes always; emitted tokens by one count or the other), at least one token per
+    verify pass after the prefill token, no more accepted drafts than proposed ones."""
     names = ("verify_ct", "completion_tokens", "accepted_tokens", "draft_tokens")
     if not (isinstance(spec, dict) and set(spec) == {"drafter_version", *names}):
         return False
@@ -128,7 +128,7 @@ def _speculative_ok(spec: Any) -> bool:
         return False
     verify, completion, accepted, drafted = counts
     return ((completion is not None or accepted is not None)
-            and (completion is None or completion >= verify)
+            and (completion is None or verify == 0 or completion >= verify + 1)
             and (accepted is None or drafted is None or accepted <= drafted))
 
 

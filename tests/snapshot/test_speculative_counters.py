@@ -9,6 +9,7 @@ from pipeline.layout import raw_prefix, snapshot_prefix
 from pipeline.parquet import read_table
 from pipeline.snapshot import stage as snapshot_stage
 from pipeline.snapshot.schema import RecordError, validate_record
+from pipeline.snapshot.sieve import SnapshotError
 from pipeline.snapshot.stage import read_accepted
 from pipeline.snapshot.writer import SnapshotWriter
 from pipeline.storage import Storage
@@ -35,7 +36,7 @@ def test_counters_are_kept_with_the_unreported_ones_null():
     ({**SGLANG, "verify_ct": None}, "speculative.verify_ct", "missing"),
     ({**SGLANG, "verify_ct": -1}, "speculative.verify_ct", "below 0"),
     ({**SGLANG, "verify_ct": True}, "speculative.verify_ct", "expected an integer"),
-    ({**SGLANG, "completion_tokens": 9}, "speculative.completion_tokens", "each emits"),
+    ({**SGLANG, "completion_tokens": 10}, "speculative.completion_tokens", "each emits"),
     ({"drafter_version": "3", "verify_ct": 2}, "speculative", "completion_tokens or "),
     ({**SGLANG, "accepted_tokens": 5, "draft_tokens": 4}, "speculative.accepted_tokens",
      "5 accepted of 4"),
@@ -57,10 +58,26 @@ def test_counters_reach_the_validated_snapshot_and_bad_ones_are_quarantined(tmp_
     summary = SnapshotWriter(storage).write_step(3, records, policy_dir, 3)
     assert (summary.accepted, summary.quarantined) == (2, 1)
     assert summary.reasons == {"speculative.completion_tokens: 25 tokens from 99 verify "
-                               "passes (each emits >= 1)": 1}
+                               "passes (each emits >= 1, after the prefill token)": 1}
     snapshot_stage.run(storage, 3)
     column = read_accepted(storage, 3).column("speculative").to_pylist()
     assert column == [{**SGLANG, "accepted_tokens": None, "draft_tokens": None}, None]
+
+
+def test_the_prefill_token_counts_toward_completion_tokens():
+    assert _check({**SGLANG, "completion_tokens": 11})["speculative"]["verify_ct"] == 10
+    assert _check({**SGLANG, "verify_ct": 0, "completion_tokens": 1})  # stopped at prefill
+
+
+def test_a_schema_2_part_without_the_column_is_refused(tmp_path, policy_dir):
+    storage = Storage(str(tmp_path / "store"))
+    SnapshotWriter(storage).write_step(3, [good_record(i) for i in range(3)], policy_dir, 3)
+    snapshot_stage.run(storage, 3)
+    prefix, path = snapshot_prefix(3), "accepted-00000.parquet"
+    table = read_table(storage, f"{prefix}/{path}")
+    rewrite_part(storage, prefix, path, table.drop_columns(["speculative"]))
+    with pytest.raises(SnapshotError, match="schema mismatch"):
+        read_accepted(storage, 3)
 
 
 def test_a_schema_1_snapshot_is_still_read(tmp_path, policy_dir):

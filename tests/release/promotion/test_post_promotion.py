@@ -14,7 +14,7 @@ from pipeline.evaluation.engine import evaluate
 from pipeline.monitor.stage import VERDICT_TAG, VERIFY_ACTOR, _settle
 from pipeline.monitor.verify import BROKEN, HEALTHY, UNDECIDED, VerifyPolicy, judge, probe
 from pipeline.release.mlflow_registry import CHAMPION
-from pipeline.release.promotion import PromotionNotApplied, force_promote
+from pipeline.release.promotion import force_promote
 from pipeline.sampling import GREEDY
 from tests.evaluation.test_sglang_mode import CHAIN, MAX_NEW, save_copy_drafter, spec_flags
 from tests.release.promotion.test_promotion import gate, register, served_version
@@ -98,7 +98,7 @@ def test_the_promoted_drafter_serving_as_measured_is_healthy(live):
 @pytest.mark.parametrize("server, words", [
     ("old", "below the floor"),
     ("bad_d2t", "below the floor"),
-    ("plain", "could not be probed: SpeculativeConfigError"),
+    ("plain", "do not speculate as served"),
 ])
 def test_planted_failures_are_broken(live, server, words):
     v = _probe(live, server)
@@ -107,12 +107,25 @@ def test_planted_failures_are_broken(live, server, words):
         assert v.tau_high < v.floor
 
 
+def test_the_absolute_floor_never_exceeds_the_gated_tau():
+    """A drafter the gate promoted at τ 1.08 (a weak world) serving as gated is healthy."""
+    assert POLICY.floor(1.08) == pytest.approx(1.08) and POLICY.floor(3.0) == pytest.approx(2.4)
+    as_gated = [(11, 10), (10, 10), (12, 10), (11, 10), (10, 10), (11, 10)]  # τ 1.083
+    assert judge("1", "reported", 1.08, as_gated, POLICY).verdict == HEALTHY
+    assert judge("1", "reported", 1.08, [(10, 10)] * 6, POLICY).verdict == BROKEN  # τ 1.0
+
+
 def test_too_few_verify_passes_decide_nothing():
     v = judge("2", "reported", 2.0, [(5, 3), (4, 2)], POLICY)
-    assert v.verdict == UNDECIDED and "5 verify passes observed, 20 needed" in v.reason
-    # the noise is allowed for: a low point estimate whose interval reaches the floor passes
-    noisy = [(30, 10), (10, 10), (12, 10)]  # τ 1.73, interval up to ~2.6; floor 1.6
-    assert judge("2", "reported", 2.0, noisy, POLICY).verdict == HEALTHY
+    assert v.verdict == UNDECIDED and "5 verify passes over 2 samples" in v.reason
+    assert judge("2", "reported", 2.0, [(30, 10)] * 4, POLICY).verdict == UNDECIDED  # 4 < 5
+    # the noise is allowed for: a point estimate below the floor whose interval reaches it
+    noisy = [(30, 10), (10, 10), (10, 10), (10, 10), (10, 10), (30, 10)]
+    v = judge("2", "reported", 2.0, noisy, POLICY)  # τ 100/60 = 1.667 ... floor 1.6
+    low = [(30, 10)] + [(10, 10)] * 5  # τ 1.333 < 1.6, interval up to ~2.0
+    w = judge("2", "reported", 2.0, low, POLICY)
+    assert v.tau > v.floor and v.verdict == HEALTHY
+    assert w.tau < w.floor < w.tau_high and w.verdict == HEALTHY
 
 
 @pytest.fixture
@@ -153,6 +166,23 @@ def test_a_verdict_on_a_drafter_no_longer_serving_rolls_nothing_back(
     v1, v2 = promoted_v2
     v3 = register(sqlite_registry, storage, drafter_dirs[2], 30)
     force_promote(sqlite_registry, serving, v3, actor="test", reason="moved on")
-    with pytest.raises(PromotionNotApplied, match="no longer the champion"):
-        _settle(sqlite_registry, serving, _probe(live, "old", v2))
-    assert served_version(serving) == v3
+    checked = _settle(sqlite_registry, serving, _probe(live, "old", v2))
+    assert checked.rollback is None and "no longer the champion" in checked.note
+    assert served_version(serving) == v3 and sqlite_registry.alias(CHAMPION) == v3
+    assert sqlite_registry.get_version(v2).tags[VERDICT_TAG] == BROKEN
+
+
+def test_a_failed_rollback_leaves_no_verdict_so_the_next_attempt_judges_again(
+        live, sqlite_registry, serving, promoted_v2, monkeypatch):
+    v1, v2 = promoted_v2
+
+    def unreachable(*args, **kwargs):
+        raise RuntimeError("the restart hook failed")
+
+    monkeypatch.setattr("pipeline.monitor.stage.rollback", unreachable)
+    with pytest.raises(RuntimeError):
+        _settle(sqlite_registry, serving, _probe(live, "bad_d2t", v2))
+    assert VERDICT_TAG not in sqlite_registry.get_version(v2).tags
+    monkeypatch.undo()
+    checked = _settle(sqlite_registry, serving, _probe(live, "bad_d2t", v2))
+    assert checked.rollback is not None and served_version(serving) == v1
