@@ -45,11 +45,11 @@ def serving_acceptance(context: AssetExecutionContext, storage: StorageResource,
                        mlflow: MlflowResource, serving: ServingResource,
                        refresh: RefreshPolicyResource) -> MaterializeResult:
     """τ per drafter version as the RL engine observed it in this RL step."""
-    from pipeline.monitor import stage as monitor_stage
+    from pipeline.monitor.observed import observe_step
 
     store, step = storage.build(), step_of(context.partition_key)
     with fail_fast_on_permanent_errors():
-        observed = monitor_stage.observe(store, step)
+        observed = observe_step(store, step)
         outcome = _check(context, store, mlflow, serving, refresh)
     chart = store.url(publish_loop_chart(store, model_name(mlflow.target_family), step,
                                          context.instance))

@@ -1,7 +1,8 @@
-"""The monitor's runs: what ``serving_acceptance`` and ``serving_drafter`` call.
+"""The monitor's verdicts: what ``serving_acceptance`` and ``serving_drafter`` call after
+summarising an RL step (:func:`.observed.observe_step`).
 
-- :func:`observe` summarises an RL step's speculative counters (:mod:`.observed`) and, where
-  promotions are verified from them, judges the drafter serving now (:func:`check_reported`).
+- :func:`check_reported` judges the drafter serving now on the speculative counters the RL
+  engine reported with it, where promotions are not verified live.
 - :func:`verify_promotion` judges a promotion just made on the live servers.
 
 A verdict is recorded on the registry version (tags ``post_promotion.*``) and is final: a
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from pipeline.checks import serving_state
-from pipeline.monitor.observed import StepAcceptance, observe_step, observed_series
+from pipeline.monitor.observed import observed_series
 from pipeline.monitor.verify import (
     BROKEN,
     HEALTHY,
@@ -45,10 +46,6 @@ class Checked:
     verification: Verification | None
     rollback: PromotionResult | None = None
     note: str = ""
-
-
-def observe(storage: Storage, step: int) -> StepAcceptance:
-    return observe_step(storage, step)
 
 
 def check_reported(storage: Storage, name: str,
