@@ -97,7 +97,9 @@ def checked_outcome(context, checked, registry, store, refresh) -> CheckOutcome:
         return CheckOutcome(False, f"v{v.version} broken after promotion: {v.reason}; "
                                    f"rolled back to {_v(r.version)}",
                             v.metadata() | {"rolled_back_to": r.version or "none"})
-    return CheckOutcome(not v.broken, f"v{v.version} {v.verdict}: {v.reason}", v.metadata())
+    return CheckOutcome(not v.broken, f"v{v.version} {v.verdict}: {v.reason}"
+                        + (f"; not rolled back: {checked.note}" if checked.note else ""),
+                        v.metadata())
 
 
 def publish_loop_chart(store, name: str, step: int, instance=None) -> str:
