@@ -9,6 +9,8 @@ serving now on those counters where promotions are not verified on live servers 
 pool ``promotion``, as every path that can move the champion.
 """
 
+import functools
+
 from dagster import (
     AssetCheckSeverity,
     AssetExecutionContext,
@@ -70,20 +72,20 @@ def _check(context, store, mlflow: MlflowResource, serving: ServingResource,
     if serving.verify == "off" or serving.verifies_live():
         why = "off" if serving.verify == "off" else "on the live servers, at promotion"
         return CheckOutcome(True, f"promotions are verified {why} (serving_drafter's check)")
-    built = {}
 
-    def connect():
-        built["registry"] = registry = mlflow.build()
+    @functools.cache
+    def connect():  # once, and only when a drafter serves
+        registry = mlflow.build()
         return registry, serving.build(store, registry.model_name)
 
     checked = monitor_stage.check_reported(store, model_name(mlflow.target_family), connect,
                                            serving.verify_policy())
-    return checked_outcome(context, checked, built.get("registry"), store, refresh)
+    return _outcome(context, checked, lambda: connect()[0], store, refresh)
 
 
-def checked_outcome(context, checked, registry, store, refresh) -> CheckOutcome:
+def _outcome(context, checked, registry, store, refresh) -> CheckOutcome:
     """The ``promotion_verified`` outcome of a verdict; a rollback is recorded as a
-    ``serving_drafter`` event naming the new champion."""
+    ``serving_drafter`` event naming the new champion (``registry()``: the one it used)."""
     v = checked.verification
     if v is None:
         return CheckOutcome(True, checked.note)
@@ -91,7 +93,7 @@ def checked_outcome(context, checked, registry, store, refresh) -> CheckOutcome:
         r = checked.rollback
         context.log.error(f"v{v.version}: {v.reason}; rolled back to "
                           f"{r.version or 'no drafter'}")
-        record_champion_change(context, registry, r, actor=VERIFY_ACTOR,
+        record_champion_change(context, registry(), r, actor=VERIFY_ACTOR,
                                reason=f"post-promotion check: {v.reason}", store=store,
                                refresh=refresh)
         return CheckOutcome(False, f"v{v.version} broken after promotion: {v.reason}; "

@@ -81,8 +81,8 @@ def drift_fired(instance) -> dict[str, int]:
     return fired
 
 
-def refresh_request(step: int, window: int | None = None, trigger: str = "cadence"
-                    ) -> RunRequest:
+def refresh_request(step: int, window: int | None = None, trigger: str = "cadence",
+                    tags: dict[str, str] | None = None) -> RunRequest:
     """The run of the refresh at ``step``: the job's default run config (the family's
     training preset) plus the window; ``window`` None leaves K to the refresh resource.
     Whatever ``trigger`` asked for it, the run key is the step's: one refresh per step."""
@@ -90,7 +90,13 @@ def refresh_request(step: int, window: int | None = None, trigger: str = "cadenc
     vocab = RunConfig(ops={"vocab_mapping": VocabRunConfig(window=window)}).to_config_dict()
     return RunRequest(run_key=f"drafter-refresh-{key}", partition_key=key,
                       run_config=deep_merge(DEFAULT_RUN_CONFIG or {}, vocab),
-                      tags={REFRESH_STEP_TAG: str(step), TRIGGER_TAG: trigger})
+                      tags={REFRESH_STEP_TAG: str(step), TRIGGER_TAG: trigger, **(tags or {})})
+
+
+def requesting(request: RunRequest, cursor: str) -> SensorResult:
+    """A sensor's result that requests ``request`` and adds its refresh partition with it."""
+    return SensorResult(run_requests=[request], cursor=cursor, dynamic_partitions_requests=[
+        refresh_steps.build_add_request([request.partition_key])])
 
 
 def requested_steps(instance) -> set[int]:
@@ -128,10 +134,7 @@ def refresh_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResou
                               f"{last + refresh.max_interval} (AERIE_REFRESH_MAX_INTERVAL)")
     if refresh_in_flight(context.instance):
         return SkipReason("a drafter refresh is still queued or running")
-    return SensorResult(run_requests=[refresh_request(step, refresh.window)],
-                        dynamic_partitions_requests=[
-                            refresh_steps.build_add_request([step_key(step)])],
-                        cursor=json.dumps({"last": step}))
+    return requesting(refresh_request(step, refresh.window), json.dumps({"last": step}))
 
 
 @schedule(job=drafter_refresh, cron_schedule="0 * * * *",
@@ -192,9 +195,5 @@ def drift_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResourc
                                         f"launched already", cursor=after)
     if refresh_in_flight(context.instance):  # fire on a later tick, still armed
         return SkipReason(f"{verdict.reason}; waiting: a drafter refresh is still running")
-    request = refresh_request(newest, refresh.window, "drift")
-    request = request.with_replaced_attrs(tags={**request.tags, DRIFT_VERSION_TAG: version})
-    return SensorResult(run_requests=[request],
-                        dynamic_partitions_requests=[
-                            refresh_steps.build_add_request([step_key(newest)])],
-                        cursor=after)
+    return requesting(refresh_request(newest, refresh.window, "drift",
+                                      {DRIFT_VERSION_TAG: version}), after)
