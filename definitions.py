@@ -45,7 +45,7 @@ defs = Definitions(
           ingest_dumps],
     sensors=[snapshot_sensor, refresh_sensor, drift_sensor, dump_sensor],
     schedules=[drafter_refresh_schedule],
-    # every resource from the deployment's environment (README, Configuration); run config
+    # every resource from the deployment's environment (docs/reference/configuration.md); run config
     # overrides field by field
     resources={"storage": storage_from_env(), "capture": capture_from_env(),
                "trainer": trainer_from_env(), "mlflow": mlflow_from_env(),

@@ -57,7 +57,8 @@ class EvalRunConfig(Config):
         default=_E.device, description="where the target and drafters run (auto: CUDA when "
                                        "present)")
     dtype: Literal["float32", "bfloat16"] = Field(
-        default=_E.dtype, description="bfloat16: see README, lossless check tolerance")
+        default=_E.dtype, description="bfloat16: near-ties tolerated, see docs/concepts/"
+                                       "acceptance.md, Where it runs")
     confidence: float = Field(default=_E.confidence,
                               description="level of the bootstrap intervals of τ")
 

@@ -13,6 +13,7 @@ dataset is a key prefix holding its files and, written last, ``_manifest.json``:
     drafters/step=NNNNNN/     the drafter trained at refresh step N  (stage 5, training)
     evals/step=NNNNNN/        acceptance report, charts/<name>.png   (stage 6, evaluation)
     serving/<name>/           serving manifests + current.json       (stage 7, release)
+    observed/step=NNNNNN/     acceptance the RL engine reported      (serving_acceptance)
 
 Step directories are ``step=`` plus the step as :func:`step_dir` writes it: six ASCII digits,
 zero-padded, or more without padding (:func:`parse_step_dir` refuses anything else, so

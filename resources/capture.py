@@ -25,8 +25,7 @@ class CaptureResource(ConfigurableResource):
         default=None, description="decoder layers whose outputs are captured, low→mid→high; "
                                   "unset: EAGLE-3's [1, N//2-1, N-4]")
     hf_dtype: Literal["float32", "bfloat16"] = Field(
-        default="float32", description="hf: compute dtype (bfloat16 on GPUs; the README's "
-                                       "GPU section gives the tolerance against float32)")
+        default="float32", description="hf: compute dtype (bfloat16 on GPUs)")
     hf_device: str = Field(default="cpu", pattern=r"^(cpu|auto|cuda(:[0-9]+)?)$",
                            description="hf: where the policy runs: cpu, cuda, cuda:N, or "
                                        "auto (CUDA when present)")
@@ -40,7 +39,7 @@ class CaptureResource(ConfigurableResource):
                                          description="sglang: final-state server URLs")
     vllm_urls: list[str] = Field(default_factory=list,
                                  description="vllm: servers launched with extract_hidden_states "
-                                             "(README, Capturing with vLLM)")
+                                             "(docs/vllm.md)")
     vllm_files_dir: str | None = Field(default=None,
                                        description="vllm: where this process reads the files "
                                                    "the servers write")
@@ -91,7 +90,7 @@ class CaptureResource(ConfigurableResource):
                     f"sglang_aux_urls to the aux-capture servers (--enable-return-aux-"
                     f"hidden-states) and {where}.sglang_final_urls to the final-state servers "
                     f"(--enable-return-hidden-states), e.g. [\"http://127.0.0.1:30001\"]; see "
-                    f"the README, Capturing hidden states with SGLang")
+                    f"docs/sglang.md")
         if bad:
             return (f"{where}: sglang_aux_urls and sglang_final_urls must be http(s) URLs, "
                     f"got {bad}")
@@ -101,7 +100,7 @@ class CaptureResource(ConfigurableResource):
         if not self.vllm_urls or not self.vllm_files_dir:
             return (f"capture backend 'vllm' needs {where}.vllm_urls (servers launched with "
                     f"the extract_hidden_states method) and {where}.vllm_files_dir (where "
-                    f"their files are read); see the README, Capturing hidden states with vLLM")
+                    f"their files are read); see docs/vllm.md")
         bad = [u for u in self.vllm_urls if not u.strip().startswith(("http://", "https://"))]
         if bad:
             return f"{where}.vllm_urls must be http(s) URLs, got {bad}"

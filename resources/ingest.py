@@ -32,7 +32,9 @@ class IngestResource(ConfigurableResource):
                           '{"temperature": 1.0, "top_p": 0.95} (default: what the dump says)')
     settle_s: float = Field(default=60.0, description="the newest file counts as complete "
                             "once unchanged this long")
-    allow_multi_turn_text: bool = False
+    allow_multi_turn_text: bool = Field(default=False, description="keep multi-turn text "
+                                        "records (no tool-token mask) instead of "
+                                        "quarantining them")
 
     def ingestor(self, storage):
         """The :class:`~pipeline.adapters.ingest.Ingestor` of these settings on ``storage``."""

@@ -40,7 +40,8 @@ class ServingResource(ConfigurableResource):
     """How promoted drafters reach the rollout servers."""
 
     mode: Mode = Field(default="manifest", description="how a promoted drafter reaches the "
-                                                       "servers (see the README, Serving)")
+                                                       "servers (docs/concepts/promotion.md, "
+                                                       "Serving modes)")
     num_steps: int = Field(default=3, ge=1, description="--speculative-num-steps")
     topk: int = Field(default=1, ge=1, description="--speculative-eagle-topk")
     num_draft_tokens: int = Field(default=4, ge=2, description="--speculative-num-draft-"

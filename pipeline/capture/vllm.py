@@ -64,7 +64,7 @@ _STATE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CONNECTOR_HINT = ("launch vLLM with --kv-transfer-config '{\"kv_connector\": "
                    "\"ExampleHiddenStatesConnector\", \"kv_role\": \"kv_producer\", "
                    "\"kv_connector_extra_config\": {\"shared_storage_path\": DIR, "
-                   "\"allow_custom_save_path\": true}}' (README, Capturing with vLLM)")
+                   "\"allow_custom_save_path\": true}}' (docs/vllm.md)")
 
 
 def engine_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:

@@ -4,8 +4,8 @@ Pure functions from numbers to PNG bytes (matplotlib's Agg backend, no display).
 store them next to the refresh's acceptance report (:func:`publish_chart`:
 ``evals/step=NNNNNN/charts/<name>.png``) and link them from their metadata, so the Dagster
 event log holds a path, not the image; the registry logs them to MLflow, and the benchmarks
-write them next to BENCHMARKS.md. matplotlib is imported on first use: importing this module
-is cheap.
+write them to docs/img/ (docs/benchmarks.md). matplotlib is imported on first use:
+importing this module is cheap.
 """
 
 from __future__ import annotations

@@ -251,17 +251,17 @@ def test_the_vllm_backend_is_a_capture_resource_setting(tmp_path, policy_dir, vl
         backend="vllm").problem()
 
 
-def test_the_readme_command_launches_what_the_backend_reads():
-    """The README's ``vllm serve`` flags pass vLLM's checks (as the stand-in makes them) and
-    name the layers the README's capture config asks for."""
+def test_the_guide_command_launches_what_the_backend_reads():
+    """The vLLM guide's (docs/vllm.md) ``vllm serve`` flags pass vLLM's checks (as the
+    stand-in makes them) and name the layers the guide's capture config asks for."""
     import re
     import shlex
     from pathlib import Path
 
     from tests.vllm_contract.capture_server import check_launch, parse_args
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## Capturing hidden states with vLLM", 1)[1].split("\n## ", 1)[0]
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    section = guide.split("# Capturing hidden states with vLLM", 1)[1].split("\n## ", 1)[0]
     command = re.search(r"```sh\n(vllm serve .*?)```", section, re.S).group(1)
     argv = shlex.split(command.replace("\\\n", " "))
     assert argv[:2] == ["vllm", "serve"]
