@@ -18,6 +18,20 @@ from pathlib import Path
 import pytest
 
 from pipeline.storage import Storage
+from tests.tiers import assign_tiers, guard_unit, tier_of
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    assign_tiers(items)
+
+
+@pytest.fixture(autouse=True)
+def _tier_guard(request, monkeypatch):
+    """A ``unit`` test may start no process, open no connection, create no Dagster instance
+    (tests/tiers.py)."""
+    if tier_of(request.node) == "unit":
+        guard_unit(monkeypatch)
 
 
 def free_port() -> int:
@@ -95,10 +109,16 @@ def s3_options(endpoint: str) -> dict:
             "skip_instance_cache": True}
 
 
-@pytest.fixture(params=["local", "s3"])
+STORAGE_BACKENDS = ("local", pytest.param("s3", marks=pytest.mark.integration))
+# a test whose behaviour depends on the storage backend runs on each; the rest on local only
+on_every_storage = pytest.mark.parametrize("storage", STORAGE_BACKENDS, indirect=True)
+
+
+@pytest.fixture
 def storage(request, tmp_path) -> Storage:
-    """The same Storage contract over a local directory and over S3 (moto_server)."""
-    if request.param == "local":
+    """A Storage over a local directory; over S3 (moto_server) too where the test is marked
+    :data:`on_every_storage` (the same contract on both)."""
+    if getattr(request, "param", "local") == "local":
         return Storage(tmp_path.as_uri())
     endpoint = request.getfixturevalue("moto_endpoint")
     bucket = f"aerie-{uuid.uuid4().hex[:12]}"

@@ -26,7 +26,13 @@ _COLORS = {"candidate": "#1f77b4", "champion": "#ff7f0e", "no_drafter": "#7f7f7f
 
 
 def alpha_chart(alphas: Mapping[str, Sequence[float]], title: str = "") -> bytes:
-    """Grouped bars: α_k (acceptance rate at draft position k) per contestant."""
+    """:func:`alpha_figure` as PNG bytes."""
+    return _png(alpha_figure(alphas, title))
+
+
+def alpha_figure(alphas: Mapping[str, Sequence[float]], title: str = "") -> Figure:
+    """Grouped bars: α_k (acceptance rate at draft position k) per contestant (a position
+    never reached, NaN, as a bar of 0)."""
     fig, ax = _pyplot().subplots(figsize=(6, 3.2), dpi=100)
     names = [n for n, a in alphas.items() if a]
     width = 0.8 / max(len(names), 1)
@@ -39,7 +45,7 @@ def alpha_chart(alphas: Mapping[str, Sequence[float]], title: str = "") -> bytes
     ax.set_ylim(0, 1)
     ax.set_title(title or "acceptance per draft position")
     ax.legend(loc="upper right", fontsize=8)
-    return _png(fig)
+    return fig
 
 
 def tau_curve(series: Mapping[str, Mapping[int, float]], title: str = "",

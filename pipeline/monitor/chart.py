@@ -2,19 +2,23 @@
 drafter, as the evaluation measured it offline at each refresh, with the promotions and
 rollbacks of the serving record marked.
 
-:func:`loop_events` reads what the chart marks from the serving ledger; :func:`loop_chart`
-draws it (PNG bytes, matplotlib's Agg backend).
+:func:`loop_events` reads what the chart marks from the serving ledger; :func:`loop_figure`
+draws it (matplotlib's Agg backend), :func:`loop_chart` as PNG bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipeline.layout import DRAFTERS, step_of_prefix
 from pipeline.monitor.observed import StepAcceptance
 from pipeline.serving_now import serving_history
 from pipeline.storage import Storage
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass(frozen=True)
@@ -54,10 +58,19 @@ def _step(storage: Storage, target) -> int:
 def loop_chart(observed: Sequence[StepAcceptance], offline: Mapping[int, float],
                events: Sequence[LoopEvent], title: str = "",
                triggers: Mapping[int, str] | None = None) -> bytes:
+    """:func:`loop_figure` as PNG bytes."""
+    from pipeline.evaluation.charts import _png
+
+    return _png(loop_figure(observed, offline, events, title, triggers))
+
+
+def loop_figure(observed: Sequence[StepAcceptance], offline: Mapping[int, float],
+                events: Sequence[LoopEvent], title: str = "",
+                triggers: Mapping[int, str] | None = None) -> Figure:
     """τ per RL step observed per drafter version (lines), the candidate's offline τ at each
     refresh (crosses, labelled with what triggered the refresh where ``triggers`` says),
     promotions (green dashes) and rollbacks (red dashes)."""
-    from pipeline.evaluation.charts import _png, _pyplot
+    from pipeline.evaluation.charts import _pyplot
 
     fig, ax = _pyplot().subplots(figsize=(7, 3.6), dpi=100)
     versions = sorted({v.drafter_version for o in observed for v in o.versions
@@ -89,7 +102,7 @@ def loop_chart(observed: Sequence[StepAcceptance], offline: Mapping[int, float],
     ax.set_title(title or "acceptance over RL steps")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize=7)
-    return _png(fig)
+    return fig
 
 
 def _version_order(version: str) -> tuple[int, str]:

@@ -32,7 +32,7 @@ from pipeline.storage import Storage
 from resources.refresh import RefreshPolicyResource
 from tests.e2e.loop import TRAIN, home_env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 STEPS = 3
 
 

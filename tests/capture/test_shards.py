@@ -27,6 +27,7 @@ from pipeline.contracts import Manifest
 from pipeline.manifest import entry_for, read_manifest, verify_manifest, write_manifest
 from pipeline.parquet import ParquetFileError
 from pipeline.storage import Storage
+from tests.conftest import on_every_storage
 
 H = 16
 SPEC = ShardSpec(step=4, hidden_size=H, aux_layer_ids=(1, 2, 3), extra={"backend": "test"})
@@ -61,6 +62,7 @@ def local(tmp_path) -> Storage:
     return Storage(tmp_path.as_uri())
 
 
+@on_every_storage
 def test_round_trip_on_local_and_s3(storage):
     """``storage`` (tests/conftest.py) is a local directory and a bucket on moto_server."""
     rows = [sample(i, t) for i, t in enumerate((5, 1, 9))]

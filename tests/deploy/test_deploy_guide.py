@@ -165,7 +165,7 @@ class Deployment:
                 pass
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_guide_runs_as_written(tmp_path, postgres, moto_endpoint):
     deployment = Deployment(tmp_path, postgres, moto_endpoint)
     deployment.write_env_file()

@@ -29,7 +29,7 @@ from resources.refresh import RefreshPolicyResource
 from tests.e2e.loop import TRAIN, home_env
 from tests.sglang_contract import fixtures
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 WORLD = DemoConfig.small(num_steps=3, prompts_per_step=6)  # 6 rollouts with counters a step
 POLICY = RefreshPolicyResource(every=2, window=2)  # one refresh, at step 1

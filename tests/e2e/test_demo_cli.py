@@ -20,7 +20,7 @@ from pipeline.storage import Storage
 from resources.refresh import RefreshPolicyResource
 from tests.e2e.loop import TRAIN
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 WORLD = DemoConfig.small(num_steps=6)
 POLICY = RefreshPolicyResource(every=2, window=2)  # a window of 6 prompts holds one out

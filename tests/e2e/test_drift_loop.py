@@ -14,7 +14,7 @@ from pipeline.evaluation.stage import read_report
 from pipeline.monitor.observed import observed_series
 from tests.e2e.loop import home_env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

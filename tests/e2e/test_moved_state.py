@@ -32,7 +32,7 @@ from pipeline.storage import Storage
 from tests.conftest import s3_options
 from tests.e2e.loop import FOREIGN_ENV, PENDING, TRAIN
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 # What runs in the moved state (see the module docstring); prints what it saw as JSON.

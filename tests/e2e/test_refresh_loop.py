@@ -35,7 +35,7 @@ from resources.mlflow import mlflow_from_environment
 from tests.conftest import free_port, local_server, ver
 from tests.e2e.loop import REFRESHES, Loop
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def _meta(loop: Loop, asset: str, partition: str) -> dict:

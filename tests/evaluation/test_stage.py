@@ -125,10 +125,16 @@ def test_a_drafter_without_lineage_is_refused(world):
 
 
 def test_charts_are_png_and_published_to_storage(tmp_path):
-    from pipeline.evaluation.charts import alpha_chart, publish_chart, tau_curve
+    from pipeline.evaluation.charts import alpha_chart, alpha_figure, publish_chart, tau_curve
     from pipeline.storage import Storage
 
-    png = alpha_chart({"candidate": [0.9, 0.7, float("nan")], "champion": [0.5, 0.2, 0.1]})
+    alphas = {"candidate": [0.9, 0.7, float("nan")], "champion": [0.5, 0.2, 0.1]}
+    (ax,) = alpha_figure(alphas).axes
+    bars = [(round(b.get_x() + b.get_width() / 2, 3), round(b.get_height(), 3))
+            for b in ax.patches]
+    assert bars == [(-0.2, 0.9), (0.8, 0.7), (1.8, 0.0), (0.2, 0.5), (1.2, 0.2), (2.2, 0.1)]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["candidate", "champion"]
+    png = alpha_chart(alphas)
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 2000
     curve = tau_curve({"stale": {0: 3.0, 4: 2.5}, "refreshed": {0: 3.0, 4: 3.1}},
                       refresh_steps=[4])

@@ -3,7 +3,7 @@ every series drawn."""
 
 from __future__ import annotations
 
-from pipeline.monitor.chart import LoopEvent, loop_chart, loop_events
+from pipeline.monitor.chart import LoopEvent, loop_chart, loop_events, loop_figure
 from pipeline.monitor.observed import summarise
 from tests.release.helpers import Drafters
 
@@ -29,8 +29,27 @@ def test_the_chart_draws_observed_offline_and_events():
         return summarise(s, [{"drafter_version": version, "verify_ct": verify,
                               "completion_tokens": completion}])
 
+    # τ = tokens the verify passes emitted (all but the prefill token) / passes
     observed = [step(2, "1", 50, 101), step(3, "1", 50, 81), step(4, "2", 40, 97)]
-    png = loop_chart(observed, {1: 2.1, 3: 2.3}, [LoopEvent(1, "promoted", "1"),
-                                                  LoopEvent(3, "promoted", "2")])
-    assert png.startswith(b"\x89PNG") and len(png) > 10_000
-    assert loop_chart([], {}, []).startswith(b"\x89PNG")  # nothing yet: an empty frame
+    events = [LoopEvent(1, "promoted", "1"), LoopEvent(3, "promoted", "2"),
+              LoopEvent(3, "rolled_back", "2")]
+    fig = loop_figure(observed, {1: 2.1, 3: 2.3}, events, triggers={3: "drift"})
+    (ax,) = fig.axes
+    lines = {line.get_label(): line.get_xydata().tolist() for line in ax.lines
+             if line.get_linestyle() != "--"}
+    assert lines == {"observed, v1": [[2, 2.0], [3, 1.6]], "observed, v2": [[4, 2.4]]}
+    (crosses,) = ax.collections
+    assert crosses.get_offsets().tolist() == [[1, 2.1], [3, 2.3]]
+    assert [t.get_text() for t in ax.texts if t.get_text() == "drift"] == ["drift"]
+    marks = sorted((line.get_xdata()[0], line.get_color()) for line in ax.lines
+                   if line.get_linestyle() == "--")
+    assert marks == [(1, "#2ca02c"), (3, "#2ca02c"), (3, "#d62728")]
+    assert ax.get_legend() is not None
+    png = loop_chart(observed, {1: 2.1, 3: 2.3}, events)
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_nothing_observed_yet_draws_an_empty_frame():
+    (ax,) = loop_figure([], {}, []).axes
+    assert (len(ax.lines), len(ax.collections), ax.get_legend()) == (0, 0, None)
+    assert ax.get_xlabel() == "RL step"

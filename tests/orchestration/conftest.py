@@ -11,12 +11,19 @@ from pipeline.storage import Storage
 from resources.storage import StorageResource
 from tests.snapshot.conftest import good_record, make_policy_dir
 
+DAGSTER_BACKENDS = ("sqlite", "postgres")
+# a test whose behaviour depends on the instance's storage (run, event-log and partition
+# queries, pools, what the tables hold) runs on each; the rest on SQLite only
+on_every_dagster_backend = pytest.mark.parametrize("dagster_backend", DAGSTER_BACKENDS,
+                                                   indirect=True)
 
-@pytest.fixture(params=["sqlite", "postgres"])
+
+@pytest.fixture
 def dagster_backend(request) -> dict | None:
-    """The instance storage every orchestration test runs on: Dagster's SQLite (None: the
-    default), and PostgreSQL (``dagster-postgres``) in a fresh database of a real server."""
-    if request.param == "sqlite":
+    """The instance storage an orchestration test runs on: Dagster's SQLite (None: the
+    default), and where marked :data:`on_every_dagster_backend`, PostgreSQL
+    (``dagster-postgres``) in a fresh database of a real server."""
+    if getattr(request, "param", "sqlite") == "sqlite":
         return None
     url = request.getfixturevalue("postgres").new_database("dagster")
     return {"storage": {"postgres": {"postgres_url": dagster_postgres_url(url)}}}

@@ -18,7 +18,7 @@ from jobs import cli
 from resources.capture import CaptureResource
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
-from tests.orchestration.conftest import use_backend
+from tests.orchestration.conftest import on_every_dagster_backend, use_backend
 
 DATA = [rollout_snapshot, tokenized_rollouts, hidden_state_shards]
 
@@ -133,6 +133,7 @@ def test_the_s3_check_passes_a_usable_root_and_names_a_missing_bucket(moto_endpo
         missing.checked()
 
 
+@on_every_dagster_backend
 def test_a_run_left_in_flight_by_a_dead_aerie_process_is_marked_failed(instance):
     """A killed ``aerie`` process leaves its run STARTED; the next command marks it failed,
     so the refresh sensor is not stopped for good by a refresh "still running"."""

@@ -58,6 +58,16 @@ def test_refresh_assets_describe_their_window():
         assert "window_steps" in description, name
 
 
+def every_field_changed(changed) -> bool:
+    """``changed`` differs from its class's defaults in every field, so a round trip that
+    dropped any field would show (a new field must be added to the probe to pass)."""
+    default = type(changed)()
+    same = [f.name for f in dataclasses.fields(changed)
+            if getattr(changed, f.name) == getattr(default, f.name)]
+    assert same == [], f"{type(changed).__name__}: the probe leaves {same} at the default"
+    return True
+
+
 def test_run_config_defaults_mirror_the_stage_configs():
     """Each asset's run config converts to its stage's config with the same defaults (the
     torch-free ``pipeline/<stage>/config.py``): no field is dropped on the way."""
@@ -76,10 +86,12 @@ def test_run_config_defaults_mirror_the_stage_configs():
     # and every field is carried over, not only the defaults
     changed = ExtractConfig(token_budget=99, max_batch_size=3, shard_bytes=5,
                             row_group_bytes=7, compression="none", sort_by_length=False,
-                            heldout_fraction=0.5)
+                            heldout_fraction=0.5, encoding="fp8")
+    assert every_field_changed(changed)
     assert ShardsConfig(**dataclasses.asdict(changed)).to_core() == changed
     changed = TokenizeConfig(max_length=99, keep_tail=9, min_response_tokens=2,
                              rows_per_file=11, end_of_turn_tokens=("<x>",), max_examples=1)
+    assert every_field_changed(changed)
     assert TokenizeRunConfig(**{**dataclasses.asdict(changed), "end_of_turn_tokens": ["<x>"]}
                              ).to_core() == changed
     core = EvalRunConfig().to_core(ServingResource())
@@ -89,6 +101,7 @@ def test_run_config_defaults_mirror_the_stage_configs():
                          num_draft_tokens=3, reference_prompts=2, temperature=0.7, top_p=0.9,
                          top_k=5, min_p=0.1, seed=4, device="auto", dtype="bfloat16",
                          confidence=0.9)
+    assert every_field_changed(changed)
     assert EvalRunConfig(**dataclasses.asdict(changed)).to_core(ServingResource()) == changed
     assert VocabRunConfig().draft_vocab_size == DEFAULT_DRAFT_VOCAB_SIZE
 

@@ -18,6 +18,7 @@ from pipeline.monitor import drift
 from pipeline.monitor.drift import DriftPolicy, Reading, decide, healthy, reading
 from pipeline.monitor.observed import rollout_counts, summarise
 from resources.refresh import RefreshPolicyResource
+from tests.orchestration.conftest import on_every_dagster_backend
 from tests.orchestration.test_refresh_sensor import _job, ingest, trigger_resources
 
 REFERENCE = 2.0  # the serving drafter's τ at promotion
@@ -146,6 +147,7 @@ def test_the_drift_sensor_fires_once_per_drop_through_its_cursor(dagster_backend
     # never recovered: however often the cursor is lost, one refresh for the one drop
     ({3: 1.98, 5: 1.7, 6: 1.7, 8: 1.8, 9: 1.75, 10: 1.6, 11: 1.6, 12: 1.6}, [5]),
 ])
+@on_every_dagster_backend
 def test_a_lost_cursor_rebuilds_the_arming_from_the_runs_and_readings(
         dagster_backend, watched, taus, fired):
     policy = RefreshPolicyResource(every=100, drift_window=1, drift_cooldown_steps=2)

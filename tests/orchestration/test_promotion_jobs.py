@@ -25,7 +25,7 @@ from resources.refresh import RefreshPolicyResource
 from resources.serving import ServingResource
 from resources.storage import StorageResource
 from tests.conftest import ver
-from tests.orchestration.conftest import use_backend
+from tests.orchestration.conftest import on_every_dagster_backend, use_backend
 from tests.release.helpers import lineage, make_drafter_dir, publish_drafter
 
 STEPS = (10, 20, 30)  # the refresh steps of versions 1, 2, 3
@@ -145,6 +145,7 @@ def test_the_embedded_instance_limits_the_promotion_pool_to_one(world):
     assert instance.event_log_storage.get_concurrency_info("promotion").slot_count == 1
 
 
+@on_every_dagster_backend
 def test_two_promotion_runs_are_serialised_by_the_pool(world, monkeypatch):
     """Run A (override to v3) takes the pool's only slot and then waits inside its op (the
     test holds the registry's promotion lock); run B (rollback) starts meanwhile and is held

@@ -29,6 +29,7 @@ from jobs.refresh import (
 from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
+from tests.orchestration.conftest import on_every_dagster_backend
 
 EMPTY_STORAGE = Path(tempfile.mkdtemp(prefix="aerie-refresh-tests-"))
 
@@ -148,6 +149,7 @@ def test_policy_reads_the_environment(monkeypatch):
         refresh_policy_from_env()
 
 
+@on_every_dagster_backend
 def test_sensor_waits_while_a_refresh_is_in_flight(dagster_backend):
     from dagster import DagsterRun
 
@@ -201,6 +203,7 @@ def test_embedded_instance_runs_one_refresh_at_a_time(tmp_path, monkeypatch):
         ("aerie/serial", tags["aerie/serial"], 1)]
 
 
+@on_every_dagster_backend
 def test_dagster_resolves_the_triggers_requests_in_the_refresh_partitions(dagster_backend):
     """Dagster's own tick evaluation (what the daemon runs) validates each request's partition
     key against ``refresh_steps``: the sensor's request resolves because its result adds the

@@ -28,7 +28,7 @@ from resources.storage import storage_from_env
 from tests.capture.test_capture_vllm import AUX, vllm_stand_in
 from tests.capture.test_extraction import CONFIG, STEP, lengths, write_tokenized
 from tests.conftest import s3_options
-from tests.orchestration.conftest import use_backend
+from tests.orchestration.conftest import on_every_dagster_backend, use_backend
 
 pytest.importorskip("torch")
 
@@ -67,6 +67,7 @@ def postgres_rows(url: str) -> list[str]:
         conn.close()
 
 
+@on_every_dagster_backend
 def test_secrets_reach_the_services_and_nowhere_else(tmp_path, monkeypatch, moto_endpoint,
                                                      policy_dir, dagster_backend):
     key, s3_secret = f"sentinel-key-{uuid.uuid4().hex}", f"sentinel-s3-{uuid.uuid4().hex}"

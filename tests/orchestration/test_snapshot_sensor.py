@@ -19,6 +19,7 @@ from jobs.snapshots import plan_ingest, snapshot_sensor
 from pipeline.contracts import MANIFEST_NAME
 from pipeline.layout import odd_entries, raw_prefix
 from pipeline.storage import Storage
+from tests.orchestration.conftest import on_every_dagster_backend
 
 from .conftest import write_step
 
@@ -53,6 +54,7 @@ def launch(instance, result: SensorResult, status=DagsterRunStatus.NOT_STARTED) 
                                           "dagster/run_key": request.run_key})
 
 
+@on_every_dagster_backend
 def test_sensor_discovers_each_completed_step_once(instance, local_storage, tmp_path):
     storage, resource = local_storage
     assert tick(instance, resource, None).skip_reason is not None  # nothing yet

@@ -80,8 +80,14 @@ class _MlflowServer:
 _server: list[_MlflowServer] = []
 
 
+def _needs_server(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return ("mlflow_server" in getattr(item, "fixturenames", ())
+            or (callspec is not None and callspec.params.get("registry") == "server"))
+
+
 def pytest_collection_finish(session):
-    if any("mlflow_server" in getattr(item, "fixturenames", ()) for item in session.items):
+    if any(_needs_server(item) for item in session.items):
         _server.append(_MlflowServer())
 
 
@@ -99,6 +105,24 @@ def mlflow_server() -> str:
 
 def new_family() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+REGISTRY_BACKENDS = ("sqlite", pytest.param("server", marks=pytest.mark.integration))
+# a registry behaviour that depends on the store (MLflow's REST API, proxied artifacts)
+# runs on each; the rest on embedded sqlite only
+on_every_registry = pytest.mark.parametrize("registry", REGISTRY_BACKENDS, indirect=True)
+
+
+@pytest.fixture
+def registry(request, tmp_path) -> DrafterRegistry:
+    """A registry on embedded sqlite; on a real ``mlflow server`` too where the test is
+    marked :data:`on_every_registry`."""
+    if getattr(request, "param", "sqlite") == "sqlite":
+        return request.getfixturevalue("sqlite_registry")
+    registry = DrafterRegistry.connect(request.getfixturevalue("mlflow_server"), new_family(),
+                                       lock_path=tmp_path / "promotion.lock", lock_timeout_s=5)
+    assert registry.client.tracking_uri.startswith("http://127.0.0.1:")
+    return registry
 
 
 @pytest.fixture

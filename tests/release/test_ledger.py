@@ -14,6 +14,7 @@ from pipeline.release.ledger import ServingLedger
 from pipeline.serving_now import ServingManifest, ServingTarget, read_serving, resolve_serving
 from pipeline.storage import Storage
 from pipeline.verified import IntegrityError
+from tests.conftest import on_every_storage
 from tests.release.helpers import make_drafter_dir, publish_drafter
 
 SETTINGS = SpecParams(3, 1, 4)
@@ -24,6 +25,7 @@ def target(version: str, uri: str = "file:///nowhere") -> ServingTarget:
                          registry_model="aerie-drafter-demo", registry_version=version)
 
 
+@on_every_storage
 def test_publish_and_read_back(storage: Storage):
     ledger = ServingLedger(storage, "aerie-drafter-demo")
     assert ledger.current() is None and read_serving(storage, "aerie-drafter-demo") is None

@@ -1,5 +1,6 @@
-"""The drafter registry against embedded sqlite (``test_registry_on_server`` re-runs the
-contract tests marked below against a real MLflow server)."""
+"""The drafter registry against embedded sqlite; the contract tests marked
+:data:`on_every_registry` run against a real ``mlflow server`` process too (REST store,
+proxied artifacts)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pipeline.release.mlflow_registry import (
     DrafterRegistry,
     model_name,
 )
+from tests.release.conftest import on_every_registry
 from tests.release.helpers import lineage, make_drafter_dir
 
 # a 1x1 PNG
@@ -38,11 +40,6 @@ def chart(tmp_path):
     return path
 
 
-@pytest.fixture
-def registry(sqlite_registry) -> DrafterRegistry:
-    return sqlite_registry
-
-
 def fp() -> str:
     return uuid.uuid4().hex
 
@@ -54,6 +51,7 @@ def publish(registry: DrafterRegistry, drafter_dir, fingerprint: str, **kw):
         metrics={"eval/tau": 2.5, "eval/alpha_1": 0.8}, charts=kw.pop("charts", ()))
 
 
+@on_every_registry
 def test_publish_logs_a_run_and_registers_a_tagged_version(registry, drafter_dir, chart,
                                                            tmp_path):
     f = fp()
@@ -93,6 +91,7 @@ def test_publish_logs_a_run_and_registers_a_tagged_version(registry, drafter_dir
         (local / "model.safetensors").read_bytes()
 
 
+@on_every_registry
 def test_republishing_a_fingerprint_returns_the_existing_version(registry, drafter_dir):
     f = fp()
     first = publish(registry, drafter_dir, f)
@@ -108,6 +107,7 @@ def test_republishing_a_fingerprint_returns_the_existing_version(registry, draft
     assert registry.find_version(f).version == "1"
 
 
+@on_every_registry
 def test_incomplete_lineage_registers_nothing(registry, drafter_dir):
     bad = lineage(fp(), "file:///x")
     del bad["policy_sha256"]
@@ -117,6 +117,7 @@ def test_incomplete_lineage_registers_nothing(registry, drafter_dir):
     assert registry.client.search_runs([registry.runs.experiment_id()]) == []
 
 
+@on_every_registry
 def test_aliases_are_read_back_from_the_server(registry, drafter_dir):
     publish(registry, drafter_dir, fp())
     publish(registry, drafter_dir, fp())

@@ -119,7 +119,7 @@ def violations(world, outcomes: list[dict]) -> list[str]:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_eight_promoters_on_postgres_have_exactly_one_winner(world, tmp_path):
     outcomes = race(world, tmp_path, per_host_files=False)
     print("lease:", sorted(o["action"] for o in outcomes))
@@ -134,7 +134,7 @@ def test_eight_promoters_on_postgres_have_exactly_one_winner(world, tmp_path):
     assert world["registry"].get_version(winner).tags["promotion_token"] == str(token)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_the_race_catches_per_host_locks(world, tmp_path):
     """The planted bug (a lock file per host): the same race finds the violations."""
     outcomes = race(world, tmp_path, per_host_files=True)

@@ -24,6 +24,7 @@ from pipeline.storage import Storage
 from pipeline.training.stage import resolve_warm_start
 from pipeline.verified import IntegrityError
 from pipeline.vocab import stage as vocab_stage
+from tests.conftest import on_every_storage
 from tests.release.helpers import make_drafter_dir, publish_drafter
 
 
@@ -64,6 +65,7 @@ def test_a_republished_policy_never_hits_the_old_copy(storage, tmp_path):
     assert second.lm_head is second.embed  # the new config was read, not a cached one
 
 
+@on_every_storage
 def test_shards_damaged_after_commit(storage):
     manifest = read_manifest(storage, shards_prefix(2))
     _flip_last_byte(storage, f"{shards_prefix(2)}/{manifest.files[0].path}")

@@ -48,7 +48,11 @@ def refused(storage, reader, field, prefix=None):
         read(storage)
     assert f"{prefix or own_prefix}/_manifest.json" in str(err.value), err.value
     assert field in str(err.value), err.value
-    assert isinstance(err.value.__cause__, ManifestError | None)
+    # either the manifest's parser refused it (chained from its ManifestError) or the reader's
+    # own check did, outside any handler: never another error caught and re-raised unnamed
+    cause, context = err.value.__cause__, err.value.__context__
+    assert isinstance(cause, ManifestError) or (cause is None and context is None), (
+        f"{type(err.value).__name__} raised while handling {context!r}")
     return err.value
 
 

@@ -18,6 +18,7 @@ from pipeline.snapshot.sieve import QUARANTINE_SCHEMA, SnapshotError
 from pipeline.snapshot.stage import completed_steps, read_accepted
 from pipeline.snapshot.writer import SnapshotWriter
 from pipeline.storage import Storage
+from tests.conftest import on_every_storage
 
 from .conftest import good_record, make_policy_dir
 
@@ -33,6 +34,7 @@ def bad_records(step: int = 3) -> list[dict]:
     ]
 
 
+@on_every_storage
 def test_writer_and_reader_keep_every_record(storage, policy_dir):
     good = [good_record(i) for i in range(12)]
     summary = SnapshotWriter(storage, rows_per_file=5).write_step(

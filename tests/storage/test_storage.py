@@ -9,6 +9,9 @@ import pytest
 from pipeline.contracts import Manifest
 from pipeline.manifest import entry_for, read_manifest, verify_manifest, write_manifest
 from pipeline.storage import StorageError
+from tests.conftest import on_every_storage
+
+pytestmark = on_every_storage
 
 
 class Boom(RuntimeError):

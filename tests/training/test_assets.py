@@ -51,7 +51,7 @@ def metadata(result, name: str) -> dict:
     return {k: v.value for k, v in event.materialization.metadata.items()}
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_two_refreshes_train_publish_and_warm_start_with_lineage(storage, tmp_path):
     with instance_for_test() as instance:
         first = run(instance, storage, tmp_path, 2, [vocab_mapping, drafter_checkpoint])

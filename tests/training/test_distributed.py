@@ -36,7 +36,7 @@ from .conftest import REFERENCE, STEP
 ATOL = 1e-6
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_two_processes_match_one_on_the_same_global_batch(shared_storage, reference_run,
                                                           tmp_path):
     config = REFERENCE.__class__(**{**to_dict(REFERENCE), "world_size": 2, "grad_accum": 1})

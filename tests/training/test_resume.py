@@ -41,7 +41,7 @@ def wait_for_checkpoint(proc: TrainingProcess, root: Path, timeout: float = 300.
         time.sleep(0.005)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_weights(shared_storage,
                                                                      reference_run, tmp_path):
     reference = reference_run  # 36 optimizer steps, a checkpoint every 4
@@ -76,7 +76,7 @@ def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_weights(shared_stor
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in reference.history]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_resume_from_a_middle_checkpoint_with_bf16_zero1(vocab_storage, tmp_path):
     """bf16 ZeRO-1 (DeepSpeed's BF16_Optimizer, a third optimizer layout) resumes exactly too.
 

@@ -23,6 +23,7 @@ from pipeline.release.promotion import (
 from pipeline.release.restart import RestartHook
 from pipeline.serving_now import resolve_serving
 from pipeline.storage import Storage
+from tests.conftest import on_every_storage
 from tests.release.helpers import (
     POLICY,
     SETTINGS,
@@ -255,6 +256,7 @@ def test_reconciling_a_lagging_alias_keeps_the_rollback_chain(
     assert served_version(serving) == v1 == sqlite_registry.alias(CHAMPION)
 
 
+@on_every_storage
 def test_an_undo_never_overwrites_someone_elses_update(sqlite_registry, storage, serving,
                                                       champion_v1, drafter_dirs, monkeypatch):
     """The alias move fails after another writer changed serving (a promoter without the
