@@ -63,7 +63,7 @@ def layer_of(module: str) -> tuple[str, int] | None:
         return ("pipeline", 0)
     if sub in pipeline.STAGES:
         return ("pipeline", 1 + pipeline.STAGES.index(sub))
-    if sub in pipeline.ON_TOP or sub in pipeline.DEPRECATED:
+    if sub in pipeline.ON_TOP:
         return ("pipeline", 1 + len(pipeline.STAGES))
     return ("pipeline", -1)  # unknown: every package must be placed
 
@@ -115,8 +115,7 @@ def test_every_pipeline_package_is_placed():
     packages = {p.name for p in (ROOT / "pipeline").iterdir()
                 if (p / "__init__.py").is_file() or p.suffix == ".py"}
     packages = {p.removesuffix(".py") for p in packages} - {"__init__"}
-    placed = (set(pipeline.STAGES) | set(pipeline.FOUNDATION) | set(pipeline.ON_TOP)
-              | set(pipeline.DEPRECATED))
+    placed = set(pipeline.STAGES) | set(pipeline.FOUNDATION) | set(pipeline.ON_TOP)
     assert packages == placed
 
 
@@ -306,23 +305,3 @@ def test_step_directories_parse_strictly():
     keys = ["rollouts/step=000003/_manifest.json", "rollouts/step=1000000/_manifest.json",
             "rollouts/step=000004/part-00000.parquet", "rollouts/step=0005/_manifest.json"]
     assert committed_steps(keys, "rollouts") == [3, 1_000_000]
-
-
-def test_the_import_paths_of_earlier_releases_still_work_and_warn():
-    import importlib
-    import sys
-    import warnings
-
-    from pipeline.serving_now import resolve_serving
-    from pipeline.snapshot.writer import SnapshotWriter
-
-    for name, attr, expected in (("pipeline.data.rollouts", "SnapshotWriter", SnapshotWriter),
-                                 ("pipeline.serving.ledger", "resolve_serving",
-                                  resolve_serving)):
-        sys.modules.pop(name, None)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            module = importlib.import_module(name)
-        assert getattr(module, attr) is expected
-        assert any(issubclass(w.category, DeprecationWarning) and "deprecated" in
-                   str(w.message) for w in caught), name
