@@ -19,9 +19,10 @@ from dagster import (
     asset,
 )
 
+from assets.champion import PROMOTION_POOL, record_champion_change
 from assets.checks import result, spec
-from assets.partitions import refresh_triggers, rl_steps, step_of
-from assets.release import PROMOTION_POOL, record_champion_change
+from assets.loop_chart import publish_loop_chart
+from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.checks import CheckOutcome
 from pipeline.monitor.stage import VERIFY_ACTOR
@@ -30,9 +31,6 @@ from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
 from resources.serving import ServingResource
 from resources.storage import StorageResource
-
-LOOP_CHART = "tau_over_rl_steps"
-CHART_STEPS = 200  # RL steps the loop chart shows, up to the newest
 
 
 @asset(partitions_def=rl_steps, group_name="monitor", kinds={"sglang"},
@@ -102,28 +100,6 @@ def _outcome(context, checked, registry, store, refresh) -> CheckOutcome:
     return CheckOutcome(not v.broken, f"v{v.version} {v.verdict}: {v.reason}"
                         + (f"; not rolled back: {checked.note}" if checked.note else ""),
                         v.metadata())
-
-
-def publish_loop_chart(store, name: str, step: int, instance=None) -> str:
-    """Draw the loop's chart of the last :data:`CHART_STEPS` RL steps up to ``step`` (with
-    what triggered each refresh, from ``instance``'s runs) and store it beside the step's
-    observed acceptance; returns its storage key."""
-    from pipeline.evaluation.stage import tau_history
-    from pipeline.layout import observed_key
-    from pipeline.monitor.chart import loop_chart, loop_events
-    from pipeline.monitor.observed import observed_series
-
-    first = max(0, step - CHART_STEPS + 1)
-    shown = range(first, step + 1)
-    series = [o for o in observed_series(store, since=first) if o.step in shown]
-    offline = tau_history(store).get("candidate", {})
-    png = loop_chart(series, {s: t for s, t in offline.items() if s in shown},
-                     [e for e in loop_events(store, name) if e.step in shown],
-                     title=f"{name}: τ over RL steps (to step {step})",
-                     triggers=refresh_triggers(instance) if instance is not None else None)
-    key = observed_key(step).rsplit("/", 1)[0] + f"/{LOOP_CHART}.png"
-    store.write_bytes(key, png)
-    return key
 
 
 def _table(observed) -> str:

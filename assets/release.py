@@ -5,11 +5,11 @@ run (params, per-step metrics, evaluation, charts, the SGLang directory) and reg
 version with lineage tags and alias ``challenger``; ``serving_drafter`` asks the gate
 (:func:`pipeline.release.gate.decide`) and promotes only when it says so; a re-run whose
 candidate is the drafter serving now succeeds as ``already_champion`` and changes nothing
-(serving record, alias and the champion's tags as they were). The manual
-override and the rollback are separate jobs (``jobs/release.py``); they record their change
-of champion as a ``serving_drafter`` materialization too (:func:`record_champion_change`), so
+(serving record, alias and the champion's tags as they were). The manual override and the
+rollback are separate jobs (``jobs/release.py``); they record their change of champion as a
+``serving_drafter`` materialization too (:func:`assets.champion.record_champion_change`), so
 the newest ``serving_drafter`` event always names the champion. Every promotion path runs in
-the Dagster pool ``promotion`` (limit 1 on the embedded instance: ``jobs/cli.py``).
+the Dagster pool ``promotion`` (limit 1 on the embedded instance: ``aerie/cli.py``).
 """
 
 import json
@@ -17,31 +17,23 @@ import tempfile
 from pathlib import Path
 
 from dagster import (
-    AssetCheckEvaluation,
     AssetCheckSeverity,
     AssetExecutionContext,
-    AssetKey,
-    AssetMaterialization,
     Config,
     MaterializeResult,
     MetadataValue,
-    OpExecutionContext,
     asset,
 )
 from pydantic import Field
 
+from assets.champion import PROMOTION_POOL, champion_metadata, staleness_now
 from assets.checks import result, spec
 from assets.drafter import WINDOW_NOTE
-from assets.partitions import (
-    ensure_partition,
-    ingested_steps,
-    refresh_steps,
-    step_key,
-    step_of,
-)
+from assets.loop_chart import LOOP_CHART, publish_loop_chart
+from assets.partitions import refresh_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from assets.summary import refresh_summary
-from pipeline.checks import CheckOutcome, serving_staleness
+from pipeline.checks import CheckOutcome
 from pipeline.release.gate import GatePolicy
 from pipeline.release.lineage import parse_tag
 from pipeline.release.mlflow_registry import DrafterRegistry
@@ -53,7 +45,6 @@ from resources.refresh import RefreshPolicyResource
 from resources.serving import ServingResource
 from resources.storage import StorageResource
 
-PROMOTION_POOL = "promotion"  # every path that moves the champion; limit 1
 GATE_ACTOR = "aerie (acceptance gate)"  # the actor of the gate's serving_drafter events
 
 _G = GatePolicy()
@@ -159,8 +150,6 @@ def _log_loop_chart(store: Storage, registry: DrafterRegistry, step: int,
                     version: str | None, instance) -> str:
     """The loop's chart (τ observed over RL steps, offline τ per refresh, promotions and
     rollbacks) up to ``step``, stored and logged to the MLflow run of ``version``; its key."""
-    from assets.monitor import LOOP_CHART, publish_loop_chart
-
     key = publish_loop_chart(store, registry.model_name, step, instance)
     run_id = registry.get_version(version).run_id if version else None
     if run_id:
@@ -214,54 +203,3 @@ def _rounded(value, digits: int = 4):
     if isinstance(value, list):
         return [_rounded(v, digits) for v in value]
     return round(value, digits) if isinstance(value, float) else value
-
-
-def champion_metadata(p: PromotionResult, registry: DrafterRegistry, *, actor: str,
-                      reason: str) -> dict:
-    """What every ``serving_drafter`` event says, whoever changed (or kept) the champion;
-    drafters named ``v<version> (<fingerprint>)`` (:func:`drafter_name`)."""
-    champion = (p.version if p.moved else p.previous_champion) or None
-
-    def name(version: str | None) -> str:
-        return drafter_name(version, registry.get_version(version).fingerprint if version
-                            else None)
-
-    return {"action": p.action, "promoted": p.moved,
-            "champion": name(champion), "previous_champion": name(p.previous_champion),
-            "champion_version": champion or "none",
-            "actor": actor, "reason": reason,
-            "reasons": MetadataValue.md("\n".join(f"- {x}" for x in p.reasons)),
-            "serving_sequence": p.serving.sequence if p.serving else -1}
-
-
-def staleness_now(instance, store: Storage, name: str, refresh: RefreshPolicyResource
-                  ) -> CheckOutcome:
-    """``serving_staleness`` of the drafter serving ``name`` now, against the newest ingested
-    RL step and the refresh resource's thresholds."""
-    newest = (ingested_steps(instance) or [None])[-1]
-    return serving_staleness(store, name, newest, stale_after_steps=refresh.stale_after_steps,
-                             max_tau_drop=refresh.max_tau_drop_percent / 100)
-
-
-def record_champion_change(context: OpExecutionContext, registry: DrafterRegistry,
-                           p: PromotionResult, *, actor: str, reason: str, store: Storage,
-                           refresh: RefreshPolicyResource) -> str | None:
-    """Log a ``serving_drafter`` materialization for a change of champion made outside the
-    asset (manual override, rollback), on the refresh partition of the new champion (of the
-    one rolled back, when no drafter is left), so the UI shows who serves now and why; and
-    the ``serving_staleness`` check of the new champion. Returns the partition, or None when
-    nothing moved."""
-    version = p.version or p.previous_champion
-    if not p.moved or version is None:
-        return None
-    key = step_key(int(registry.get_version(version).tags["rl_step"]))
-    ensure_partition(context.instance, refresh_steps, key)
-    context.log_event(AssetMaterialization(
-        "serving_drafter", partition=key,
-        metadata=champion_metadata(p, registry, actor=actor, reason=reason)))
-    stale = staleness_now(context.instance, store, registry.model_name, refresh)
-    context.log_event(AssetCheckEvaluation(
-        asset_key=AssetKey("serving_drafter"), check_name="serving_staleness",
-        passed=stale.passed, severity=AssetCheckSeverity.WARN, description=stale.description,
-        metadata=stale.metadata, partition=key))
-    return key

@@ -63,8 +63,8 @@ def run(home: Path, world: DemoConfig = DRIFT_WORLD,
     """The loop under ``home`` (``AERIE_HOME`` and ``DAGSTER_HOME`` must point there)."""
     from dagster import DagsterInstance
 
-    from jobs import cli
-    from jobs.demo import RefreshLoop, reported_records
+    from aerie import cli
+    from aerie.demo import RefreshLoop, reported_records
     from pipeline.demo.world import generate_world
     from pipeline.snapshot.writer import SnapshotWriter
     from pipeline.storage import Storage
@@ -135,7 +135,7 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))
     if args.chart:
-        from assets.monitor import publish_loop_chart
+        from assets.loop_chart import publish_loop_chart
         from pipeline.release.mlflow_registry import model_name
 
         key = publish_loop_chart(loop.storage, model_name("demo"), DRIFT_WORLD.num_steps - 1,

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
                        "DAGSTER_HOME": str(home / "dagster")})
     from dagster import AssetKey, DagsterInstance
 
-    from jobs.cli import prepare_dagster_home, run_demo
+    from aerie.cli import prepare_dagster_home, run_demo
     from pipeline.demo.config import DemoConfig
     from resources.refresh import refresh_policy_from_env
 

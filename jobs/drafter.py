@@ -11,10 +11,9 @@ whole, never the job's default, when the request has one).
 from dagster import define_asset_job
 
 from assets.groups import REFRESH_ASSETS
-from jobs.launch import deep_merge
 from pipeline.training.config import FAMILY_PRESETS
 from resources.mlflow import target_family_from_env
-from resources.run_config import run_config_from_env
+from resources.run_config import deep_merge, run_config_from_env
 
 
 def default_run_config(family: str) -> dict | None:
@@ -27,7 +26,7 @@ DEFAULT_RUN_CONFIG = deep_merge(default_run_config(target_family_from_env()) or 
 
 drafter_refresh = define_asset_job(
     "drafter_refresh", selection=list(REFRESH_ASSETS),
-    tags={"aerie/serial": "drafter_refresh"},  # one at a time: see jobs/cli.py INSTANCE_YAML
+    tags={"aerie/serial": "drafter_refresh"},  # one at a time: see aerie/cli.py INSTANCE_YAML
     config=DEFAULT_RUN_CONFIG,
     description="Choose the draft vocab of the window ending at the partition's RL step, "
                 "train and publish its EAGLE-3 drafter (warm-started from the previous one), "

@@ -46,10 +46,10 @@ from assets.partitions import (
     step_key,
 )
 from jobs.drafter import DEFAULT_RUN_CONFIG, drafter_refresh
-from jobs.launch import deep_merge
 from pipeline.release.mlflow_registry import model_name
 from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
+from resources.run_config import deep_merge
 from resources.storage import StorageResource
 
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,

@@ -5,13 +5,13 @@ tags, and a ``serving_drafter`` materialization naming the new champion, the act
 reason, so the UI shows the champion after a rollback too); neither is a flag on the gated
 ``serving_drafter``. They share the promotion lock with it, and Dagster runs every promotion
 path one at a time: the asset and both ops are in the pool ``promotion``, whose limit the
-instance sets to 1 (``jobs/cli.py`` ``INSTANCE_YAML``).
+instance sets to 1 (``aerie/cli.py`` ``INSTANCE_YAML``).
 """
 
 from dagster import Config, OpExecutionContext, job, op
 from pydantic import Field
 
-from assets.release import PROMOTION_POOL, record_champion_change
+from assets.champion import PROMOTION_POOL, record_champion_change
 from pipeline.release.promotion import PromotionResult, force_promote, rollback
 from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource

@@ -30,9 +30,7 @@ Data flows one way: a stage imports the foundation and earlier stages, never a l
 the foundation imports no stage. :mod:`checks` (quality checks over several stages),
 :mod:`demo` (the demo RL trainer), :mod:`adapters` (real RL trainers writing snapshots
 and reading the serving drafter back) and :mod:`monitor` (the serving drafter after its
-promotion: acceptance as the RL engine saw it, verification, drift) sit on top, with the
-deprecated aliases of :data:`DEPRECATED` (old import paths users of earlier releases relied
-on).
+promotion: acceptance as the RL engine saw it, verification, drift) sit on top.
 ``tests/test_architecture.py`` enforces this, and that nothing here imports ``dagster``.
 """
 
@@ -40,4 +38,3 @@ STAGES = ("snapshot", "tokenize", "capture", "vocab", "training", "evaluation", 
 FOUNDATION = ("owners", "storage", "layout", "records", "contracts", "manifest", "verified",
               "parquet", "serving_now", "eagle3", "sampling")
 ON_TOP = ("checks", "demo", "adapters", "monitor")
-DEPRECATED = ("data", "serving")  # import paths of earlier releases, re-exported

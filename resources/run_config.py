@@ -12,7 +12,7 @@ It is read when the definitions load and merged over the job's own defaults: it 
 Launchpad's default and what every sensor and schedule request carries (a request with run
 config of its own is run with that config whole, never the job's default). A missing file,
 bad YAML or anything but a mapping stops the code location from loading, naming the
-variable.
+variable. :func:`deep_merge` is how a run config is laid over another.
 """
 
 import os
@@ -38,3 +38,12 @@ def run_config_from_env(var: str) -> dict:
         raise EnvConfigError(f"{var}: {path} must hold a mapping of run config (ops:, "
                              f"resources:, ...), got {type(config).__name__}")
     return config
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    """``base`` with ``over`` merged in, recursively for nested dicts (run configs)."""
+    out = dict(base)
+    for k, v in over.items():
+        both = isinstance(v, dict) and isinstance(out.get(k), dict)
+        out[k] = deep_merge(out[k], v) if both else v
+    return out

@@ -8,10 +8,6 @@ Modes (see :mod:`pipeline.release.backend`):
   rollout launcher reads it at weight sync (:func:`pipeline.serving_now.resolve_serving`).
 - ``sglang-restart``: also run ``restart_command`` (argv list, no shell; placeholders
   ``{drafter_dir} {num_steps} {topk} {num_draft_tokens} {registry_version} {fingerprint}``).
-- ``sglang-hotswap``: also swap draft weights in ``server_urls`` in place. Aerie ships no
-  payload encoder for SGLang's pickle-based ``/update_weights_from_tensor``, so this mode
-  checks compatibility and then refuses with an explanation (see
-  :mod:`pipeline.release.hotswap`).
 - ``vllm-restart``: ``restart_command`` restarts vLLM; ``{speculative_config}`` is vLLM's
   ``--speculative-config`` JSON for the drafter.
 - ``vllm-reload``: loads the drafter's weights into the running vLLM servers at
@@ -33,7 +29,7 @@ from pipeline.storage import Storage
 from resources.env import resource_from_env
 from resources.home import aerie_home
 
-Mode = Literal["manifest", "sglang-restart", "sglang-hotswap", "vllm-restart", "vllm-reload"]
+Mode = Literal["manifest", "sglang-restart", "vllm-restart", "vllm-reload"]
 
 
 class ServingResource(ConfigurableResource):
@@ -57,10 +53,11 @@ class ServingResource(ConfigurableResource):
     restart_timeout_s: float = Field(default=900.0, gt=0, description="sglang-restart/vllm-"
                                                                       "restart: hook timeout")
     server_urls: list[str] = Field(
-        default_factory=list, description="sglang-hotswap/vllm-reload: base URLs of the "
-                                          "servers")
-    hotswap_timeout_s: float = Field(default=120.0, gt=0, description="sglang-hotswap/vllm-"
-                                                                      "reload: per request")
+        default_factory=list, description="base URLs of the servers: vllm-reload loads "
+                                          "drafters into them; in the sglang modes the "
+                                          "post-promotion check probes them")
+    hotswap_timeout_s: float = Field(default=120.0, gt=0, description="vllm-reload: per "
+                                                                      "request")
     verify: Literal["auto", "off"] = Field(
         default="auto", description="after a promotion, check that the servers draft as well "
                                     "as the gate measured (below the floor: roll back): live "
@@ -79,7 +76,7 @@ class ServingResource(ConfigurableResource):
                                                                  "or rollouts (reported) "
                                                                  "before a verdict")
     cache_dir: str | None = Field(
-        default=None, description="local drafter copies for restart/hotswap; unset: "
+        default=None, description="local drafter copies for restart/reload; unset: "
                                   "$AERIE_HOME/serving-cache")
 
     def settings(self) -> SpecParams:
@@ -118,15 +115,11 @@ class ServingResource(ConfigurableResource):
                                    timeout_s=self.restart_timeout_s,
                                    no_drafter_argv=self.no_drafter_command or None,
                                    mode=self.mode)
-        elif self.mode == "vllm-reload":
+        else:  # vllm-reload
             from pipeline.release.vllm_reload import VllmDraftReload  # torch: only when used
 
             actuator = VllmDraftReload(self.server_urls, settings,
                                        timeout_s=self.hotswap_timeout_s)
-        else:
-            from pipeline.release.hotswap import SglangHotswap  # torch: only when used
-
-            actuator = SglangHotswap(self.server_urls, timeout_s=self.hotswap_timeout_s)
         return LedgerBackend(ledger, settings, actuator, cache_dir=cache)
 
 

@@ -6,7 +6,11 @@
   sit on top;
 - ``pipeline/`` imports none of ``assets``, ``jobs``, ``resources``; ``resources/`` imports
   neither ``assets`` nor ``jobs``; ``assets/`` never imports ``jobs``;
-- nothing outside ``tests/`` imports ``tests``.
+- ``aerie/`` (the command line) sits on top of everything: only ``tests/`` and the
+  benchmarks that drive it (``bench/``) import it;
+- nothing outside ``tests/`` imports ``tests``;
+- the first-party import graph, function-level imports included, has no cycle, and no module
+  imports ``definitions`` (:func:`test_the_import_graph_has_no_cycle`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from pathlib import Path
 import pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ("pipeline", "assets", "jobs", "resources", "definitions.py", "bench")
+CODE = ("pipeline", "assets", "jobs", "resources", "definitions.py", "aerie", "bench")
+GROUPS = ("assets", "jobs", "resources", "tests", "definitions", "aerie", "bench")
 
 
 def imports(source: str, module: str = "", is_package: bool = False) -> list[tuple[int, str]]:
@@ -28,10 +33,7 @@ def imports(source: str, module: str = "", is_package: bool = False) -> list[tup
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
-            target = node.module or ""
-            if node.level:
-                base = module.split(".")[:len(module.split(".")) - node.level + is_package]
-                target = ".".join(base + ([target] if target else []))
+            target = _absolute(node, module, is_package)
             found += [(node.lineno, target)]
             # ``from pipeline import stage_pkg`` imports the package named after it
             if target == "pipeline":
@@ -39,13 +41,21 @@ def imports(source: str, module: str = "", is_package: bool = False) -> list[tup
     return found
 
 
+def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The module a ``from ... import`` names, a relative one made absolute."""
+    target = node.module or ""
+    if node.level:
+        base = module.split(".")[:len(module.split(".")) - node.level + is_package]
+        target = ".".join(base + ([target] if target else []))
+    return target
+
+
 def layer_of(module: str) -> tuple[str, int] | None:
     """``(group, rank)`` of a first-party module: ranks order the pipeline's layers."""
     parts = module.split(".")
     top = parts[0]
     if top != "pipeline":
-        return (top, 0) if top in ("assets", "jobs", "resources", "tests", "definitions", "bench") \
-            else None
+        return (top, 0) if top in GROUPS else None
     if len(parts) == 1:
         return ("pipeline", 0)
     sub = parts[1]
@@ -53,7 +63,7 @@ def layer_of(module: str) -> tuple[str, int] | None:
         return ("pipeline", 0)
     if sub in pipeline.STAGES:
         return ("pipeline", 1 + pipeline.STAGES.index(sub))
-    if sub in pipeline.ON_TOP or sub in pipeline.DEPRECATED:
+    if sub in pipeline.ON_TOP:
         return ("pipeline", 1 + len(pipeline.STAGES))
     return ("pipeline", -1)  # unknown: every package must be placed
 
@@ -74,6 +84,8 @@ def violations(module: str, source: str, where: str, is_package: bool = False) -
             out.append(f"{where}:{line} imports {target} (tests are never imported)")
         elif me[0] == "pipeline" and other[0] != "pipeline":
             out.append(f"{where}:{line} imports {target} (pipeline/ imports no adapter)")
+        elif other[0] == "aerie" and me[0] not in ("aerie", "tests", "bench"):
+            out.append(f"{where}:{line} imports {target} (the command line is on top)")
         elif me[0] == "pipeline" and (me[1] < 0 or other[1] < 0):
             out.append(f"{where}:{line} {module} → {target}: a package missing from "
                        "pipeline.STAGES / FOUNDATION / ON_TOP")
@@ -103,8 +115,7 @@ def test_every_pipeline_package_is_placed():
     packages = {p.name for p in (ROOT / "pipeline").iterdir()
                 if (p / "__init__.py").is_file() or p.suffix == ".py"}
     packages = {p.removesuffix(".py") for p in packages} - {"__init__"}
-    placed = (set(pipeline.STAGES) | set(pipeline.FOUNDATION) | set(pipeline.ON_TOP)
-              | set(pipeline.DEPRECATED))
+    placed = set(pipeline.STAGES) | set(pipeline.FOUNDATION) | set(pipeline.ON_TOP)
     assert packages == placed
 
 
@@ -118,8 +129,8 @@ def test_the_code_base_is_layered():
 
 
 def test_tests_are_imported_by_nobody_but_tests():
-    assert violations("jobs.cli", "from tests.e2e import helpers\n", "jobs/cli.py") == \
-        ["jobs/cli.py:1 imports tests.e2e (tests are never imported)"]
+    assert violations("aerie.cli", "from tests.e2e import helpers\n", "aerie/cli.py") == \
+        ["aerie/cli.py:1 imports tests.e2e (tests are never imported)"]
 
 
 def test_a_planted_upward_import_is_caught():
@@ -145,6 +156,16 @@ def test_a_planted_upward_import_is_caught():
             "pipeline.capture.stage imports the later pipeline.release",
         ("bench.extraction", "from tests.capture import test_shards\n"):
             "imports tests.capture (tests are never imported)",
+        ("jobs.refresh", "from aerie.launch import definitions\n"):
+            "imports aerie.launch (the command line is on top)",
+        ("definitions", "import aerie.cli\n"):
+            "imports aerie.cli (the command line is on top)",
+        ("assets.release", "from aerie import status\n"):
+            "imports aerie (the command line is on top)",
+        ("resources.home", "from aerie.cli import INSTANCE_YAML\n"):
+            "imports aerie.cli (the command line is on top)",
+        ("pipeline.demo.world", "from aerie.demo import RefreshLoop\n"):
+            "imports aerie.demo (pipeline/ imports no adapter)",
     }
     for (module, source), expected in planted.items():
         found = violations(module, source, "probe.py")
@@ -156,6 +177,122 @@ def test_a_planted_upward_import_is_caught():
                       "serving_history\n", "probe.py") == []
     assert violations("pipeline.demo.world", "from pipeline.snapshot.writer import "
                       "SnapshotWriter\n", "probe.py") == []
+    for module in ("aerie.cli", "tests.e2e.loop", "bench.closed_loop"):
+        assert violations(module, "from aerie.demo import RefreshLoop\n", "probe.py") == []
+    assert violations("aerie.demo", "from jobs.refresh import refresh_sensor\n"
+                      "from assets.partitions import step_of\n", "probe.py") == []
+
+
+def import_graph(sources: dict[str, str], packages: frozenset[str] = frozenset()
+                 ) -> dict[str, set[str]]:
+    """The first-party modules each module of ``sources`` (``{module: source}``; modules in
+    ``packages`` are ``__init__`` files) imports, at any depth of its body (function-level
+    imports count: a deferred import closes a cycle as surely as one at the top).
+
+    ``from X import y`` is an edge to ``X.y`` when that module exists, else to ``X``; an
+    import of a name that is not a module goes to the nearest enclosing module. Modules
+    outside ``sources`` (the standard library, dependencies) are left out."""
+
+    def nearest(name: str) -> str | None:
+        while name and name not in sources:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, source in sources.items():
+        targets = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                targets |= {nearest(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+                base = _absolute(node, module, module in packages)
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in sources
+                            else nearest(base) for a in node.names}
+        graph[module] = targets - {None, module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, with
+    an explicit stack: the graph has hundreds of modules), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_import_graph_has_no_cycle():
+    """No import cycle among the first-party modules, deferred or not, and no module imports
+    ``definitions``: it is the code location Dagster loads by name. The command line, which
+    must run its jobs, loads it the same way, by module name (``aerie.launch.definitions()``,
+    whose ``DEFINITIONS_MODULE`` is the one the workspace names), so the definitions are a
+    leaf no code depends on."""
+    files = code_files()
+    sources = {module_name(f): f.read_text(encoding="utf-8") for f in files}
+    packages = frozenset(module_name(f) for f in files if f.name == "__init__.py")
+    graph = import_graph(sources, packages)
+    assert {"aerie.cli", "definitions", "jobs.drafter", "assets.monitor"} <= set(graph)
+    assert cycles(graph) == [], "import cycles: " + "; ".join(
+        " ↔ ".join(c) for c in cycles(graph))
+    assert sorted(m for m, targets in graph.items() if "definitions" in targets) == []
+
+
+def test_a_planted_function_level_cycle_is_caught():
+    """The cycle check sees imports inside functions and ``from X import module``, in sources
+    held in memory (the tree is never written)."""
+    sources = {
+        "a": "import c\n\ndef f():\n    import b\n",
+        "b": "from a import f\n",
+        "c": "",
+        "p": "",
+        "p.x": "def g():\n    from p import y\n",
+        "p.y": "from . import x\n",
+        "q": "from p import x\n",
+    }
+    graph = import_graph(sources, frozenset({"p"}))
+    assert graph["a"] == {"b", "c"} and graph["p.y"] == {"p.x"} and graph["q"] == {"p.x"}
+    assert cycles(graph) == [["a", "b"], ["p.x", "p.y"]]
+    del sources["b"]
+    assert cycles(import_graph(sources, frozenset({"p"}))) == [["p.x", "p.y"]]
+    # a longer loop is one component, and a module importing itself is none
+    ring = {"r1": "import r2\n", "r2": "def h():\n    from r3 import z\n",
+            "r3": "import r1\nimport r3\n"}
+    assert cycles(import_graph(ring)) == [["r1", "r2", "r3"]]
 
 
 def test_step_directories_parse_strictly():
@@ -168,23 +305,3 @@ def test_step_directories_parse_strictly():
     keys = ["rollouts/step=000003/_manifest.json", "rollouts/step=1000000/_manifest.json",
             "rollouts/step=000004/part-00000.parquet", "rollouts/step=0005/_manifest.json"]
     assert committed_steps(keys, "rollouts") == [3, 1_000_000]
-
-
-def test_the_import_paths_of_earlier_releases_still_work_and_warn():
-    import importlib
-    import sys
-    import warnings
-
-    from pipeline.serving_now import resolve_serving
-    from pipeline.snapshot.writer import SnapshotWriter
-
-    for name, attr, expected in (("pipeline.data.rollouts", "SnapshotWriter", SnapshotWriter),
-                                 ("pipeline.serving.ledger", "resolve_serving",
-                                  resolve_serving)):
-        sys.modules.pop(name, None)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            module = importlib.import_module(name)
-        assert getattr(module, attr) is expected
-        assert any(issubclass(w.category, DeprecationWarning) and "deprecated" in
-                   str(w.message) for w in caught), name

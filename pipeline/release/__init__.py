@@ -9,8 +9,8 @@
 - :mod:`.lock`, :mod:`.promotion`: promote / force_promote / rollback under a lock, serving
   first, then alias ``champion``.
 - :mod:`.ledger` (the serving record in storage, see :mod:`pipeline.serving_now`),
-  :mod:`.backend` (the ``manifest`` mode), :mod:`.restart` (``sglang-restart``),
-  :mod:`.hotswap` (``sglang-hotswap``).
+  :mod:`.backend` (the ``manifest`` mode), :mod:`.restart` (``sglang-restart``,
+  ``vllm-restart``), :mod:`.vllm_reload` (``vllm-reload``).
 
 Importing this package does not import ``mlflow``.
 """

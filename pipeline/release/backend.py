@@ -7,7 +7,6 @@ modes differ in what else they do (their :class:`Actuator`):
   rollout launcher reads it at weight sync (:func:`pipeline.serving_now.resolve_serving`)
   and (re)starts SGLang with its arguments.
 - ``sglang-restart``: runs a configured command (:mod:`pipeline.release.restart`).
-- ``sglang-hotswap``: swaps draft weights in running servers (:mod:`pipeline.release.hotswap`).
 - ``vllm-restart``: the restart command, with vLLM's ``--speculative-config`` at hand.
 - ``vllm-reload``: loads draft weights into running vLLM servers from disk
   (:mod:`pipeline.release.vllm_reload`).
@@ -39,7 +38,7 @@ from pipeline.storage import StorageError
 
 log = logging.getLogger(__name__)
 
-MODES = ("manifest", "sglang-restart", "sglang-hotswap", "vllm-restart", "vllm-reload")
+MODES = ("manifest", "sglang-restart", "vllm-restart", "vllm-reload")
 
 
 class ServingError(RuntimeError):

@@ -7,12 +7,15 @@ interleave their read-champion → update-serving → move-alias sequences.
 
 Invariants:
 
-- ``flock`` on a file that is never deleted: the kernel releases the lock when the holder's
-  file descriptor closes, including when the process dies, so a crash leaves no stale lock.
+- The file lock is the ``filelock`` package's kernel lock (``flock`` on a file that is never
+  deleted): the kernel releases it when the holder's file descriptor closes, including when
+  the process dies, so a crash leaves no stale lock. Where the filesystem has no ``flock``
+  it fails (``fallback_to_soft=False``) rather than fall back to an existence lock that a
+  crash would leave behind.
 - Each ``acquire`` opens its own descriptor, so two threads of one process exclude each
   other as two processes do.
-- Waits at most ``timeout_s`` (polling), then raises :class:`LockTimeout`; never blocks
-  forever.
+- Waits at most ``timeout_s`` (polling every ``poll_s``), then raises :class:`LockTimeout`
+  naming the lock file and the wait; never blocks forever.
 - One host only: promotions from several machines need the lease of
   :mod:`pipeline.release.lease` (``AERIE_PROMOTION_LOCK_URL``).
 - Neither lock hands out a fencing token (``token`` is None): on one host the kernel (or
@@ -21,12 +24,11 @@ Invariants:
 
 from __future__ import annotations
 
-import fcntl
-import os
 import threading
-import time
 from pathlib import Path
 from types import TracebackType
+
+import filelock
 
 
 class LockTimeout(TimeoutError):
@@ -42,36 +44,31 @@ class FileLock:
         self.path = Path(path)
         self.timeout_s = timeout_s
         self.poll_s = poll_s
-        self._fd: int | None = None
+        self._lock: filelock.BaseFileLock | None = None
 
     def acquire(self) -> None:
-        if self._fd is not None:
+        if self._lock is not None:
             raise RuntimeError(f"{self.path} is already held by this lock object")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    raise LockTimeout(f"{self.path} is held by another promotion "
-                                      f"(waited {self.timeout_s}s)") from None
-                time.sleep(self.poll_s)
-        self._fd = fd
+        # a lock object per acquire (its own descriptor); not thread-local, so the thread
+        # that releases need not be the one that acquired
+        lock = filelock.FileLock(self.path, thread_local=False, fallback_to_soft=False)
+        try:
+            lock.acquire(timeout=self.timeout_s, poll_interval=self.poll_s)
+        except filelock.Timeout:
+            raise LockTimeout(f"{self.path} is held by another promotion "
+                              f"(waited {self.timeout_s}s)") from None
+        self._lock = lock
 
     def release(self) -> None:
-        if self._fd is None:
+        if self._lock is None:
             return
-        fd, self._fd = self._fd, None
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        lock, self._lock = self._lock, None
+        lock.release()
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._lock is not None
 
     def __enter__(self) -> FileLock:
         self.acquire()

@@ -408,10 +408,6 @@ class DrafterRegistry:
         version = self.alias(CHAMPION)
         return None if version is None else self.get_version(version)
 
-    def challenger(self) -> DrafterVersion | None:
-        version = self.alias(CHALLENGER)
-        return None if version is None else self.get_version(version)
-
     def _ensure_challenger(self, version: DrafterVersion) -> None:
         """Re-run after a crash between creating a version and aliasing it: the newest
         version that is not champion should be the challenger."""

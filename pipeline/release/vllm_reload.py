@@ -31,13 +31,36 @@ from typing import Any
 
 import requests
 
+from pipeline.eagle3.config import shapes_match
+from pipeline.eagle3.export import read_drafter_config
 from pipeline.eagle3.spec import SpecParams
 from pipeline.release.backend import ServingError, ServingRefused
-from pipeline.release.hotswap import hotswap_refusals
 from pipeline.release.vllm_worker import EXTENSION, METHOD, PROBE
 from pipeline.serving_now import ServingTarget
 
 log = logging.getLogger(__name__)
+
+
+def reload_refusals(current_dir: Path, new_dir: Path) -> tuple[str, ...]:
+    """Why ``new_dir``'s weights cannot be loaded in place of ``current_dir``'s (empty: they
+    can): vLLM re-reads the weights and ``d2t``, never ``config.json``, so the shapes, the
+    aux layers and the RoPE must be the running drafter's."""
+    try:
+        old, new = read_drafter_config(current_dir), read_drafter_config(new_dir)
+    except (OSError, ValueError, KeyError) as e:
+        return (f"cannot read drafter configs: {e}",)
+    reasons = []
+    if not shapes_match(old, new):
+        reasons.append("drafter shapes differ from the serving drafter's")
+    if (old.rope_theta, old.rope_scaling) != (new.rope_theta, new.rope_scaling):
+        # weights are reloaded, config.json is not: the server would keep the old rotation
+        reasons.append(f"RoPE (theta {new.rope_theta}, scaling {new.rope_scaling}) differs "
+                       f"from the serving drafter's (theta {old.rope_theta}, scaling "
+                       f"{old.rope_scaling})")
+    if old.aux_layer_ids != new.aux_layer_ids:
+        reasons.append(f"aux layer ids {list(new.aux_layer_ids)} differ from the serving "
+                       f"{list(old.aux_layer_ids)}")
+    return tuple(reasons)
 
 
 def refuse_unreloadable(settings: SpecParams, new_dir: Path, current_dir: Path | None,
@@ -49,7 +72,7 @@ def refuse_unreloadable(settings: SpecParams, new_dir: Path, current_dir: Path |
         raise ServingRefused("vLLM drafts EAGLE-3 as a chain only: eagle_topk must be 1")
     if current_dir is None:
         raise ServingRefused(f"no recorded drafter runs to reload over; {how_to_launch}")
-    reasons = hotswap_refusals(current_dir, new_dir, same_d2t=False)
+    reasons = reload_refusals(current_dir, new_dir)
     if reasons:
         raise ServingRefused("cannot reload in place: " + "; ".join(reasons)
                              + f"; {how_to_launch}")

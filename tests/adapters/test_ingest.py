@@ -17,7 +17,7 @@ import pytest
 import torch
 from dagster import build_sensor_context
 
-from jobs import cli
+from aerie import cli
 from jobs.ingest import dump_sensor
 from pipeline.adapters.ingest import QUARANTINE, Ingestor
 from pipeline.adapters.readers import reader_for

@@ -19,9 +19,9 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
+from aerie import cli
+from aerie.demo import RefreshLoop
 from examples.trl_grpo import recorded_trainer
-from jobs import cli
-from jobs.demo import RefreshLoop
 from pipeline.demo import policy, task
 from pipeline.demo.config import DemoConfig
 from pipeline.demo.tokenizer import train_tokenizer

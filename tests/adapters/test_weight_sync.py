@@ -16,7 +16,7 @@ from verl.utils.import_utils import load_class_from_fqn
 from verl.workers.config import CheckpointEngineConfig
 from verl.workers.rollout.replica import RolloutMode
 
-from jobs import cli
+from aerie import cli
 from pipeline.adapters import slime_hook
 from pipeline.adapters.verl_sync import AerieCheckpointEngineManager
 from pipeline.adapters.weight_sync import sync_from_env

@@ -206,7 +206,7 @@ def test_the_deployed_instance_keeps_the_embedded_defaults_limits():
     instance (one refresh at a time, one promotion step at a time)."""
     import yaml
 
-    from jobs.cli import INSTANCE_YAML
+    from aerie.cli import INSTANCE_YAML
 
     deployed = yaml.safe_load((ROOT / "deploy" / "dagster.yaml").read_text())
     assert deployed["concurrency"] == yaml.safe_load(INSTANCE_YAML)["concurrency"]

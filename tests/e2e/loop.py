@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 from dagster import DagsterInstance
 
+from aerie import cli
+from aerie.demo import RefreshLoop
 from bench.closed_loop import SMALL_TRAIN
-from jobs import cli
-from jobs.demo import RefreshLoop
-from jobs.launch import deep_merge
 from pipeline.demo.config import DemoConfig
 from pipeline.storage import Storage
 from resources.refresh import RefreshPolicyResource
+from resources.run_config import deep_merge
 
 POLICY = RefreshPolicyResource(every=2, window=2)
 TRAIN = SMALL_TRAIN  # what a small world's refresh trains with

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 from dagster import AssetCheckKey, AssetKey, DagsterInstance
 
-from jobs import cli
-from jobs.demo import RefreshLoop, reported_records
+from aerie import cli
+from aerie.demo import RefreshLoop, reported_records
 from pipeline.demo.config import DemoConfig
 from pipeline.demo.world import generate_world
 from pipeline.monitor.stage import VERDICT_TAG, VERIFY_ACTOR

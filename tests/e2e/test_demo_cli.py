@@ -10,8 +10,8 @@ import json
 import pytest
 from dagster import AssetKey, DagsterInstance, RunsFilter
 
-from jobs import cli
-from jobs.launch import LOCATION, REPOSITORY
+from aerie import cli
+from aerie.launch import LOCATION, REPOSITORY
 from pipeline.demo.config import DemoConfig
 from pipeline.evaluation.stage import read_report
 from pipeline.serving_now import read_serving
@@ -95,7 +95,7 @@ def test_every_tick_is_in_the_sensors_tick_history(demo):
     from dagster._core.definitions.selector import InstigatorSelector
     from dagster._core.remote_origin import RemoteInstigatorOrigin
 
-    from jobs.launch import repository_origin
+    from aerie.launch import repository_origin
 
     instance = DagsterInstance.get()
     for sensor, job, launching in (("snapshot_sensor", "ingest_step", 6),

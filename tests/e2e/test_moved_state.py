@@ -39,8 +39,8 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import json, sys
 from dagster import DagsterInstance
-from jobs import cli
-from jobs.demo import RefreshLoop
+from aerie import cli
+from aerie.demo import RefreshLoop
 from pipeline.serving_now import read_serving
 from pipeline.snapshot.writer import SnapshotWriter
 from resources.home import aerie_home

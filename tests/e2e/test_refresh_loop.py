@@ -21,9 +21,9 @@ from dagster import (
     materialize,
 )
 
+from aerie.demo import DEMO_INGEST_CONFIG
+from aerie.launch import LOCATION
 from assets.groups import DATA_ASSETS, REFRESH_ASSETS
-from jobs.demo import DEMO_INGEST_CONFIG
-from jobs.launch import LOCATION
 from pipeline.capture.window import WindowError
 from pipeline.evaluation.stage import read_report, tau_history
 from pipeline.layout import chart_key

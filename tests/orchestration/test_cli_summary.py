@@ -1,9 +1,9 @@
 """What ``aerie demo`` prints at the end, from the gate's outcomes: the refresh table (the
 deciding reason of each), how each champion went stale, and which refresh is the bad one."""
 
-from jobs import cli
-from jobs.demo import RefreshOutcome
-from jobs.status import refresh_table, staleness_lines
+from aerie import cli
+from aerie.demo import RefreshOutcome
+from aerie.status import refresh_table, staleness_lines
 from pipeline.serving_now import drafter_name
 
 

@@ -9,12 +9,12 @@ import pytest
 from dagster import DagsterEventType, DagsterInstance, materialize
 from pydantic import ValidationError
 
+from aerie import cli
 from assets.drafter import vocab_mapping
 from assets.partitions import refresh_steps, rl_steps
 from assets.shards import hidden_state_shards
 from assets.snapshots import rollout_snapshot
 from assets.tokenized import tokenized_rollouts
-from jobs import cli
 from resources.capture import CaptureResource
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
@@ -142,8 +142,8 @@ def test_a_run_left_in_flight_by_a_dead_aerie_process_is_marked_failed(instance)
 
     from dagster import DagsterRunStatus
 
+    from aerie.launch import _executor_tags, fail_orphaned_runs
     from definitions import defs
-    from jobs.launch import _executor_tags, fail_orphaned_runs
     from jobs.refresh import refresh_in_flight
 
     dead = subprocess.Popen(["true"])

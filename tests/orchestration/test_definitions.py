@@ -123,7 +123,7 @@ def test_every_asset_has_an_owner_a_stage_and_every_trigger_a_description():
 def test_the_embedded_workspace_loads_from_any_directory(tmp_path, monkeypatch):
     """``aerie ui`` serves ``$DAGSTER_HOME/workspace.yaml``: the code location ``aerie`` from
     the installed ``definitions`` module, whatever the working directory."""
-    from jobs import cli
+    from aerie import cli
 
     monkeypatch.setenv("AERIE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home" / "dagster"))
@@ -136,3 +136,18 @@ def test_the_embedded_workspace_loads_from_any_directory(tmp_path, monkeypatch):
         timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Validation successful for code location aerie" in done.stderr + done.stdout
+
+
+def test_the_cli_loads_the_definitions_the_workspace_names():
+    """The CLI never imports ``definitions``: it loads the module the workspaces name (the
+    checkout's and the embedded one), as Dagster does."""
+    import yaml
+
+    from aerie import launch
+
+    for text in ((ROOT / "workspace.yaml").read_text(), launch.WORKSPACE_YAML):
+        (location,) = yaml.safe_load(text)["load_from"]
+        module = location["python_module"]
+        assert (module["module_name"], module["attribute"]) == (
+            launch.DEFINITIONS_MODULE, launch.DEFINITIONS_ATTRIBUTE)
+    assert launch.definitions() is defs

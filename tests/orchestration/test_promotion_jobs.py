@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from dagster import AssetCheckKey, AssetKey, DagsterEventType, DagsterInstance
 
-from jobs import cli
+from aerie import cli
 from jobs.release import promote_drafter_manually, rollback_drafter
 from pipeline.layout import drafter_prefix
 from pipeline.manifest import read_manifest, write_manifest

@@ -192,7 +192,7 @@ def test_schedule_refreshes_the_newest_step_once(dagster_backend):
 def test_embedded_instance_runs_one_refresh_at_a_time(tmp_path, monkeypatch):
     from dagster import DagsterInstance
 
-    from jobs import cli
+    from aerie import cli
 
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
     cli.prepare_dagster_home()

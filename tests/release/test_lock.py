@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -17,7 +18,8 @@ def test_second_holder_times_out_then_gets_it(tmp_path):
     path = tmp_path / "p.lock"
     with FileLock(path):
         t0 = time.monotonic()
-        with pytest.raises(LockTimeout):
+        with pytest.raises(LockTimeout, match=re.escape(f"{path} is held by another "
+                                                         "promotion (waited 0.3s)")):
             FileLock(path, timeout_s=0.3).acquire()
         assert 0.25 < time.monotonic() - t0 < 5
     with FileLock(path, timeout_s=0.3) as again:
@@ -60,3 +62,17 @@ def test_a_dead_holder_releases_the_lock(tmp_path):
         proc.wait()
     with FileLock(path, timeout_s=2):
         pass
+
+
+def test_a_lock_taken_in_one_thread_is_released_in_another(tmp_path):
+    path = tmp_path / "p.lock"
+    lock = FileLock(path, timeout_s=0.3)
+    lock.acquire()
+    with pytest.raises(RuntimeError, match="already held by this lock object"):
+        lock.acquire()
+    releaser = threading.Thread(target=lock.release)
+    releaser.start()
+    releaser.join()
+    assert not lock.held
+    with FileLock(path, timeout_s=0.3):
+        assert path.exists()  # the lock file stays: deleting it would split waiters

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.release.hotswap import SglangHotswap
 from pipeline.release.restart import RestartHook
+from pipeline.release.vllm_reload import VllmDraftReload
 from pipeline.storage import Storage
 from resources.serving import ServingResource
 
@@ -22,16 +22,18 @@ def test_manifest_is_the_default(storage):
     assert backend.ledger.prefix == "serving/aerie-drafter-demo"
 
 
-def test_restart_and_hotswap_modes(storage, tmp_path, monkeypatch):
+def test_restart_and_reload_modes(storage, tmp_path, monkeypatch):
     monkeypatch.setenv("AERIE_HOME", str(tmp_path / "home"))
     restart = ServingResource(mode="sglang-restart", restart_command=["restart", "{drafter_dir}"],
                               restart_timeout_s=5).build(storage, "m")
     assert isinstance(restart.actuator, RestartHook) and restart.actuator.timeout_s == 5
     assert restart.cache_dir == tmp_path / "home" / "serving-cache"
-    hot = ServingResource(mode="sglang-hotswap", server_urls=["http://a:30000"],
-                          num_steps=5, topk=4, num_draft_tokens=8).build(storage, "m")
-    assert isinstance(hot.actuator, SglangHotswap) and hot.actuator.encoder is None
-    assert hot.settings.eagle_topk == 4
+    reload = ServingResource(mode="vllm-reload", server_urls=["http://a:8000"],
+                             hotswap_timeout_s=7, num_steps=5, topk=4,
+                             num_draft_tokens=8).build(storage, "m")
+    assert isinstance(reload.actuator, VllmDraftReload)
+    assert [c.timeout_s for c in reload.actuator.clients] == [7]
+    assert reload.settings.eagle_topk == 4
 
 
 def test_the_resource_offers_every_serving_mode():
@@ -47,7 +49,8 @@ def test_the_resource_offers_every_serving_mode():
     ({"mode": "sglang-resume"}, "mode\n.*Input should be 'manifest', 'sglang-restart'"),
     ({"mode": "sglang-restart"}, "needs restart_command"),
     ({"mode": "sglang-restart", "restart_command": ["x", "{model}"]}, "unknown placeholders"),
-    ({"mode": "sglang-hotswap"}, "at least one server URL"),
+    ({"mode": "sglang-hotswap"}, "mode\n.*Input should be 'manifest', 'sglang-restart'"),
+    ({"mode": "vllm-reload"}, "needs the vLLM servers' base URLs"),
     ({"num_steps": 3, "topk": 1, "num_draft_tokens": 8}, "num_steps \\+ 1"),
 ])
 def test_bad_configuration_is_rejected(storage, config, match):

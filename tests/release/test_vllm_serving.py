@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 
 import pytest
@@ -13,10 +14,11 @@ import pytest
 from pipeline.eagle3.spec import SpecParams
 from pipeline.release.backend import ServingError, ServingRefused
 from pipeline.release.restart import RestartHook
+from pipeline.release.vllm_reload import reload_refusals
 from pipeline.serving_now import read_serving, resolve_serving
 from resources.serving import ServingResource
 from tests.conftest import free_port
-from tests.release.helpers import SETTINGS, Drafters
+from tests.release.helpers import SETTINGS, Drafters, make_drafter_dir
 from tests.vllm_contract.fixtures import served, vllm_server
 
 NAME = "aerie-drafter-demo"
@@ -125,3 +127,21 @@ def test_vllm_restart_fills_the_speculative_config_and_refuses_a_tree(drafters, 
     tree = RestartHook(argv, SpecParams(3, 4, 8), mode="vllm-restart")
     with pytest.raises(ServingRefused, match="chain only"):
         tree.check(local, None)
+
+
+def test_only_a_drafter_the_running_one_can_be_overwritten_by_is_reloaded(drafters, tmp_path):
+    """vLLM reloads weights and ``d2t``, not ``config.json``: another draft vocabulary is
+    fine; other shapes, or another RoPE (e.g. after yarn's transformers-only fields were
+    dropped), are refused."""
+    assert reload_refusals(drafters.dirs["1"], drafters.dirs["2"]) == ()
+    assert reload_refusals(drafters.dirs["1"], make_drafter_dir(tmp_path / "vocab", 5)) == ()
+    assert "shapes differ" in reload_refusals(drafters.dirs["1"], drafters.dirs["3"])[0]
+    rotated = tmp_path / "rotated"
+    shutil.copytree(drafters.dirs["2"], rotated)
+    config = json.loads((rotated / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 64}
+    config["rope_parameters"] = {**config["rope_scaling"], "rope_theta": config["rope_theta"]}
+    (rotated / "config.json").write_text(json.dumps(config))
+    reasons = reload_refusals(drafters.dirs["1"], rotated)
+    assert len(reasons) == 1 and "RoPE" in reasons[0]  # shapes and aux layer ids match

@@ -3,7 +3,7 @@
 After the RL trainer writes a step, :meth:`RefreshLoop.after_step` does what the daemon does
 on its next ticks: it ticks ``snapshot_sensor`` and runs the ``ingest_step`` runs it asks
 for, then ticks ``refresh_sensor`` (every N ingested steps) and runs the ``drafter_refresh``
-it asks for. Runs are created with the code location's origin (:mod:`jobs.launch`), so
+it asks for. Runs are created with the code location's origin (:mod:`aerie.launch`), so
 they show on their job pages as launched by their sensor. ``aerie demo`` and the e2e tests
 use it; :func:`refresh_outcomes` reads back what each refresh decided.
 """
@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 
 from dagster import AssetKey, DagsterInstance, DagsterRun, RunRequest, build_sensor_context
 
+from aerie import launch
+from aerie.launch import definitions, record_tick
 from assets.partitions import TRIGGER_TAG, step_of
 from assets.release import GATE_ACTOR
-from jobs import launch
-from jobs.launch import deep_merge, record_tick
 from resources.refresh import RefreshPolicyResource
+from resources.run_config import deep_merge
 
 log = logging.getLogger("aerie")
 SENSOR_TAG = "dagster/sensor_name"  # what the daemon tags a sensor's runs with
@@ -69,9 +70,8 @@ def execute_requests(instance: DagsterInstance, job_name: str, requests,
     collects each run as soon as it exists (a failed run raises :class:`RunFailed`).
     """
     from assets.partitions import complete_partitions, ensure_partition
-    from definitions import defs
 
-    job = defs.resolve_job_def(job_name)
+    job = definitions().resolve_job_def(job_name)
     done = complete_partitions(instance, job.asset_layer.executable_asset_keys)
     runs = []
     for request in requests or []:
@@ -91,13 +91,12 @@ def reported_records(out, storage, max_new_tokens: int, prompts: int = 4) -> lis
     """Step ``out``'s records as the demo trainer reports them: with the speculative counters
     its engine would have had with the drafter serving now (:mod:`pipeline.demo.speculation`;
     the records as they are while none serves)."""
-    from definitions import defs
     from pipeline.demo.speculation import with_counters
     from pipeline.release.mlflow_registry import model_name
     from resources.home import aerie_home
 
     return with_counters(out.records, out.policy_dir, storage,
-                         model_name(defs.resources["mlflow"].target_family),
+                         model_name(definitions().resources["mlflow"].target_family),
                          aerie_home() / "serving-cache", sampling=out.sampling,
                          max_new_tokens=max_new_tokens, prompts=prompts, seed=out.step)
 
@@ -128,12 +127,11 @@ class RefreshLoop:
 
     def ingest(self) -> list[str]:
         """Tick ``snapshot_sensor`` and run the ``ingest_step`` runs it requests."""
-        from definitions import defs
         from jobs.snapshots import snapshot_sensor
 
         tick = snapshot_sensor(build_sensor_context(
             instance=self.instance, cursor=self.snapshot_cursor,
-            resources={"storage": defs.resources["storage"]}))
+            resources={"storage": definitions().resources["storage"]}))
         self.snapshot_cursor = tick.cursor or self.snapshot_cursor
         runs = apply_tick(self.instance, "ingest_step", tick, DEMO_INGEST_CONFIG,
                           {SENSOR_TAG: snapshot_sensor.name}, self.verbose)
@@ -143,11 +141,10 @@ class RefreshLoop:
 
     def refresh(self) -> list[str]:
         """Tick ``refresh_sensor`` and run the ``drafter_refresh`` it requests, if any."""
-        from definitions import defs
         from jobs.refresh import refresh_sensor
 
         tick = refresh_sensor(build_sensor_context(
-            instance=self.instance, cursor=self.refresh_cursor, resources=self._resources(defs)))
+            instance=self.instance, cursor=self.refresh_cursor, resources=self._resources()))
         requests = getattr(tick, "run_requests", None) or []
         self.refresh_ticks.append("run" if requests else "skip")
         if requests:
@@ -156,11 +153,10 @@ class RefreshLoop:
 
     def drift(self) -> list[str]:
         """Tick ``drift_sensor`` and run the ``drafter_refresh`` it requests, if any."""
-        from definitions import defs
         from jobs.refresh import drift_sensor
 
         tick = drift_sensor(build_sensor_context(
-            instance=self.instance, cursor=self.drift_cursor, resources=self._resources(defs)))
+            instance=self.instance, cursor=self.drift_cursor, resources=self._resources()))
         self.drift_cursor = getattr(tick, "cursor", None) or self.drift_cursor
         requests = getattr(tick, "run_requests", None) or []
         skip = getattr(tick, "skip_message", None) or getattr(
@@ -168,7 +164,8 @@ class RefreshLoop:
         self.drift_ticks.append("run" if requests else str(skip))
         return self._refresh(tick, {SENSOR_TAG: drift_sensor.name})
 
-    def _resources(self, defs) -> dict:
+    def _resources(self) -> dict:
+        defs = definitions()
         return {"refresh": self.policy or defs.resources["refresh"],
                 "storage": defs.resources["storage"], "mlflow": defs.resources["mlflow"]}
 
@@ -177,11 +174,10 @@ class RefreshLoop:
         refresh was launched for it) and run what it requests."""
         from dagster import build_schedule_context
 
-        from definitions import defs
         from jobs.refresh import drafter_refresh_schedule
 
         tick = drafter_refresh_schedule(build_schedule_context(
-            instance=self.instance, resources=self._resources(defs)))
+            instance=self.instance, resources=self._resources()))
         return self._refresh(tick, {SCHEDULE_TAG: drafter_refresh_schedule.name})
 
     def _refresh(self, tick, launched_by: dict[str, str]) -> list[str]:

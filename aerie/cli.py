@@ -4,7 +4,7 @@
 writing one snapshot per RL step through the writer API) and Aerie's refresh loop on a
 persistent sqlite Dagster instance under ``$AERIE_HOME/dagster``: after every step it ticks
 the snapshot sensor and the refresh sensor as the daemon would and runs what they request
-(:mod:`jobs.demo`), so the drafter is refreshed every N steps and the gate decides each
+(:mod:`aerie.demo`), so the drafter is refreshed every N steps and the gate decides each
 refresh. ``aerie ingest`` writes an RL framework's dump directory as snapshots
 (:mod:`jobs.ingest`). ``aerie status`` says what serves now and ``aerie serving-args
 ENGINE`` the flags that launch an engine on it; ``aerie promote`` and ``aerie rollback``
@@ -49,7 +49,7 @@ concurrency:
 def prepare_dagster_home() -> Path:
     """``$DAGSTER_HOME`` (default ``$AERIE_HOME/dagster``) with Aerie's ``dagster.yaml``
     and the workspace of the code location ``aerie``."""
-    from jobs.launch import workspace_file
+    from aerie.launch import workspace_file
     from resources.home import dagster_home
 
     home = Path(os.environ.setdefault("DAGSTER_HOME", str(dagster_home())))
@@ -71,7 +71,7 @@ def _add_missing_limits(config: Path) -> None:
     current = yaml.safe_load(config.read_text()) or {}
     if "run_queue" in current or "run_coordinator" in current:
         log.warning("%s configures runs its own way; add the concurrency limits of "
-                    "jobs/cli.py INSTANCE_YAML yourself", config)
+                    "aerie/cli.py INSTANCE_YAML yourself", config)
         return
     wanted = yaml.safe_load(INSTANCE_YAML)["concurrency"]
     concurrency = current.setdefault("concurrency", {})
@@ -104,7 +104,7 @@ def generate_demo_world(force: bool = False, config=None, after_step=None,
     if report_path.exists() and not force:
         log.info("demo world already generated (%s)", report_path)
         return json.loads(report_path.read_text())
-    from jobs.demo import reported_records
+    from aerie.demo import reported_records
 
     config = config or DemoConfig()
     storage = storage_from_environment()
@@ -162,11 +162,11 @@ def run_demo(world_config, policy, *, regenerate: bool = False, verbose: bool = 
     from dagster import DagsterInstance
     from tqdm import tqdm
 
+    from aerie.demo import RefreshLoop, refresh_outcomes
     from assets.partitions import refresh_steps
-    from jobs.demo import RefreshLoop, refresh_outcomes
     from jobs.drafter import default_run_config
-    from jobs.launch import deep_merge
     from pipeline.serving_now import drafter_name
+    from resources.run_config import deep_merge
 
     bad = bad_refresh_step(world_config.num_steps, policy.every)
     base = deep_merge(default_run_config("demo"), refresh_config or {})
@@ -190,7 +190,7 @@ def run_demo(world_config, policy, *, regenerate: bool = False, verbose: bool = 
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from jobs.status import refresh_table, staleness_lines
+    from aerie.status import refresh_table, staleness_lines
     from pipeline.demo.config import DemoConfig
     from resources.refresh import refresh_policy_from_env
 
@@ -242,7 +242,7 @@ def _print_where_to_look(outcomes) -> None:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    from jobs.launch import workspace_file
+    from aerie.launch import workspace_file
 
     home = prepare_dagster_home()
     exe = Path(sys.executable).with_name("dagster")
@@ -261,8 +261,8 @@ def _registry_and_storage():
 def cmd_status(args: argparse.Namespace) -> int:
     from dagster import DagsterInstance
 
-    from jobs.launch import fail_orphaned_runs
-    from jobs.status import render, serving_status
+    from aerie.launch import fail_orphaned_runs
+    from aerie.status import render, serving_status
     from resources.refresh import refresh_policy_from_env
 
     prepare_dagster_home()
@@ -327,7 +327,7 @@ def _run_release_job(job_name: str, op: str, config: dict, args) -> int:
     run launched from the UI, and print what serves afterwards."""
     from dagster import DagsterInstance, RunRequest
 
-    from jobs import launch
+    from aerie import launch
 
     prepare_dagster_home()
     instance = DagsterInstance.get()
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
     log.setLevel(logging.INFO if args.verbose else logging.WARNING)
-    from jobs.launch import RunFailed
+    from aerie.launch import RunFailed
 
     try:
         return args.func(args)

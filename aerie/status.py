@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from dagster import DagsterInstance, RunsFilter
 
-from jobs.demo import RefreshOutcome
+from aerie.demo import RefreshOutcome
 from pipeline.checks import serving_staleness
 from pipeline.serving_now import drafter_name, read_serving
 from pipeline.storage import Storage
@@ -120,7 +120,7 @@ def _last_refresh(instance: DagsterInstance) -> str:
         from datetime import UTC, datetime
 
         text += f" at {datetime.fromtimestamp(records[0].end_time, UTC):%Y-%m-%d %H:%M} UTC"
-    from jobs.demo import gate_outcome
+    from aerie.demo import gate_outcome
 
     outcome = gate_outcome(instance, partition, run.run_id)
     if outcome is not None:

@@ -10,6 +10,7 @@ sensor, exactly like a run the daemon launched.
 
 from __future__ import annotations
 
+import importlib
 import os
 from functools import cache
 from pathlib import Path
@@ -18,12 +19,21 @@ from dagster import DagsterInstance, DagsterRun, RunRequest
 
 LOCATION = "aerie"
 REPOSITORY = "__repository__"  # the repository every Definitions object is served as
+# The code location's module and attribute, as the workspace names them (the checkout's
+# workspace.yaml too): the CLI loads them by name, as Dagster does, and never imports them
+DEFINITIONS_MODULE, DEFINITIONS_ATTRIBUTE = "definitions", "defs"
 WORKSPACE_YAML = f"""load_from:
   - python_module:
-      module_name: definitions
-      attribute: defs
+      module_name: {DEFINITIONS_MODULE}
+      attribute: {DEFINITIONS_ATTRIBUTE}
       location_name: {LOCATION}
 """
+
+
+def definitions():
+    """The code location's ``Definitions``, loaded by module name as Dagster loads the
+    workspace's ``python_module`` (the module is imported once, then cached by Python)."""
+    return getattr(importlib.import_module(DEFINITIONS_MODULE), DEFINITIONS_ATTRIBUTE)
 
 
 def in_process(verbose: bool = False) -> dict:
@@ -33,15 +43,6 @@ def in_process(verbose: bool = False) -> dict:
     level = "DEBUG" if verbose else "WARNING"
     return {"execution": {"config": {"in_process": {}}},
             "loggers": {"console": {"config": {"log_level": level}}}}
-
-
-def deep_merge(base: dict, over: dict) -> dict:
-    """``base`` with ``over`` merged in, recursively for nested dicts (run configs)."""
-    out = dict(base)
-    for k, v in over.items():
-        both = isinstance(v, dict) and isinstance(out.get(k), dict)
-        out[k] = deep_merge(out[k], v) if both else v
-    return out
 
 
 class RunFailed(RuntimeError):
@@ -62,10 +63,10 @@ def workspace_file(dagster_home: Path) -> Path:
 def _repository():
     from dagster._core.definitions.reconstruct import ReconstructableRepository
 
-    import definitions
-
+    module = importlib.import_module(DEFINITIONS_MODULE)
     return ReconstructableRepository.for_module(
-        "definitions", "defs", working_directory=os.path.dirname(definitions.__file__))
+        DEFINITIONS_MODULE, DEFINITIONS_ATTRIBUTE,
+        working_directory=os.path.dirname(module.__file__))
 
 
 def repository_origin(instance: DagsterInstance):

@@ -1,0 +1,77 @@
+"""Changes of champion as Dagster sees them: the pool every promotion path runs in, what a
+``serving_drafter`` event says, and how a change made outside that asset (manual override,
+rollback, a post-promotion check's rollback) is recorded as one.
+
+Invariant: the newest ``serving_drafter`` materialization names the drafter serving now,
+whoever moved it; every path that can move it runs in :data:`PROMOTION_POOL` (limit 1).
+"""
+
+from dagster import (
+    AssetCheckEvaluation,
+    AssetCheckSeverity,
+    AssetKey,
+    AssetMaterialization,
+    MetadataValue,
+    OpExecutionContext,
+)
+
+from assets.partitions import ensure_partition, ingested_steps, refresh_steps, step_key
+from pipeline.checks import CheckOutcome, serving_staleness
+from pipeline.release.mlflow_registry import DrafterRegistry
+from pipeline.release.promotion import PromotionResult
+from pipeline.serving_now import drafter_name
+from pipeline.storage import Storage
+from resources.refresh import RefreshPolicyResource
+
+PROMOTION_POOL = "promotion"  # every path that moves the champion; limit 1
+
+
+def champion_metadata(p: PromotionResult, registry: DrafterRegistry, *, actor: str,
+                      reason: str) -> dict:
+    """What every ``serving_drafter`` event says, whoever changed (or kept) the champion;
+    drafters named ``v<version> (<fingerprint>)`` (:func:`drafter_name`)."""
+    champion = (p.version if p.moved else p.previous_champion) or None
+
+    def name(version: str | None) -> str:
+        return drafter_name(version, registry.get_version(version).fingerprint if version
+                            else None)
+
+    return {"action": p.action, "promoted": p.moved,
+            "champion": name(champion), "previous_champion": name(p.previous_champion),
+            "champion_version": champion or "none",
+            "actor": actor, "reason": reason,
+            "reasons": MetadataValue.md("\n".join(f"- {x}" for x in p.reasons)),
+            "serving_sequence": p.serving.sequence if p.serving else -1}
+
+
+def staleness_now(instance, store: Storage, name: str, refresh: RefreshPolicyResource
+                  ) -> CheckOutcome:
+    """``serving_staleness`` of the drafter serving ``name`` now, against the newest ingested
+    RL step and the refresh resource's thresholds."""
+    newest = (ingested_steps(instance) or [None])[-1]
+    return serving_staleness(store, name, newest, stale_after_steps=refresh.stale_after_steps,
+                             max_tau_drop=refresh.max_tau_drop_percent / 100)
+
+
+def record_champion_change(context: OpExecutionContext, registry: DrafterRegistry,
+                           p: PromotionResult, *, actor: str, reason: str, store: Storage,
+                           refresh: RefreshPolicyResource) -> str | None:
+    """Log a ``serving_drafter`` materialization for a change of champion made outside the
+    asset (manual override, rollback), on the refresh partition of the new champion (of the
+    one rolled back, when no drafter is left), so the UI shows who serves now and why; and
+    the ``serving_staleness`` check of the new champion. Returns the partition, or None when
+    nothing moved."""
+    version = p.version or p.previous_champion
+    if not p.moved or version is None:
+        return None
+    key = step_key(int(registry.get_version(version).tags["rl_step"]))
+    ensure_partition(context.instance, refresh_steps, key)
+    context.log_event(AssetMaterialization(
+        "serving_drafter", partition=key,
+        metadata=champion_metadata(p, registry, actor=actor, reason=reason)))
+    stale = staleness_now(context.instance, store, registry.model_name, refresh)
+    context.log_event(AssetCheckEvaluation(
+        asset_key=AssetKey("serving_drafter"), check_name="serving_staleness",
+        passed=stale.passed, severity=AssetCheckSeverity.WARN, description=stale.description,
+        metadata=stale.metadata, partition=key))
+    return key
