@@ -223,12 +223,12 @@ def cli_page() -> str:
     columns = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "100"
     try:
-        import jobs.cli as cli
+        import aerie.cli as cli
 
         parser = cli.parser()
-        out = [HEADER.format(what="the `aerie` command's parser (jobs/cli.py)"),
+        out = [HEADER.format(what="the `aerie` command's parser (aerie/cli.py)"),
                "# The `aerie` command\n\n",
-               "`aerie` is installed with Aerie (`aerie = \"jobs.cli:main\"`). It works on the "
+               "`aerie` is installed with Aerie (`aerie = \"aerie.cli:main\"`). It works on the "
                "embedded default's state (`$AERIE_HOME`) or on the deployment its "
                "environment names ([Configuration](configuration.md)).\n\n",
                rst_to_md(cli.__doc__), "\n```\n", parser.format_help(), "```\n"]

@@ -56,8 +56,8 @@ class ServingResource(ConfigurableResource):
         default_factory=list, description="base URLs of the servers: vllm-reload loads "
                                           "drafters into them; in the sglang modes the "
                                           "post-promotion check probes them")
-    hotswap_timeout_s: float = Field(default=120.0, gt=0, description="vllm-reload: per "
-                                                                      "request")
+    reload_timeout_s: float = Field(default=120.0, gt=0, description="vllm-reload: per "
+                                                                     "request")
     verify: Literal["auto", "off"] = Field(
         default="auto", description="after a promotion, check that the servers draft as well "
                                     "as the gate measured (below the floor: roll back): live "
@@ -119,7 +119,7 @@ class ServingResource(ConfigurableResource):
             from pipeline.release.vllm_reload import VllmDraftReload  # torch: only when used
 
             actuator = VllmDraftReload(self.server_urls, settings,
-                                       timeout_s=self.hotswap_timeout_s)
+                                       timeout_s=self.reload_timeout_s)
         return LedgerBackend(ledger, settings, actuator, cache_dir=cache)
 
 

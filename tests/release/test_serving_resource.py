@@ -29,7 +29,7 @@ def test_restart_and_reload_modes(storage, tmp_path, monkeypatch):
     assert isinstance(restart.actuator, RestartHook) and restart.actuator.timeout_s == 5
     assert restart.cache_dir == tmp_path / "home" / "serving-cache"
     reload = ServingResource(mode="vllm-reload", server_urls=["http://a:8000"],
-                             hotswap_timeout_s=7, num_steps=5, topk=4,
+                             reload_timeout_s=7, num_steps=5, topk=4,
                              num_draft_tokens=8).build(storage, "m")
     assert isinstance(reload.actuator, VllmDraftReload)
     assert [c.timeout_s for c in reload.actuator.clients] == [7]

@@ -78,7 +78,7 @@ def test_a_server_that_cannot_reload_is_refused_untouched(drafters, tmp_path, se
 def test_a_server_that_does_not_answer_is_worth_another_try_not_a_refusal(drafters,
                                                                            tmp_path):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    backend = ServingResource(mode="vllm-reload", server_urls=[url], hotswap_timeout_s=5,
+    backend = ServingResource(mode="vllm-reload", server_urls=[url], reload_timeout_s=5,
                               cache_dir=str(tmp_path / "cache")).build(drafters.storage, NAME)
     with pytest.raises(ServingError, match="ConnectionError") as raised:
         backend.apply(drafters.targets["2"], reason="promote v2")
