@@ -18,12 +18,29 @@ from pathlib import Path
 import pytest
 
 from pipeline.storage import Storage
-from tests.tiers import assign_tiers, guard_unit, tier_of
+from tests.tiers import assign_tiers, guard_unit, plan_for_workers, skip_module, tier_of
+
+
+def pytest_configure(config):
+    """Under ``pytest -n N`` each worker's torch gets its share of the cores: N processes of
+    all-core thread pools would fight over them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_ignore_collect(collection_path, config):
+    if skip_module(collection_path, config.getoption("markexpr") or ""):
+        return True
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
     assign_tiers(items)
+    plan_for_workers(items)
 
 
 @pytest.fixture(autouse=True)

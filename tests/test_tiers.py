@@ -32,3 +32,21 @@ def test_an_integration_test_may():
     subprocess.run([sys.executable, "-c", "pass"], check=True)
     with DagsterInstance.ephemeral() as instance:
         assert instance.get_runs() == []
+
+
+def test_only_a_module_declared_outside_the_unit_tier_is_left_uncollected(tmp_path):
+    from tests.tiers import declared_tier, skip_module
+
+    cases = {"test_a.py": "import pytest\n\npytestmark = pytest.mark.integration\n",
+             "test_b.py": "import pytest\n\npytestmark = pytest.mark.e2e\n",
+             "test_c.py": "import pytest\n\n\n@pytest.mark.integration\ndef test_x():\n    pass\n",
+             "test_d.py": "import pytest\n\npytestmark = pytest.mark.unit\n",
+             "helpers.py": "import pytest\n\npytestmark = pytest.mark.e2e\n"}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+    assert [declared_tier(tmp_path / n) for n in sorted(cases)] == [
+        "e2e", "integration", "e2e", None, "unit"]
+    assert [n for n in sorted(cases) if skip_module(tmp_path / n, "unit")] == [
+        "test_a.py", "test_b.py"]
+    assert not any(skip_module(tmp_path / n, "not e2e") for n in cases)
+    assert not any(skip_module(tmp_path / n, "") for n in cases)

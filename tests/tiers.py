@@ -17,12 +17,31 @@ so the tier cannot quietly grow servers.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 
 TIERS = ("unit", "integration", "e2e")
+
+
+_MODULE_TIER = re.compile(r"^pytestmark = pytest\.mark\.(unit|integration|e2e)\b", re.M)
+
+
+def declared_tier(path: Path) -> str | None:
+    """The tier a test module declares for all of its tests (``pytestmark = pytest.mark.X``
+    at the top level), read from its text without importing it."""
+    found = _MODULE_TIER.search(path.read_text(encoding="utf-8"))
+    return found.group(1) if found else None
+
+
+def skip_module(path: Path, markexpr: str) -> bool:
+    """Under ``-m unit`` alone, a module declared ``integration`` or ``e2e`` holds nothing to
+    run: it is not even imported (its imports of mlflow, trl, verl, selenium cost seconds)."""
+    return (markexpr.strip() == "unit" and path.suffix == ".py"
+            and path.name.startswith("test_") and declared_tier(path) in ("integration", "e2e"))
 
 
 class UnitTierViolation(AssertionError):
@@ -43,6 +62,26 @@ def assign_tiers(items: list[pytest.Item]) -> None:
     for item in items:
         if tier_of(item) == "unit" and item.get_closest_marker("unit") is None:
             item.add_marker(pytest.mark.unit)
+
+
+# session fixtures so costly that the tests sharing them must run on one xdist worker
+SHARED_ON_ONE_WORKER = {"finished_loop": "the refresh loop"}
+
+
+def plan_for_workers(items: list[pytest.Item]) -> None:
+    """Order and group the run for ``pytest -n N --dist loadgroup``: the slowest tier first
+    (e2e, then integration, then unit: the long poles start at once), each module on one
+    worker (its module fixtures are built once), and the tests that share a costly session
+    fixture on the same worker. Deterministic, as xdist requires of every worker."""
+    rank = {"e2e": 0, "integration": 1, "unit": 2}
+    items.sort(key=lambda item: rank[tier_of(item)])  # stable: file order within a tier
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        shared = [SHARED_ON_ONE_WORKER[f] for f in item.fixturenames
+                  if f in SHARED_ON_ONE_WORKER]
+        module = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else module))
 
 
 def _refuse(what: str):

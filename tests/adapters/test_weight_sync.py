@@ -25,6 +25,8 @@ from tests.release.helpers import Drafters
 from tests.vllm_contract.fixtures import served, vllm_server
 from tests.vllm_contract.server import Worker
 
+pytestmark = pytest.mark.integration
+
 NAME = "aerie-drafter-demo"
 
 

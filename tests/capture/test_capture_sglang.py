@@ -25,6 +25,8 @@ from tests.conftest import free_port
 from tests.sglang_contract import fixtures
 from tests.sglang_contract.fixtures import AUX_IDS, HIDDEN, LAYERS
 
+pytestmark = pytest.mark.integration
+
 # The contract-server fixtures, made visible to pytest in this module.
 contract_deployment = fixtures.contract_deployment
 tiny_llama_dir = fixtures.tiny_llama_dir

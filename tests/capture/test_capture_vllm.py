@@ -29,6 +29,8 @@ from tests.capture.test_capture_hf import random_batch, tiny_llama
 from tests.capture.test_extraction import CONFIG, STEP, lengths, write_tokenized
 from tests.conftest import free_port, local_server
 
+pytestmark = pytest.mark.integration
+
 LAYERS, H = 6, 64
 AUX = (0, 2, 3)
 

@@ -363,6 +363,7 @@ def test_dagster_config_mirrors_the_core_config():
     assert set(ExtractConfig.__dataclass_fields__) <= set(ShardsConfig.model_fields)
 
 
+@pytest.mark.integration
 def test_asset_materializes_a_step_with_its_own_policy(tmp_path, model):
     url = (tmp_path / "storage").as_uri()
     storage = Storage(url)

@@ -64,6 +64,7 @@ def single(tmp_path_factory, policy_dir):
     return storage, extract(storage, 1)
 
 
+@pytest.mark.integration
 def test_two_processes_write_the_bytes_one_process_writes(tmp_path, policy_dir, single):
     one, first = single
     storage = world(tmp_path, policy_dir)
@@ -78,6 +79,7 @@ def test_two_processes_write_the_bytes_one_process_writes(tmp_path, policy_dir, 
     assert again.already_committed and again.backend_calls == 0
 
 
+@pytest.mark.integration
 def test_a_failed_part_commits_nothing_and_the_next_run_keeps_the_finished_parts(
         tmp_path, policy_dir, single):
     one, first = single
@@ -106,6 +108,7 @@ def test_no_process_is_started_for_a_part_that_would_own_no_shard(tmp_path, poli
     assert summary.shards == 1 and summary.samples == 20
 
 
+@pytest.mark.integration
 def test_a_failed_part_is_retried_unless_its_own_error_would_not_be(tmp_path, policy_dir):
     from assets.retry import is_permanent
 
@@ -132,6 +135,7 @@ def test_a_part_whose_backend_differs_is_refused_before_it_computes(tmp_path, po
         Part(2, 2)
 
 
+@pytest.mark.integration
 def test_processes_are_a_capture_resource_setting(tmp_path, policy_dir, single):
     one, _ = single
     url = (tmp_path / "storage").as_uri()

@@ -139,6 +139,7 @@ def test_retain_steps_must_cover_the_window():
     RefreshPolicyResource(window=4, retain_steps=0)
 
 
+@pytest.mark.integration
 def test_the_asset_keeps_what_queued_and_running_runs_read(tmp_path):
     storage = Storage((tmp_path / "store").as_uri())
     for s in range(10):
@@ -178,6 +179,7 @@ def test_the_asset_keeps_what_queued_and_running_runs_read(tmp_path):
     assert read_shards_manifest(storage, 2).meta.get("deleted") is None
 
 
+@pytest.mark.integration
 def test_a_refresh_run_config_that_widens_its_window_widens_what_is_kept():
     with instance_for_test() as instance:
         wide = create_run_for_test(instance, job_name="drafter_refresh", run_config={
@@ -186,6 +188,7 @@ def test_a_refresh_run_config_that_widens_its_window_widens_what_is_kept():
     assert (window_of(wide, 4), window_of(plain, 4)) == (6, 4)
 
 
+@pytest.mark.integration
 def test_retention_off_deletes_nothing(tmp_path):
     storage = Storage((tmp_path / "store").as_uri())
     for s in range(3):

@@ -10,6 +10,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from pipeline.demo import task
 from pipeline.demo.tokenizer import EOT, PAD, SPECIAL_TOKENS, filler_sentences, train_tokenizer
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def tok() -> PreTrainedTokenizerBase:

@@ -14,6 +14,8 @@ from pipeline.demo.config import DemoConfig
 from pipeline.demo.corpus import encode_prompt
 from pipeline.demo.world import RECORD_KEYS, StepOutput, WorldReport, generate_world
 
+pytestmark = pytest.mark.integration
+
 CONFIG = DemoConfig.small()
 
 

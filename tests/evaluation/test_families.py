@@ -20,6 +20,8 @@ from pipeline.evaluation.target import (
 from tests.evaluation.synthetic import OracleDrafter, RandomDrafter, context_seed
 from tests.families import FAMILIES, VOCAB, WINDOW, tiny_target
 
+pytestmark = pytest.mark.integration
+
 MAX_NEW = 12
 LENGTHS = (1, WINDOW + 1, 3 * WINDOW)  # the longest ends 4·WINDOW past the start
 

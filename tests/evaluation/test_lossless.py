@@ -13,6 +13,8 @@ from pipeline.evaluation.tree import VerifyTree
 from tests.evaluation.conftest import MAX_NEW, VOCAB, expected
 from tests.evaluation.synthetic import OracleDrafter, RandomDrafter, context_seed
 
+pytestmark = pytest.mark.integration
+
 
 def mixed_rank(context, position):
     """The greedy token first (3/6), second (1/6), third (1/6) or absent (1/6): acceptance

@@ -33,6 +33,8 @@ from pipeline.vocab.mapping import build_vocab_mapping
 from tests.sglang_contract import fixtures
 from tests.sglang_contract.fixtures import HIDDEN, LAYERS, VOCAB, ContractServer
 
+pytestmark = pytest.mark.integration
+
 MAX_NEW = 20
 DRAFT_VOCAB = 64
 CHAIN = SpecParams(3, 1, 4)

@@ -33,6 +33,8 @@ from pipeline.sampling import SamplingParams
 
 from .synthetic import _ContextDrafter
 
+pytestmark = pytest.mark.integration
+
 V, LENGTH, RUNS, ALPHA = 4, 3, 3000, 1e-4
 PROMPT = [0, 1]
 TABLE = torch.randn(V, V, V, generator=torch.Generator().manual_seed(7)) * 1.5  # (a, b) -> V

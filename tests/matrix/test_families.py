@@ -31,6 +31,8 @@ from pipeline.vocab import stage as vocab_stage
 from tests.families import FAMILIES, WINDOW, tiny_target
 from tests.training.world import EXTRACT, build_world
 
+pytestmark = pytest.mark.integration
+
 STEP = 1
 TRAIN = TrainConfig(lr=1e-3, warmup_ratio=0.1, micro_batch_size=4, epochs=1, ttt_depth=2,
                     threads=1, checkpoint_every=100, log_every=100, shuffle_buffer=8,

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pipeline.demo.config import DemoConfig
 from pipeline.demo.policy import build_policy
 from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
 from tests.tokenize.test_tokenization_templates import demo_tokenizer
+
+pytestmark = pytest.mark.integration
 
 
 def demo_export(tmp_path):

@@ -20,6 +20,8 @@ from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
 from tests.orchestration.conftest import on_every_dagster_backend, use_backend
 
+pytestmark = pytest.mark.integration
+
 DATA = [rollout_snapshot, tokenized_rollouts, hidden_state_shards]
 
 

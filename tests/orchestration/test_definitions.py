@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from dagster import AssetKey
 
 from assets.groups import DATA_ASSETS, MONITOR_ASSETS, REFRESH_ASSETS
@@ -39,6 +40,7 @@ def test_definitions_load_and_names_are_stable():
                                   "refresh", "ingest"}
 
 
+@pytest.mark.integration
 def test_loading_the_definitions_imports_no_heavy_library():
     """torch, transformers, matplotlib & co. load in the runs that need them, not in every
     process that loads the code location (webserver, daemon, sensor ticks)."""
@@ -120,6 +122,7 @@ def test_every_asset_has_an_owner_a_stage_and_every_trigger_a_description():
         "ingest_dumps"))
 
 
+@pytest.mark.integration
 def test_the_embedded_workspace_loads_from_any_directory(tmp_path, monkeypatch):
     """``aerie ui`` serves ``$DAGSTER_HOME/workspace.yaml``: the code location ``aerie`` from
     the installed ``definitions`` module, whatever the working directory."""

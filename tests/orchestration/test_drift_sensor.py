@@ -128,6 +128,7 @@ def watched(monkeypatch):
     return series
 
 
+@pytest.mark.integration
 def test_the_drift_sensor_fires_once_per_drop_through_its_cursor(dagster_backend, watched):
     taus = {3: 1.98, 4: 1.97, 5: 1.7, 6: 1.65, 7: 1.7, 8: 1.96, 9: 1.97, 10: 1.6, 11: 1.6}
     policy = RefreshPolicyResource(every=100, drift_window=1, drift_cooldown_steps=2)
@@ -141,6 +142,7 @@ def test_the_drift_sensor_fires_once_per_drop_through_its_cursor(dagster_backend
                r.tags["aerie/drifted_version"] == "1" for r in requested)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("taus, fired", [
     # recovered at 8, then the cursor is lost for good: the second drop still fires, once
     ({3: 1.98, 5: 1.7, 6: 1.7, 8: 1.96, 9: 1.97, 10: 1.6, 11: 1.6, 12: 1.6}, [5, 10]),
@@ -157,6 +159,7 @@ def test_a_lost_cursor_rebuilds_the_arming_from_the_runs_and_readings(
     assert [int(r.partition_key[-6:]) for r in requested] == fired
 
 
+@pytest.mark.integration
 def test_the_cadence_stretches_only_while_the_drafter_holds_up(dagster_backend, monkeypatch):
     state = {"tau": 1.95}
     monkeypatch.setattr(drift, "serving_reading", lambda storage, name, window, newest: (

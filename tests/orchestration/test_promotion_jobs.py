@@ -28,6 +28,8 @@ from tests.conftest import ver
 from tests.orchestration.conftest import on_every_dagster_backend, use_backend
 from tests.release.helpers import lineage, make_drafter_dir, publish_drafter
 
+pytestmark = pytest.mark.integration
+
 STEPS = (10, 20, 30)  # the refresh steps of versions 1, 2, 3
 
 

@@ -31,6 +31,8 @@ from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
 from tests.orchestration.conftest import on_every_dagster_backend
 
+pytestmark = pytest.mark.integration
+
 EMPTY_STORAGE = Path(tempfile.mkdtemp(prefix="aerie-refresh-tests-"))
 
 

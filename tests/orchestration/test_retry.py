@@ -19,6 +19,8 @@ from pipeline.release.promotion import PromotionError, PromotionNotApplied
 from pipeline.snapshot.sieve import SnapshotError
 from pipeline.storage import Storage, StorageError, StorageUnavailable
 
+pytestmark = pytest.mark.integration
+
 
 def _caused(error: BaseException, cause: BaseException) -> BaseException:
     error.__cause__ = cause

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 from dagster import AssetKey, EnvVar, materialize
 
 from assets.snapshots import rollout_snapshot
@@ -12,6 +13,8 @@ from resources.storage import StorageResource, storage_from_env
 from tests.conftest import s3_options
 
 from .conftest import write_step
+
+pytestmark = pytest.mark.integration
 
 
 def run(instance, resource, key):

@@ -30,6 +30,8 @@ from tests.capture.test_extraction import CONFIG, STEP, lengths, write_tokenized
 from tests.conftest import s3_options
 from tests.orchestration.conftest import on_every_dagster_backend, use_backend
 
+pytestmark = pytest.mark.integration
+
 pytest.importorskip("torch")
 
 

@@ -31,6 +31,8 @@ from resources.serving import ServingResource
 from tests.conftest import ver
 from tests.release.helpers import lineage, make_drafter_dir, publish_drafter
 
+pytestmark = pytest.mark.integration
+
 STEP, PARTITION = 10, "step-000010"
 DRAFTER_STATS = AcceptanceStats(  # τ = 600 / 300 = 2
     num_steps=3, prompts=4, cycles=300, emitted_tokens=600, bonus_tokens=300,

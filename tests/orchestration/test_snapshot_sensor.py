@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from dagster import (
     AssetKey,
     AssetMaterialization,
@@ -22,6 +23,8 @@ from pipeline.storage import Storage
 from tests.orchestration.conftest import on_every_dagster_backend
 
 from .conftest import write_step
+
+pytestmark = pytest.mark.integration
 
 
 def tick(instance, resource, cursor) -> SensorResult:
