@@ -7,6 +7,7 @@ sliding windows (world sequences are 16..48 tokens, windows 8).
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from dataclasses import replace
@@ -14,16 +15,20 @@ from dataclasses import replace
 import pytest
 import torch
 
+from pipeline.capture.config import ExtractConfig
 from pipeline.capture.heldout import heldout_prompts
-from pipeline.capture.shards import iter_shard
+from pipeline.capture.hf import HFCaptureBackend
+from pipeline.capture.plan import plan_batches, shard_fingerprint
+from pipeline.capture.shards import ShardSample, iter_shard, shard_name
 from pipeline.checks import evaluation_sound
 from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.ttt_batch import LogitHead, teacher_targets
 from pipeline.evaluation import stage as eval_stage
 from pipeline.evaluation.config import EvalConfig
 from pipeline.layout import drafter_prefix, shards_prefix
-from pipeline.manifest import read_manifest
+from pipeline.manifest import Manifest, read_manifest
 from pipeline.release.format_check import drafter_format_errors
+from pipeline.tokenize.reader import TokenizedSample
 from pipeline.training import stage as train_stage
 from pipeline.training.config import TrainConfig
 from pipeline.verified import fetch
@@ -31,7 +36,7 @@ from pipeline.vocab import stage as vocab_stage
 from tests.families import FAMILIES, WINDOW, tiny_target
 from tests.training.world import EXTRACT, build_world
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.integration  # a DeepSpeed worker process trains each world
 
 STEP = 1
 TRAIN = TrainConfig(lr=1e-3, warmup_ratio=0.1, micro_batch_size=4, epochs=1, ttt_depth=2,
@@ -71,25 +76,108 @@ def test_the_export_is_a_drafter_of_the_target(refreshed):
     assert refresh.result.steps > 0 and math.isfinite(refresh.result.final["loss"])
 
 
+# the hf backend right-pads every batch with its pad id (build_world keeps the default)
+PAD = inspect.signature(HFCaptureBackend).parameters["pad_token_id"].default
+BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7: one bf16 ulp is at most eps * |x|
+
+
+def _capture_batches(storage, prefix: str, manifest: Manifest, name: str
+                     ) -> list[list[ShardSample]]:
+    """Shard ``name``'s rows in the batches the capture ran them in.
+
+    The capture writes a shard's rows batch after batch, in the order ``plan_batches``
+    gave them (longest first, ties in tokenized order), so planning the rows again in
+    their stored order, with the shard's recorded :class:`ExtractConfig`, cuts the same
+    batches; the shard's recorded fingerprint (its samples, in their batches) proves it.
+    """
+    rows = list(iter_shard(storage, f"{prefix}/{name}"))
+    planned = [TokenizedSample(position=i, sample_id=r.sample_id,
+                               input_ids=r.input_ids.numpy(),
+                               loss_mask=r.loss_mask.numpy().view("int8"))
+               for i, r in enumerate(rows)]
+    batches = plan_batches(planned, ExtractConfig(**manifest.meta["config"]))
+    index = int(name.removeprefix("shard-").removesuffix(".parquet"))
+    assert shard_name(index) == name
+    recorded = {s["path"]: s["fingerprint"] for s in manifest.meta["shards"]}[name]
+    assert shard_fingerprint(manifest.meta["fingerprint"], index, batches) == recorded
+    by_position = dict(enumerate(rows))
+    return [[by_position[s.position] for s in batch] for batch in batches]
+
+
+def _padded_forward(target, batch: list[ShardSample]) -> tuple[torch.Tensor, ...]:
+    """HF's own ``output_hidden_states`` of ``batch`` as the hf backend runs a batch: the
+    same rows, right-padded with its pad id, masked, no KV cache, fp32 (in one forward:
+    build_world gives the backend the plan's ``token_budget``, so it splits no batch)."""
+    t_max = max(s.num_tokens for s in batch)
+    ids = torch.full((len(batch), t_max), PAD, dtype=torch.long)  # (B, T)
+    mask = torch.zeros_like(ids)
+    for row, s in enumerate(batch):
+        ids[row, :s.num_tokens] = s.input_ids.long()
+        mask[row, :s.num_tokens] = 1
+    with torch.no_grad():
+        return target(input_ids=ids, attention_mask=mask, use_cache=False,
+                      output_hidden_states=True).hidden_states
+
+
 def test_capture_and_teacher_are_the_targets_own(refreshed):
-    """The shards hold HF's states bit for bit (aux id l = output of layer l, final =
-    post-norm), and the teacher recomputed from the final state is the target's own logits
-    (tied heads, Gemma's soft-cap and all)."""
+    """The shards hold transformers' own states (aux id l = output of layer l, HF
+    ``hidden_states[l + 1]``; final = ``hidden_states[-1]``, post-norm), and the teacher
+    recomputed from the final state is the target's own logits (tied heads, Gemma's
+    soft-cap and all).
+
+    Bit for bit (``torch.equal``), on any CPU: every row of the first shard against
+    ``target(..., output_hidden_states=True)`` run in the capture's own batch plan (the
+    batch the row was captured in, recut with ``plan_batches`` and checked against the
+    shard's fingerprint, right-padded and masked as the backend pads it, fp32, then
+    rounded to bf16 as the shard stores it). Only that reference is exact: the same
+    shapes give the same kernels and the same reduction order on the machine running both.
+
+    Within bf16 rounding: the same rows against a plain unbatched forward of each sample
+    alone. Its fp32 states differ from the batch's in the last bits (matmul reductions are
+    blocked by the batch's shape and the CPU's SIMD width, and the MoE families run each
+    expert on the tokens routed to it, padding included, so the batch changes the experts'
+    matmul shapes; a reference run of DeepSeek-V3 alone differs in layer 3, its first MoE
+    layer, on AMD EPYC), and a last-bit difference can round to the neighbouring bf16
+    value. So: at most one bf16 ulp (``rtol`` = bf16 eps, 2**-7), plus an absolute 1e-4
+    for values near zero, where the fp32 difference (about 1e-6 here) is not small
+    relative to the value; a wrong layer, a shifted row or a missing norm is off by O(1).
+    The teacher is checked against the unbatched forward's own logits, computed from its
+    own final state (no rounding between them: 1e-5).
+    """
     storage, target, refresh, _ = refreshed
     prefix = shards_prefix(STEP)
-    sample = next(iter_shard(storage, f"{prefix}/{read_manifest(storage, prefix).files[0].path}"))
+    manifest = read_manifest(storage, prefix)
+    batches = _capture_batches(storage, prefix, manifest, manifest.files[0].path)
     ids = refresh.result.drafter_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    h = target.config.hidden_size
+
+    def slots(states: tuple[torch.Tensor, ...], row: int, n: int) -> list[torch.Tensor]:
+        """The aux slots then the final state of ``row``'s first ``n`` tokens, as bf16."""
+        return [states[layer + 1][row, :n].to(torch.bfloat16) for layer in ids] + [
+            states[-1][row, :n].to(torch.bfloat16)]
+
+    for batch in batches:
+        batched = _padded_forward(target, batch)
+        for row, sample in enumerate(batch):
+            n = sample.num_tokens
+            stored = [sample.aux_hidden[:, slot * h:(slot + 1) * h]
+                      for slot in range(len(ids))] + [sample.final_hidden]
+            with torch.no_grad():
+                alone = target(input_ids=sample.input_ids.long()[None],
+                               output_hidden_states=True).hidden_states
+            for what, got, exact, near in zip([*ids, "final"], stored,
+                                              slots(batched, row, n), slots(alone, 0, n),
+                                              strict=True):
+                assert torch.equal(got, exact), (sample.sample_id, what)
+                torch.testing.assert_close(got.float(), near.float(), rtol=BF16_EPS,
+                                           atol=1e-4, msg=lambda m, w=what: f"{w}: {m}")
+
+    sample = batches[0][0]
     with torch.no_grad():
         out = target(input_ids=sample.input_ids.long()[None], output_hidden_states=True)
-    states = out.hidden_states
-    h = target.config.hidden_size
-    for slot, layer in enumerate(ids):
-        assert torch.equal(sample.aux_hidden[:, slot * h:(slot + 1) * h],
-                           states[layer + 1][0].to(torch.bfloat16)), layer
-    assert torch.equal(sample.final_hidden, states[-1][0].to(torch.bfloat16))
     every = torch.ones(target.config.vocab_size, dtype=torch.bool)
-    logits, _ = teacher_targets(states[-1][0], target.get_output_embeddings().weight, every,
-                                head=LogitHead.of(target.config.to_dict()))
+    logits, _ = teacher_targets(out.hidden_states[-1][0], target.get_output_embeddings().weight,
+                                every, head=LogitHead.of(target.config.to_dict()))
     torch.testing.assert_close(logits, out.logits[0], rtol=1e-5, atol=1e-5)
 
 
