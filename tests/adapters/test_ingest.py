@@ -31,6 +31,8 @@ from resources.ingest import IngestResource
 from resources.storage import StorageResource
 from tests.adapters.rollouts import PAD, conversation, copy_policy, snapshot_records, token_ids
 
+pytestmark = pytest.mark.integration
+
 
 def _nemo_file(tok, path: Path, step: int, rows: int = 4) -> list[tuple]:
     """A train_data_step{N}.jsonl as NeMo-RL writes it: padded to the batch max."""
@@ -52,7 +54,6 @@ def _quarantine(storage: Storage, step: int) -> list[dict]:
     return read_table(storage, f"{raw_prefix(step)}/quarantine.parquet").to_pylist()
 
 
-@pytest.mark.integration
 def test_nemo_rl_steps_keep_exact_ids_tool_masks_and_the_generating_checkpoint(world, tmp_path):
     tok, base = world
     dump, ckpts = tmp_path / "logs", tmp_path / "results"
@@ -222,7 +223,6 @@ def test_the_newest_file_waits_until_it_settles(world, tmp_path):
     assert report.waiting == ["train_data_step2.jsonl"]
 
 
-@pytest.mark.integration
 def test_the_cli_and_the_sensor_follow_a_dump_directory(world, tmp_path, monkeypatch, capsys):
     tok, base = world
     dump = tmp_path / "logs"
@@ -247,7 +247,6 @@ def test_the_cli_and_the_sensor_follow_a_dump_directory(world, tmp_path, monkeyp
         assert "no dump directory configured" in dump_sensor(context).skip_message
 
 
-@pytest.mark.integration
 def test_the_ingest_job_runs_from_the_definitions(world, tmp_path):
     from dagster import instance_for_test
 

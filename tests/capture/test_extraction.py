@@ -41,6 +41,8 @@ from resources.capture import CaptureResource
 from resources.storage import StorageResource
 from tests.capture.test_capture_hf import VOCAB, tiny_llama
 
+pytestmark = pytest.mark.integration
+
 STEP = 3
 H = 64
 TOKEN_BYTES = 2 * 4 * H  # bf16 aux (3H) + final (H)
@@ -363,7 +365,6 @@ def test_dagster_config_mirrors_the_core_config():
     assert set(ExtractConfig.__dataclass_fields__) <= set(ShardsConfig.model_fields)
 
 
-@pytest.mark.integration
 def test_asset_materializes_a_step_with_its_own_policy(tmp_path, model):
     url = (tmp_path / "storage").as_uri()
     storage = Storage(url)

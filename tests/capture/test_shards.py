@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pyarrow as pa
@@ -116,9 +117,14 @@ def test_read_is_zero_copy_views_of_the_arrow_buffers(local):
     table = pq.read_table(local.local_path(KEY))
     (batch,) = table.to_batches()
     info = read_shard_info(local, KEY)
-    before = pa.total_allocated_bytes()
-    got = samples_of_batch(batch, info)
-    assert pa.total_allocated_bytes() == before  # nothing new from Arrow's pool
+    gc.collect()  # earlier tests' Arrow garbage freed now, not during the measurement
+    gc.disable()
+    try:
+        before = pa.total_allocated_bytes()
+        got = samples_of_batch(batch, info)
+        assert pa.total_allocated_bytes() == before  # nothing new from Arrow's pool
+    finally:
+        gc.enable()
 
     def inside(t: torch.Tensor, column: str, buffer_index: int) -> bool:
         buf = batch.column(column).buffers()[buffer_index]

@@ -11,6 +11,8 @@ from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.engine import evaluate
 from tests.evaluation.conftest import expected
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def on_disk(tmp_path_factory, target, drafter):

@@ -20,6 +20,8 @@ from pipeline.evaluation.eagle import Eagle3Proposer
 from pipeline.evaluation.engine import evaluate
 from tests.evaluation.conftest import AUX_LAYER_IDS
 
+pytestmark = pytest.mark.integration
+
 
 class Recording:
     """Wraps a drafter, recording each proposal with the verified context it came from."""

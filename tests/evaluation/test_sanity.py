@@ -11,6 +11,8 @@ from pipeline.evaluation.engine import evaluate
 from tests.evaluation.conftest import VOCAB
 from tests.evaluation.synthetic import OracleDrafter, RandomDrafter
 
+pytestmark = pytest.mark.integration
+
 # 1 prefill token + whole cycles: no truncation (and no EOS) interferes with tau
 CHAIN5 = SpecParams(5, 1, 6)
 

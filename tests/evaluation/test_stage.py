@@ -21,6 +21,8 @@ from pipeline.manifest import entry_for, write_manifest
 from pipeline.storage import Storage
 from tests.training.world import EXTRACT, build_world, tiny_target
 
+pytestmark = pytest.mark.integration
+
 STEPS = (1, 2)
 SETTINGS = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
 

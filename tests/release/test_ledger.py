@@ -104,6 +104,7 @@ def test_resolve_downloads_and_verifies_the_drafter(storage: Storage, tmp_path):
     assert resolve_serving(storage, "m", tmp_path / "cache", known_sequence=m.sequence) is None
 
 
+@pytest.mark.integration
 def test_a_corrupt_download_is_refused(tmp_path, moto_endpoint):
     from tests.conftest import s3_options
 

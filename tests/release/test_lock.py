@@ -45,6 +45,7 @@ def test_threads_are_serialised(tmp_path):
     assert overlaps == []
 
 
+@pytest.mark.integration
 def test_a_dead_holder_releases_the_lock(tmp_path):
     path = tmp_path / "p.lock"
     root = str(Path(__file__).resolve().parents[2])

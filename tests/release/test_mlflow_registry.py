@@ -21,6 +21,8 @@ from pipeline.release.mlflow_registry import (
 from tests.release.conftest import on_every_registry
 from tests.release.helpers import lineage, make_drafter_dir
 
+pytestmark = pytest.mark.integration
+
 # a 1x1 PNG
 PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhf"
                        "DwAChwGA60e6kgAAAABJRU5ErkJggg==")

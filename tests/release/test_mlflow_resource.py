@@ -9,9 +9,13 @@ import sqlite3
 import uuid
 from pathlib import Path
 
+import pytest
+
 from pipeline.release.mlflow_relocate import follow_moved_artifacts
 from resources.mlflow import MlflowResource, mlflow_from_env
 from tests.release.helpers import lineage, make_drafter_dir
+
+pytestmark = pytest.mark.integration
 
 
 def test_embedded_default_lives_under_aerie_home(tmp_path, monkeypatch):

@@ -38,6 +38,8 @@ from tests.release.helpers import (
     summary,
 )
 
+pytestmark = pytest.mark.integration
+
 PROMOTERS = 8
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -29,6 +29,8 @@ from pipeline.serving_now import serving_drafter_key
 from tests.evaluation.test_stage import SETTINGS, STEPS, publish_drafter
 from tests.evaluation.test_stage import world as world  # noqa: F401 (fixture)
 
+pytestmark = pytest.mark.integration
+
 CONFIG = EvalConfig(max_prompts=4, max_new_tokens=10, **SETTINGS)
 # Random drafters get an accept now and then (τ ≈ 1.03 here): demand +50%.
 STRICT = GatePolicy(min_relative_gain=0.5, min_cycles=1)

@@ -16,6 +16,8 @@ from pipeline.serving_now import ServingTarget
 from pipeline.storage import Storage
 from tests.release.helpers import make_drafter_dir, publish_drafter
 
+pytestmark = pytest.mark.integration
+
 SETTINGS = SpecParams(4, 1, 5)
 PY = sys.executable
 

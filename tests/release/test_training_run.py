@@ -16,6 +16,8 @@ from pipeline.training.config import TrainConfig
 from pipeline.training.stage import _Follow
 from tests.release.helpers import make_drafter_dir
 
+pytestmark = pytest.mark.integration
+
 
 @dataclass
 class Spec:

@@ -21,6 +21,8 @@ from tests.conftest import free_port
 from tests.release.helpers import SETTINGS, Drafters, make_drafter_dir
 from tests.vllm_contract.fixtures import served, vllm_server
 
+pytestmark = pytest.mark.integration
+
 NAME = "aerie-drafter-demo"
 
 

@@ -15,11 +15,15 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from pipeline.capture.shards import read_shards_manifest
 from pipeline.layout import shards_prefix
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.storage import Storage
 from tests.capture.test_extraction import STEP, lengths, write_tokenized
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURE = textwrap.dedent("""

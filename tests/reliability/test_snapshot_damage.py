@@ -20,6 +20,8 @@ from pipeline.snapshot.stage import read_accepted
 from .conftest import good_rows
 from .snapshot_reference import STEP, TALLY, contract_violations, expect_named_error
 
+pytestmark = pytest.mark.integration
+
 DAMAGE = settings(max_examples=12, deadline=None, derandomize=True, database=None,
                   suppress_health_check=[HealthCheck.too_slow,
                                          HealthCheck.function_scoped_fixture])

@@ -21,6 +21,8 @@ from pipeline.snapshot.stage import read_accepted
 
 from .snapshot_reference import STEP, TALLY, VOCAB, contract_violations
 
+pytestmark = pytest.mark.integration
+
 PARQUET = settings(max_examples=2, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow,
                                           HealthCheck.function_scoped_fixture])

@@ -24,6 +24,8 @@ from pipeline.storage import Storage
 from .snapshot_hostile import ACCEPT, MUTATIONS, hostile_batch
 from .snapshot_reference import MAX_QUOTE, STEP, TALLY, contract_violations
 
+pytestmark = pytest.mark.integration
+
 CORPUS = settings(max_examples=10, deadline=None, derandomize=True, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                          HealthCheck.large_base_example])

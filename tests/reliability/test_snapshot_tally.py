@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from .snapshot_reference import TALLY
+
+pytestmark = pytest.mark.integration
 
 MIN_CASES = 300
 

@@ -27,6 +27,8 @@ from pipeline.vocab import stage as vocab_stage
 from tests.conftest import on_every_storage
 from tests.release.helpers import make_drafter_dir, publish_drafter
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def storage(world_root, tmp_path) -> Storage:

@@ -149,6 +149,7 @@ def _killed(script: str, *args: str) -> None:
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
 
 
+@pytest.mark.integration
 def test_repeated_sigkill_leaves_no_growth(tmp_path):
     storage = Storage((tmp_path / "s").as_uri())
     manifest = publish(storage, "policy", {"a.safetensors": os.urandom(200_000),
@@ -181,6 +182,7 @@ def test_live_writers_temporary_files_are_kept(tmp_path):
     assert storage.read_bytes("d/x.bin") == b"in flight"
 
 
+@pytest.mark.integration
 def test_s3_orphaned_multipart_uploads_of_the_prefix_are_aborted(moto_endpoint):
     opts = s3_options(moto_endpoint)
     Storage("s3://aerie-multipart", opts).fs.mkdir("aerie-multipart")

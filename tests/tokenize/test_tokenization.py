@@ -313,6 +313,7 @@ def test_run_config_mirrors_the_core_config():
         TokenizeConfig(max_length=64, end_of_turn_tokens=("<|im_end|>",))
 
 
+@pytest.mark.integration
 def test_asset_materializes_with_metadata(snapshot):
     with instance_for_test() as instance:
         instance.add_dynamic_partitions("rl_steps", ["step-000002"])

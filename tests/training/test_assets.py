@@ -26,6 +26,8 @@ from resources.trainer import TrainerResource
 
 from .conftest import FAST
 
+pytestmark = pytest.mark.integration
+
 TRAIN = {k: v for k, v in to_dict(FAST).items()
          if k not in ("world_size", "zero_stage", "dtype", "device", "threads")}
 

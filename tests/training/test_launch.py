@@ -24,6 +24,8 @@ from pipeline.training.worker import STORAGE_OPTIONS_ENV
 
 from .conftest import FAST, STEP
 
+pytestmark = pytest.mark.integration
+
 
 def test_one_process_runs_plainly_and_n_go_through_a_launcher(tmp_path):
     spec = tmp_path / "spec.json"

@@ -25,6 +25,8 @@ from pipeline.training.warmstart import apply_warm_start
 
 from .conftest import FAST, STEP
 
+pytestmark = pytest.mark.integration
+
 
 def other_drafter(model: Eagle3Drafter, seed: int, **changes) -> Eagle3Drafter:
     config = replace(model.config, **changes)

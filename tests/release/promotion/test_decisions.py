@@ -34,6 +34,8 @@ from tests.release.helpers import (
     summary,
 )
 
+pytestmark = pytest.mark.integration
+
 
 def register(registry: DrafterRegistry, storage: Storage, drafter_dir, step: int) -> str:
     """Publish and register a drafter under the fingerprint its manifest carries."""

@@ -21,6 +21,8 @@ from tests.release.promotion.test_promotion import gate, register, served_versio
 from tests.sglang_contract import fixtures
 from tests.sglang_contract.fixtures import VOCAB
 
+pytestmark = pytest.mark.integration
+
 POLICY = VerifyPolicy(min_tau=1.1, min_share=0.8, min_cycles=20)
 
 

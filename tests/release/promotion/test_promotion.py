@@ -32,6 +32,8 @@ from tests.release.helpers import (
     summary,
 )
 
+pytestmark = pytest.mark.integration
+
 
 def register(registry: DrafterRegistry, storage: Storage, drafter_dir, step: int) -> str:
     fingerprint = uuid.uuid4().hex
