@@ -391,12 +391,12 @@ def parser() -> argparse.ArgumentParser:
     promote.add_argument("--reason", required=True, help="why the gate is overridden")
     promote.add_argument("--actor", default=who, help=f"who decides (default: {who})")
     promote.set_defaults(func=cmd_promote)
-    from pipeline.adapters.frameworks import FRAMEWORKS
+    from pipeline.adapters.readers import READERS
     from pipeline.serving_now import ENGINES
 
     ingest = sub.add_parser("ingest", help="write an RL framework's dump directory as rollout "
                                            "snapshots (one pass, or --follow)")
-    ingest.add_argument("framework", choices=sorted(FRAMEWORKS))
+    ingest.add_argument("framework", choices=sorted(READERS))
     ingest.add_argument("directory", type=Path, help="the framework's dump directory")
     ingest.add_argument("--initial-policy", type=Path, required=True,
                         help="HF dir of the policy before RL (version 0, and the tokenizer)")

@@ -5,14 +5,14 @@ this process (no daemon, no run worker to start). Each run is still created on t
 with the origin of the code location ``aerie`` (the one ``aerie ui`` serves), the job's own
 tags, the partition and who asked for it (``dagster/sensor_name`` for a sensor's request), so
 the Dagster UI lists it on its job page, in the Overview timeline and as launched by its
-sensor, exactly like a run the daemon launched.
+sensor, exactly like a run the daemon launched. No public Dagster API creates such a run or
+records a tick: the private calls that do are :mod:`aerie.dagster_private`'s, pinned by a test.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from functools import cache
 from pathlib import Path
 
 from dagster import DagsterInstance, DagsterRun, RunRequest
@@ -59,25 +59,21 @@ def workspace_file(dagster_home: Path) -> Path:
     return path
 
 
-@cache
-def _repository():
-    from dagster._core.definitions.reconstruct import ReconstructableRepository
-
-    module = importlib.import_module(DEFINITIONS_MODULE)
-    return ReconstructableRepository.for_module(
-        DEFINITIONS_MODULE, DEFINITIONS_ATTRIBUTE,
-        working_directory=os.path.dirname(module.__file__))
-
-
 def repository_origin(instance: DagsterInstance):
     """The origin of the code location ``aerie`` as the workspace beside ``instance``
     declares it (``<instance home>/workspace.yaml``)."""
-    from dagster._core.remote_origin import RemoteRepositoryOrigin
-    from dagster._core.workspace.load import location_origins_from_yaml_paths
+    from aerie import dagster_private
 
     home = Path(instance.root_directory)
-    (location,) = location_origins_from_yaml_paths([str(workspace_file(home))])
-    return RemoteRepositoryOrigin(location, REPOSITORY)
+    return dagster_private.repository_origin(workspace_file(home), REPOSITORY)
+
+
+def tick_ids(instance: DagsterInstance, name: str) -> tuple[str, str]:
+    """``(origin_id, selector_id)`` of sensor or schedule ``name`` of the code location:
+    what ``DagsterInstance.get_ticks`` (the *Automation* page) looks its ticks up by."""
+    from aerie import dagster_private
+
+    return dagster_private.tick_ids(repository_origin(instance), LOCATION, REPOSITORY, name)
 
 
 def record_tick(instance: DagsterInstance, name: str, kind: str, started: float,
@@ -88,26 +84,13 @@ def record_tick(instance: DagsterInstance, name: str, kind: str, started: float,
     that launched the runs."""
     import time
 
-    from dagster._core.definitions.selector import InstigatorSelector
-    from dagster._core.remote_origin import RemoteInstigatorOrigin
-    from dagster._core.scheduler.instigation import (
-        InstigatorType,
-        TickData,
-        TickStatus,
-    )
+    from aerie import dagster_private
 
-    instance.create_tick(TickData(
-        instigator_origin_id=RemoteInstigatorOrigin(
-            repository_origin=repository_origin(instance), instigator_name=name).get_id(),
-        instigator_name=name,
-        instigator_type=InstigatorType.SENSOR if kind == "sensor" else InstigatorType.SCHEDULE,
-        status=TickStatus.SUCCESS if runs else TickStatus.SKIPPED, timestamp=started,
-        selector_id=InstigatorSelector(location_name=LOCATION, repository_name=REPOSITORY,
-                                       name=name).get_id(),
-        run_ids=[r.run_id for r in runs],
+    dagster_private.record_tick(
+        instance, repository_origin(instance), LOCATION, REPOSITORY, name, kind, started,
+        ended=time.time(), run_ids=[r.run_id for r in runs],
         run_keys=[r.tags["dagster/run_key"] for r in runs if "dagster/run_key" in r.tags],
-        skip_reason=None if runs else skip_reason, cursor=cursor,
-        end_timestamp=time.time()))
+        skip_reason=skip_reason, cursor=cursor)
 
 
 def execute(instance: DagsterInstance, job_name: str, request: RunRequest,
@@ -120,23 +103,19 @@ def execute(instance: DagsterInstance, job_name: str, request: RunRequest,
     ``launched_by`` the tags that say who asked (e.g. ``{"dagster/sensor_name": ...}``);
     ``created`` collects the run as soon as it exists (before it executes).
     """
-    from dagster._core.execution.api import execute_run
-    from dagster._core.remote_origin import RemoteJobOrigin
+    from aerie import dagster_private
 
-    recon = _repository().get_reconstructable_job(job_name)
-    job = recon.get_definition()
-    tags = {**job.run_tags, **(request.tags or {}), **launched_by, **_executor_tags()}
+    tags = {**(request.tags or {}), **launched_by, **_executor_tags()}
     if request.partition_key is not None:
         tags["dagster/partition"] = request.partition_key
     if request.run_key:
         tags["dagster/run_key"] = request.run_key
-    run = instance.create_run_for_job(
-        job_def=job, run_config=run_config, tags=tags,
-        remote_job_origin=RemoteJobOrigin(repository_origin(instance), job_name),
-        job_code_origin=recon.get_python_origin())
+    run, job = dagster_private.create_run(
+        instance, repository_origin(instance), DEFINITIONS_MODULE, DEFINITIONS_ATTRIBUTE,
+        job_name, run_config, tags)
     if created is not None:
         created.append(run)
-    result = execute_run(recon, run, instance)
+    result = dagster_private.execute(job, run, instance)
     if not result.success:
         where = f" {request.partition_key}" if request.partition_key else ""
         raise RunFailed(f"{job_name}{where} failed (run {run.run_id}): {_failure(result)}")

@@ -7,7 +7,7 @@ from pathlib import Path
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from pipeline.adapters.frameworks import FRAMEWORKS
+from pipeline.adapters.readers import READERS, reader_for
 from resources.env import resource_from_env
 
 _ENV = {"framework": "AERIE_INGEST_FRAMEWORK", "directory": "AERIE_INGEST_DIR",
@@ -20,7 +20,7 @@ _ENV = {"framework": "AERIE_INGEST_FRAMEWORK", "directory": "AERIE_INGEST_DIR",
 class IngestResource(ConfigurableResource):
     """Which dump to follow. ``framework`` empty = none (the sensor skips)."""
 
-    framework: str = Field(default="", description=f"one of {sorted(FRAMEWORKS)}")
+    framework: str = Field(default="", description=f"one of {sorted(READERS)}")
     directory: str = Field(default="", description="the framework's dump directory")
     initial_policy: str = Field(default="", description="HF dir of the policy before RL "
                                 "(version 0, and the tokenizer)")
@@ -39,11 +39,10 @@ class IngestResource(ConfigurableResource):
     def ingestor(self, storage):
         """The :class:`~pipeline.adapters.ingest.Ingestor` of these settings on ``storage``."""
         from pipeline.adapters.ingest import Ingestor
-        from pipeline.adapters.readers import reader_for
 
-        if self.framework not in FRAMEWORKS:
+        if self.framework not in READERS:
             raise ValueError(f"ingest: framework {self.framework!r} is not one of "
-                             f"{sorted(FRAMEWORKS)}")
+                             f"{sorted(READERS)}")
         for name in ("directory", "initial_policy"):
             if not getattr(self, name):
                 raise ValueError(f"ingest: {name} is not set ({_ENV[name]})")

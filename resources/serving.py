@@ -29,7 +29,7 @@ from pipeline.storage import Storage
 from resources.env import resource_from_env
 from resources.home import aerie_home
 
-Mode = Literal["manifest", "sglang-restart", "vllm-restart", "vllm-reload"]
+Mode = Literal[MODES]  # the backend's modes, one list: config offers exactly those
 
 
 class ServingResource(ConfigurableResource):

@@ -9,6 +9,8 @@
 - ``aerie/`` (the command line) sits on top of everything: only ``tests/`` and the
   benchmarks that drive it (``bench/``) import it;
 - nothing outside ``tests/`` imports ``tests``;
+- Dagster's private API (``dagster._...``) is imported by :data:`DAGSTER_PRIVATE` alone
+  (pinned by ``tests/orchestration/test_dagster_private.py``) and by tests;
 - the first-party import graph, function-level imports included, has no cycle, and no module
   imports ``definitions`` (:func:`test_the_import_graph_has_no_cycle`).
 """
@@ -23,6 +25,7 @@ import pipeline
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ("pipeline", "assets", "jobs", "resources", "definitions.py", "aerie", "bench")
 GROUPS = ("assets", "jobs", "resources", "tests", "definitions", "aerie", "bench")
+DAGSTER_PRIVATE = "aerie.dagster_private"  # the one module that may import ``dagster._``
 
 
 def imports(source: str, module: str = "", is_package: bool = False) -> list[tuple[int, str]]:
@@ -38,6 +41,9 @@ def imports(source: str, module: str = "", is_package: bool = False) -> list[tup
             # ``from pipeline import stage_pkg`` imports the package named after it
             if target == "pipeline":
                 found += [(node.lineno, f"pipeline.{a.name}") for a in node.names]
+            if target == "dagster":  # ``from dagster import _core`` is a private import too
+                found += [(node.lineno, f"dagster.{a.name}") for a in node.names
+                          if a.name.startswith("_")]
     return found
 
 
@@ -76,6 +82,10 @@ def violations(module: str, source: str, where: str, is_package: bool = False) -
         if target == "dagster" or target.startswith(("dagster.", "dagster_")):
             if me[0] == "pipeline":
                 out.append(f"{where}:{line} imports {target} (the core is framework-free)")
+            elif target.startswith("dagster._") and module != DAGSTER_PRIVATE \
+                    and me[0] != "tests":
+                out.append(f"{where}:{line} imports {target} (Dagster's private API is "
+                           f"{DAGSTER_PRIVATE}'s alone)")
             continue
         other = layer_of(target)
         if other is None:
@@ -166,6 +176,12 @@ def test_a_planted_upward_import_is_caught():
             "imports aerie.cli (the command line is on top)",
         ("pipeline.demo.world", "from aerie.demo import RefreshLoop\n"):
             "imports aerie.demo (pipeline/ imports no adapter)",
+        ("aerie.launch", "from dagster._core.execution.api import execute_run\n"):
+            "imports dagster._core.execution.api (Dagster's private API is",
+        ("assets.release", "import dagster._core.storage.tags\n"):
+            "imports dagster._core.storage.tags (Dagster's private API is",
+        ("resources.home", "from dagster import _check\n"):
+            "imports dagster._check (Dagster's private API is",
     }
     for (module, source), expected in planted.items():
         found = violations(module, source, "probe.py")
@@ -181,6 +197,9 @@ def test_a_planted_upward_import_is_caught():
         assert violations(module, "from aerie.demo import RefreshLoop\n", "probe.py") == []
     assert violations("aerie.demo", "from jobs.refresh import refresh_sensor\n"
                       "from assets.partitions import step_of\n", "probe.py") == []
+    for module in (DAGSTER_PRIVATE, "tests.e2e.test_demo_cli"):
+        assert violations(module, "from dagster._core.execution.api import execute_run\n"
+                          "from dagster import DagsterInstance\n", "probe.py") == []
 
 
 def import_graph(sources: dict[str, str], packages: frozenset[str] = frozenset()

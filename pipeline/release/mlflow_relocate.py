@@ -18,6 +18,8 @@ Invariants:
 - Only values that start with the experiment's old location (followed by ``/`` or ending
   there) change, so other experiments and non-artifact columns stay as they were.
 - Idempotent: a second call, or a concurrent one, finds nothing left to rewrite.
+- The only SQL on MLflow's own tables in Aerie. The tables and columns below are pinned
+  against a store made by the installed MLflow (``tests/release/test_mlflow_schema.py``).
 """
 
 from __future__ import annotations

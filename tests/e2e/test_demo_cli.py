@@ -97,19 +97,12 @@ def test_runs_are_created_as_the_daemon_creates_them(demo):
 def test_every_tick_is_in_the_sensors_tick_history(demo):
     """The Automation page of each sensor lists its ticks: one per RL step, the ones that
     launched runs naming them."""
-    from dagster._core.definitions.selector import InstigatorSelector
-    from dagster._core.remote_origin import RemoteInstigatorOrigin
-
-    from aerie.launch import repository_origin
+    from aerie.launch import tick_ids
 
     instance = DagsterInstance.get()
     for sensor, job, launching in (("snapshot_sensor", "ingest_step", 6),
                                    ("refresh_sensor", "drafter_refresh", 3)):
-        ticks = instance.get_ticks(
-            RemoteInstigatorOrigin(repository_origin=repository_origin(instance),
-                                   instigator_name=sensor).get_id(),
-            InstigatorSelector(location_name=LOCATION, repository_name=REPOSITORY,
-                               name=sensor).get_id())
+        ticks = instance.get_ticks(*tick_ids(instance, sensor))
         assert len(ticks) >= 6, sensor  # a tick after every step (a second demo adds more)
         ran = [run_id for t in ticks for run_id in t.run_ids]
         assert sorted(ran) == sorted(r.run_id for r in instance.get_runs(

@@ -36,15 +36,6 @@ def test_restart_and_reload_modes(storage, tmp_path, monkeypatch):
     assert reload.settings.eagle_topk == 4
 
 
-def test_the_resource_offers_every_serving_mode():
-    import typing
-
-    from pipeline.release.backend import MODES
-    from resources.serving import Mode
-
-    assert typing.get_args(Mode) == MODES
-
-
 @pytest.mark.parametrize("config,match", [
     ({"mode": "sglang-resume"}, "mode\n.*Input should be 'manifest', 'sglang-restart'"),
     ({"mode": "sglang-restart"}, "needs restart_command"),
