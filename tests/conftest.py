@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 
 from pipeline.storage import Storage
-from tests.tiers import assign_tiers, guard_unit, plan_for_workers, skip_module, tier_of
+from tests.tiers import (
+    assign_tiers,
+    guard_unit,
+    module_scheduling,
+    plan_for_workers,
+    skip_module,
+    tier_of,
+)
 
 
 def pytest_configure(config):
@@ -29,6 +36,11 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent under -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    return module_scheduling(config, log)
 
 
 def pytest_ignore_collect(collection_path, config):

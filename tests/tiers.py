@@ -64,24 +64,43 @@ def assign_tiers(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.unit)
 
 
-# session fixtures so costly that the tests sharing them must run on one xdist worker
-SHARED_ON_ONE_WORKER = {"finished_loop": "the refresh loop"}
+# modules whose tests share a costly session fixture: one xdist worker runs them all, so it
+# is built once (a module that starts using one must be added here: plan_for_workers checks)
+SHARED_SCOPES = {"tests/e2e/test_refresh_loop.py": "the refresh loop",
+                 "tests/e2e/test_moved_state.py": "the refresh loop"}
+SHARED_FIXTURES = {"finished_loop": "the refresh loop"}
 
 
 def plan_for_workers(items: list[pytest.Item]) -> None:
-    """Order and group the run for ``pytest -n N --dist loadgroup``: the slowest tier first
-    (e2e, then integration, then unit: the long poles start at once), each module on one
-    worker (its module fixtures are built once), and the tests that share a costly session
-    fixture on the same worker. Deterministic, as xdist requires of every worker."""
+    """Order the run for ``pytest -n N`` (:class:`ModuleScheduling`): the slowest tier first
+    (e2e, then integration, then unit: the long poles start at once), file order within a
+    tier; and check that every test sharing a costly session fixture is in a module that
+    :data:`SHARED_SCOPES` keeps on that fixture's worker. Deterministic, as xdist requires of
+    every worker."""
     rank = {"e2e": 0, "integration": 1, "unit": 2}
-    items.sort(key=lambda item: rank[tier_of(item)])  # stable: file order within a tier
+    items.sort(key=lambda item: rank[tier_of(item)])  # stable
     for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        shared = [SHARED_ON_ONE_WORKER[f] for f in item.fixturenames
-                  if f in SHARED_ON_ONE_WORKER]
-        module = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else module))
+        module = item.nodeid.split("::", 1)[0]
+        for fixture, scope in SHARED_FIXTURES.items():
+            if fixture in item.fixturenames and SHARED_SCOPES.get(module) != scope:
+                raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add {module} to "
+                                        f"SHARED_SCOPES in tests/tiers.py")
+
+
+def module_scheduling(config, log):
+    """xdist's scheduler for this suite: each module's tests on one worker (its module
+    fixtures built once), the modules of :data:`SHARED_SCOPES` together, the modules in
+    collection order (:func:`plan_for_workers`), not by size as xdist reorders by default."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return SHARED_SCOPES.get(module, module)
+
+    return ModuleScheduling(config, log)
 
 
 def _refuse(what: str):

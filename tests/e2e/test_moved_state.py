@@ -141,7 +141,9 @@ def moved_to_s3(finished_loop, tmp_path_factory, moto_endpoint) -> Moved:
 
 
 @pytest.fixture(params=["moved_home", "moved_to_s3"])
-def moved(request) -> Moved:
+def moved(request, finished_loop) -> Moved:
+    """Each way of moving the finished loop (``finished_loop`` named here so that an xdist
+    run keeps these tests on the worker that built it, tests/tiers.py)."""
     return request.getfixturevalue(request.param)
 
 

@@ -87,6 +87,9 @@ def _needs_server(item) -> bool:
 
 
 def pytest_collection_finish(session):
+    # under xdist every worker collects every test but runs only some: start it on demand
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if any(_needs_server(item) for item in session.items):
         _server.append(_MlflowServer())
 
