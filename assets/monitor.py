@@ -67,7 +67,7 @@ def _check(context, store, mlflow: MlflowResource, serving: ServingResource,
            refresh: RefreshPolicyResource) -> CheckOutcome:
     from pipeline.monitor import stage as monitor_stage
 
-    if serving.verify == "off" or serving.verifies_live():
+    if serving.verification() != "reported":
         why = "off" if serving.verify == "off" else "on the live servers, at promotion"
         return CheckOutcome(True, f"promotions are verified {why} (serving_drafter's check)")
 
@@ -82,24 +82,18 @@ def _check(context, store, mlflow: MlflowResource, serving: ServingResource,
 
 
 def _outcome(context, checked, registry, store, refresh) -> CheckOutcome:
-    """The ``promotion_verified`` outcome of a verdict; a rollback is recorded as a
+    """The ``promotion_verified`` outcome of a verdict; a rollback is logged and recorded as a
     ``serving_drafter`` event naming the new champion (``registry()``: the one it used)."""
-    v = checked.verification
-    if v is None:
-        return CheckOutcome(True, checked.note)
-    if checked.rollback is not None:
-        r = checked.rollback
+    from pipeline.monitor import stage as monitor_stage
+
+    v, r = checked.verification, checked.rollback
+    if v is not None and r is not None:
         context.log.error(f"v{v.version}: {v.reason}; rolled back to "
                           f"{r.version or 'no drafter'}")
         record_champion_change(context, registry(), r, actor=VERIFY_ACTOR,
                                reason=f"post-promotion check: {v.reason}", store=store,
                                refresh=refresh)
-        return CheckOutcome(False, f"v{v.version} broken after promotion: {v.reason}; "
-                                   f"rolled back to {_v(r.version)}",
-                            v.metadata() | {"rolled_back_to": r.version or "none"})
-    return CheckOutcome(not v.broken, f"v{v.version} {v.verdict}: {v.reason}"
-                        + (f"; not rolled back: {checked.note}" if checked.note else ""),
-                        v.metadata())
+    return monitor_stage.outcome_of(checked)
 
 
 def _table(observed) -> str:
@@ -111,7 +105,3 @@ def _table(observed) -> str:
         return f"none of the {observed.rollouts} rollouts carries speculative counters"
     return ("| drafter | rollouts | verify passes | τ | 95% interval |\n|---|---|---|---|---|\n"
             + "\n".join(rows))
-
-
-def _v(version):
-    return f"v{version}" if version else "no drafter"

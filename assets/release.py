@@ -128,7 +128,7 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
                             config.to_core(), dagster_run_id=context.run.run_id)
     p = r.promotion
     context.log.info(f"step {step}: {p.action} ({'; '.join(p.reasons)})")
-    p, verified = _verify_live(context, store, registry, serving, step, p)
+    p, verified = _verify(context, store, registry, serving, step, p)
     stale = staleness_now(context.instance, store, registry.model_name, refresh)
     try:  # the picture must not fail a promotion that happened: said, not hidden
         chart = MetadataValue.path(store.url(_log_loop_chart(
@@ -160,40 +160,24 @@ def _log_loop_chart(store: Storage, registry: DrafterRegistry, step: int,
     return key
 
 
-def _verify_live(context, store: Storage, registry: DrafterRegistry, serving: ServingResource,
-                 step: int, p: PromotionResult) -> tuple[PromotionResult, CheckOutcome]:
-    """Verify on the live servers a promotion just made (or re-run: a champion of this
-    refresh without a verdict yet, e.g. after a probe that could not reach the servers); a
-    broken one is rolled back, and the result says so (action ``rolled_back``, the champion
-    after the rollback)."""
+def _verify(context, store: Storage, registry: DrafterRegistry, serving: ServingResource,
+            step: int, p: PromotionResult) -> tuple[PromotionResult, CheckOutcome]:
+    """The post-promotion check of ``p`` (:func:`pipeline.monitor.stage.after_promotion`),
+    logged: the promotion as it stands after it, and the check's outcome."""
     from pipeline.monitor import stage as monitor_stage
 
-    if p.action not in ("promoted", "already_champion"):
-        return p, CheckOutcome(True, f"{p.action}: no new drafter to verify")
-    verdict = registry.get_version(p.version).tags.get(monitor_stage.VERDICT_TAG)
-    if verdict is not None:  # a re-run: judged when it was promoted
-        return p, CheckOutcome(verdict != "broken", f"v{p.version} was verified already: "
-                                                    f"{verdict}")
-    if not serving.verifies_live():
-        how = "off (AERIE_SERVING_VERIFY)" if serving.verify == "off" else (
-            "from the acceptance the RL engine reports in the next RL steps "
-            "(serving_acceptance's promotion_verified)")
-        return p, CheckOutcome(True, f"v{p.version}: verification {how}")
-    checked = monitor_stage.verify_promotion(
-        store, registry, serving.build(store, registry.model_name), step, p.version,
-        serving.server_urls, serving.verify_policy(), api_key=serving.api_key)
-    v = checked.verification
-    context.log.info(f"step {step}: v{p.version} on the live servers: {v.verdict}: {v.reason}")
-    if checked.rollback is None:
-        return p, CheckOutcome(not v.broken, f"v{p.version} {v.verdict}: {v.reason}",
-                               v.metadata())
-    back = checked.rollback
-    context.log.error(f"step {step}: v{p.version} rolled back to "
-                      f"{'v' + back.version if back.version else 'no drafter'}")
-    rolled = PromotionResult("rolled_back", p.model, back.version, p.version, back.serving,
-                             (*p.reasons, *back.reasons))
-    return rolled, CheckOutcome(False, f"v{p.version} broken after promotion: {v.reason}; "
-                                       f"rolled back", v.metadata())
+    after = monitor_stage.after_promotion(
+        store, registry, p, step, verify=serving.verification(),
+        serving=lambda: serving.build(store, registry.model_name), urls=serving.server_urls,
+        policy=serving.verify_policy(), api_key=serving.api_key)
+    v, now = after.verification, after.promotion
+    if v is not None:
+        context.log.info(f"step {step}: v{p.version} on the live servers: {v.verdict}: "
+                         f"{v.reason}")
+    if now.action == "rolled_back":
+        context.log.error(f"step {step}: v{p.version} rolled back to "
+                          f"{'v' + now.version if now.version else 'no drafter'}")
+    return now, after.outcome
 
 
 def _rounded(value, digits: int = 4):

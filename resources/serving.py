@@ -94,8 +94,16 @@ class ServingResource(ConfigurableResource):
     def verifies_live(self) -> bool:
         """Whether promotions are verified on the live servers (SGLang modes with
         ``server_urls``), rather than from what the RL engine reports."""
-        return self.verify == "auto" and self.mode.startswith("sglang") and bool(
-            self.server_urls)
+        return self.verification() == "live"
+
+    def verification(self) -> Literal["live", "reported", "off"]:
+        """How promotions are verified (:func:`pipeline.monitor.stage.after_promotion`): on
+        the live servers (SGLang modes with ``server_urls``), from what the RL engine
+        reports in the next RL steps, or not at all."""
+        if self.verify == "off":
+            return "off"
+        live = self.mode.startswith("sglang") and bool(self.server_urls)
+        return "live" if live else "reported"
 
     def build(self, storage: Storage, name: str) -> LedgerBackend:
         """The backend that serves drafters of ``name`` (the registered model name)."""

@@ -3,7 +3,10 @@ summarising an RL step (:func:`.observed.observe_step`).
 
 - :func:`check_reported` judges the drafter serving now on the speculative counters the RL
   engine reported with it, where promotions are not verified live.
-- :func:`verify_promotion` judges a promotion just made on the live servers.
+- :func:`verify_promotion` judges a promotion just made on the live servers;
+  :func:`after_promotion` decides, for ``serving_drafter``, whether and how a promotion is
+  verified, and what the promotion and its ``promotion_verified`` check then say.
+- :func:`outcome_of` is the ``promotion_verified`` outcome of any verdict.
 
 A verdict is recorded on the registry version (tags ``post_promotion.*``) and is final: a
 ``broken`` one rolls the promotion back first (:func:`pipeline.release.promotion.rollback`:
@@ -18,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from pipeline.checks import serving_state
+from pipeline.checks import CheckOutcome, serving_state
 from pipeline.monitor.observed import observed_series
 from pipeline.monitor.verify import (
     BROKEN,
@@ -46,6 +49,64 @@ class Checked:
     verification: Verification | None
     rollback: PromotionResult | None = None
     note: str = ""
+
+
+@dataclass(frozen=True)
+class AfterPromotion:
+    """A promotion as it stands after its check (action ``rolled_back``, and the champion
+    after the rollback, when the check found it broken), the check's outcome, and the verdict
+    reached now (None when none was: nothing new promoted, judged already, or judged later)."""
+
+    promotion: PromotionResult
+    outcome: CheckOutcome
+    verification: Verification | None = None
+
+
+def after_promotion(storage: Storage, registry: DrafterRegistry, p: PromotionResult, step: int,
+                    *, verify: str, serving: Callable[[], ServingBackend],
+                    urls: Sequence[str], policy: VerifyPolicy,
+                    api_key: str | None = None) -> AfterPromotion:
+    """Verify the promotion ``p`` the refresh of ``step`` just made (or a re-run's champion
+    without a verdict yet, e.g. after a probe that could not reach the servers).
+
+    ``verify`` says how promotions are verified: ``"live"`` (on the servers at ``urls``, now;
+    ``serving()`` gives the backend a rollback goes through), ``"reported"`` (later, from
+    the counters the RL engine reports: :func:`check_reported`) or ``"off"``."""
+    if p.action not in ("promoted", "already_champion"):
+        return AfterPromotion(p, CheckOutcome(True, f"{p.action}: no new drafter to verify"))
+    verdict = registry.get_version(p.version).tags.get(VERDICT_TAG)
+    if verdict is not None:  # a re-run: judged when it was promoted
+        return AfterPromotion(p, CheckOutcome(verdict != BROKEN,
+                                              f"v{p.version} was verified already: {verdict}"))
+    if verify != "live":
+        how = "off (AERIE_SERVING_VERIFY)" if verify == "off" else (
+            "from the acceptance the RL engine reports in the next RL steps "
+            "(serving_acceptance's promotion_verified)")
+        return AfterPromotion(p, CheckOutcome(True, f"v{p.version}: verification {how}"))
+    checked = verify_promotion(storage, registry, serving(), step, p.version, urls, policy,
+                               api_key=api_key)
+    back = checked.rollback
+    if back is None:
+        return AfterPromotion(p, outcome_of(checked), checked.verification)
+    rolled = PromotionResult("rolled_back", p.model, back.version, p.version, back.serving,
+                             (*p.reasons, *back.reasons))
+    return AfterPromotion(rolled, outcome_of(checked), checked.verification)
+
+
+def outcome_of(checked: Checked) -> CheckOutcome:
+    """The ``promotion_verified`` outcome of a verdict: fails for a broken drafter, saying
+    whether it was rolled back (and to what) or why not."""
+    v = checked.verification
+    if v is None:
+        return CheckOutcome(True, checked.note)
+    if checked.rollback is not None:
+        to = checked.rollback.version
+        return CheckOutcome(False, f"v{v.version} broken after promotion: {v.reason}; rolled "
+                                   f"back to {'v' + to if to else 'no drafter'}",
+                            v.metadata() | {"rolled_back_to": to or "none"})
+    return CheckOutcome(not v.broken, f"v{v.version} {v.verdict}: {v.reason}"
+                        + (f"; not rolled back: {checked.note}" if checked.note else ""),
+                        v.metadata())
 
 
 def check_reported(storage: Storage, name: str,
