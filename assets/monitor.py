@@ -67,8 +67,9 @@ def _check(context, store, mlflow: MlflowResource, serving: ServingResource,
            refresh: RefreshPolicyResource) -> CheckOutcome:
     from pipeline.monitor import stage as monitor_stage
 
-    if serving.verification() != "reported":
-        why = "off" if serving.verify == "off" else "on the live servers, at promotion"
+    how = serving.verification()
+    if how != "reported":
+        why = "off" if how == "off" else "on the live servers, at promotion"
         return CheckOutcome(True, f"promotions are verified {why} (serving_drafter's check)")
 
     @functools.cache

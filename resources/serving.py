@@ -91,11 +91,6 @@ class ServingResource(ConfigurableResource):
                             min_cycles=self.verify_min_cycles,
                             min_samples=self.verify_min_samples)
 
-    def verifies_live(self) -> bool:
-        """Whether promotions are verified on the live servers (SGLang modes with
-        ``server_urls``), rather than from what the RL engine reports."""
-        return self.verification() == "live"
-
     def verification(self) -> Literal["live", "reported", "off"]:
         """How promotions are verified (:func:`pipeline.monitor.stage.after_promotion`): on
         the live servers (SGLang modes with ``server_urls``), from what the RL engine

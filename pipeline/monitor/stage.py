@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Literal
 
 from pipeline.checks import CheckOutcome, serving_state
 from pipeline.monitor.observed import observed_series
@@ -63,7 +64,8 @@ class AfterPromotion:
 
 
 def after_promotion(storage: Storage, registry: DrafterRegistry, p: PromotionResult, step: int,
-                    *, verify: str, serving: Callable[[], ServingBackend],
+                    *, verify: Literal["live", "reported", "off"],
+                    serving: Callable[[], ServingBackend],
                     urls: Sequence[str], policy: VerifyPolicy,
                     api_key: str | None = None) -> AfterPromotion:
     """Verify the promotion ``p`` the refresh of ``step`` just made (or a re-run's champion
