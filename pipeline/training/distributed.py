@@ -7,6 +7,10 @@ Invariants:
   made on 127.0.0.1 with a free port.
 - CPU runs use gloo and ``DS_ACCELERATOR=cpu`` (set before DeepSpeed is imported, which is
   when it picks its accelerator); CUDA runs use NCCL and the local rank's GPU.
+- CPU runs reduce through gloo only: DeepSpeed's shared-memory all-reduce op is marked
+  unavailable, as it is C++ compiled on first use (about a minute on 2 cores, again for every
+  fresh cache: each CI machine, each user's first ``aerie demo``), for the one-process runs that
+  reduce nothing and the small multi-process runs of tests and demos.
 - The world size found must equal the configured one: a silent 1-of-2 run would train on half
   the data with the wrong schedule.
 """
@@ -18,6 +22,9 @@ import socket
 from dataclasses import dataclass
 
 import torch
+
+
+SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU all-reduce op (ShareMemCommBuilder.NAME)
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,8 @@ def init_distributed(device: str, world_size: int) -> DistContext:
                            f"{world_size}")
     import deepspeed
 
+    if device == "cpu":  # DeepSpeed reads this dict when it sets up its comm backend
+        deepspeed.ops.__compatible_ops__[SHM_OP] = False
     deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl",
                                auto_mpi_discovery=False)
     if device == "cuda":
