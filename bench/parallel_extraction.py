@@ -98,7 +98,8 @@ def extract_once(root: Path, step: int, processes: int, shard_bytes: int) -> dic
     shutil.rmtree(root / shards_prefix(step), ignore_errors=True)
     storage = Storage(root.as_uri())
     config = ExtractConfig(shard_bytes=shard_bytes)
-    open_args = {"kind": "hf", "token_budget": config.token_budget, "hf_device": "cpu"}
+    open_args = {"kind": "hf", "token_budget": config.token_budget,
+                 "options": {"device": "cpu"}}
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     started, cpu = time.perf_counter(), time.process_time()
     with open_backend(storage, step, **open_args) as backend:

@@ -184,7 +184,7 @@ def configuration_page() -> str:
         for field, var in b["variables"].items():
             secret = "yes (`EnvVar`)" if field in b["secrets"] else ""
             out.append(f"| `{var}` | [`{key}.{field}`](#{key}) | "
-                       f"{cell(default_of(b['cls'].model_fields[field]))} | {secret} |\n")
+                       f"{cell(default_of(env.leaf_fields(b['cls'])[field]))} | {secret} |\n")
     out.append("\nVariables read outside the resources are [below]"
                "(#variables-read-outside-the-resources).\n")
     for key, b in bindings.items():
@@ -197,7 +197,7 @@ def configuration_page() -> str:
         out.append(f"Built by `{b['factory'].__name__}`: "
                    f"{rst_to_md(b['factory'].__doc__ or '').strip()}\n\n")
         out.append("| field | variable | type | default | description |\n|---|---|---|---|---|\n")
-        for field, info in cls.model_fields.items():
+        for field, info in env.leaf_fields(cls).items():
             description = info.description or ""
             if constraints(info):
                 description = f"{description} ({constraints(info)})".strip()

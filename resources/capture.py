@@ -1,67 +1,145 @@
-"""The capture resource: which backend produces hidden states (``hf``, ``sglang`` or
-``vllm``)."""
+"""The capture resource: which backend produces hidden states, and a typed section of
+settings per backend (``hf``, ``sglang``, ``vllm``; the engines' client settings in
+``engine``). The choices are the capture backends' registry
+(:data:`pipeline.capture.backends.BACKENDS`)."""
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Literal
 
-from dagster import ConfigurableResource, Failure, InitResourceContext
+from dagster import Config, ConfigurableResource, Failure, InitResourceContext
 from pydantic import Field
 
+from pipeline.capture.backends import (
+    BACKENDS,
+    EngineClient,
+    HFOptions,
+    SGLangOptions,
+    VLLMOptions,
+)
 from pipeline.storage import Storage
 from resources.env import resource_from_env
 
 if TYPE_CHECKING:  # the capture backends import torch: loaded when a backend is opened
     from pipeline.capture.base import CaptureBackend
 
+WHERE = "resources.capture.config"
+
+
+class HFCapture(Config):
+    """``hf``: the step's policy checkpoint in-process."""
+
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="compute dtype (bfloat16 on GPUs)")
+    device: str = Field(default="cpu", pattern=r"^(cpu|auto|cuda(:[0-9]+)?)$",
+                        description="where the policy runs: cpu, cuda, cuda:N, or auto "
+                                    "(CUDA when present)")
+    processes: int = Field(default=1, ge=1, description="processes that extract a step "
+                                                        "together (shard i in process i mod "
+                                                        "N): one per GPU, or CPU workers "
+                                                        "sharing the cores")
+
+    def options(self) -> HFOptions:
+        return HFOptions(dtype=self.dtype, device=self.device)
+
+
+class EngineClientConfig(Config):
+    """How the ``sglang`` and ``vllm`` backends talk to their servers."""
+
+    api_key: str | None = Field(
+        default=None, description="the servers' --api-key, sent as a bearer token; set it "
+                                  "only through AERIE_CAPTURE_ENGINE_API_KEY (an EnvVar, "
+                                  "never run config)")
+    timeout_s: float = Field(default=600.0, gt=0, description="seconds per request")
+    connect_timeout_s: float = Field(default=10.0, gt=0, description="seconds to connect")
+    max_concurrency: int = Field(default=8, ge=1, description="requests in flight at once, "
+                                                              "over all servers")
+    max_retries: int = Field(default=3, ge=0, description="retries of a request that failed "
+                                                          "transiently")
+
+    def client(self) -> EngineClient:
+        return EngineClient(timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s,
+                            max_concurrency=self.max_concurrency, max_retries=self.max_retries,
+                            api_key=self.api_key)
+
+
+class SGLangCapture(Config):
+    """``sglang``: running servers (docs/sglang.md)."""
+
+    aux_urls: list[str] = Field(default_factory=list,
+                                description="aux-capture server URLs "
+                                            "(--enable-return-aux-hidden-states)")
+    final_urls: list[str] = Field(default_factory=list,
+                                  description="final-state server URLs "
+                                              "(--enable-return-hidden-states)")
+
+    def problem(self) -> str | None:
+        missing = [f"sglang.{name}" for name in ("aux_urls", "final_urls")
+                   if not getattr(self, name)]
+        if missing:
+            return (f"capture backend 'sglang' needs {' and '.join(missing)}: set {WHERE}."
+                    f"sglang.aux_urls to the aux-capture servers (--enable-return-aux-hidden-"
+                    f"states) and {WHERE}.sglang.final_urls to the final-state servers "
+                    f"(--enable-return-hidden-states), e.g. [\"http://127.0.0.1:30001\"]; see "
+                    f"docs/sglang.md")
+        bad = [u for u in self.aux_urls + self.final_urls if not _is_http(u)]
+        if bad:
+            return f"{WHERE}.sglang: aux_urls and final_urls must be http(s) URLs, got {bad}"
+        return None
+
+    def options(self, engine: EngineClientConfig) -> SGLangOptions:
+        return SGLangOptions(aux_urls=tuple(self.aux_urls), final_urls=tuple(self.final_urls),
+                             client=engine.client())
+
+
+class VLLMCapture(Config):
+    """``vllm``: servers launched with the extract_hidden_states method (docs/vllm.md)."""
+
+    urls: list[str] = Field(default_factory=list, description="the servers' URLs")
+    files_dir: str | None = Field(default=None, description="where this process reads the "
+                                                            "files the servers write")
+    server_files_dir: str | None = Field(default=None, description="the same directory as "
+                                                                   "the servers see it; "
+                                                                   "unset: files_dir")
+    file_timeout_s: float = Field(default=60.0, gt=0, description="seconds for a "
+                                  "hidden-states file to appear after the answer")
+
+    def problem(self) -> str | None:
+        if not self.urls or not self.files_dir:
+            return (f"capture backend 'vllm' needs {WHERE}.vllm.urls (servers launched with "
+                    f"the extract_hidden_states method) and {WHERE}.vllm.files_dir (where "
+                    f"their files are read); see docs/vllm.md")
+        bad = [u for u in self.urls if not _is_http(u)]
+        if bad:
+            return f"{WHERE}.vllm.urls must be http(s) URLs, got {bad}"
+        return None
+
+    def options(self, engine: EngineClientConfig) -> VLLMOptions:
+        return VLLMOptions(urls=tuple(self.urls), files_dir=self.files_dir,
+                           server_files_dir=self.server_files_dir,
+                           file_timeout_s=self.file_timeout_s, client=engine.client())
+
+
+def _is_http(url: str) -> bool:
+    return url.strip().startswith(("http://", "https://"))
+
 
 class CaptureResource(ConfigurableResource):
     """Builds the capture backend for one RL step's policy checkpoint."""
 
-    backend: Literal["hf", "sglang", "vllm"] = Field(
+    backend: Literal[tuple(BACKENDS)] = Field(  # type: ignore[valid-type]
         default="hf", description="'hf': the step's policy checkpoint in-process; 'sglang' "
                                   "or 'vllm': running servers")
     aux_layer_ids: list[int] | None = Field(
         default=None, description="decoder layers whose outputs are captured, low→mid→high; "
                                   "unset: EAGLE-3's [1, N//2-1, N-4]")
-    hf_dtype: Literal["float32", "bfloat16"] = Field(
-        default="float32", description="hf: compute dtype (bfloat16 on GPUs)")
-    hf_device: str = Field(default="cpu", pattern=r"^(cpu|auto|cuda(:[0-9]+)?)$",
-                           description="hf: where the policy runs: cpu, cuda, cuda:N, or "
-                                       "auto (CUDA when present)")
-    hf_processes: int = Field(default=1, ge=1, description="hf: processes that extract a "
-                                                           "step together (shard i in "
-                                                           "process i mod N): one per GPU, "
-                                                           "or CPU workers sharing the cores")
-    sglang_aux_urls: list[str] = Field(default_factory=list,
-                                       description="sglang: aux-capture server URLs")
-    sglang_final_urls: list[str] = Field(default_factory=list,
-                                         description="sglang: final-state server URLs")
-    vllm_urls: list[str] = Field(default_factory=list,
-                                 description="vllm: servers launched with extract_hidden_states "
-                                             "(docs/vllm.md)")
-    vllm_files_dir: str | None = Field(default=None,
-                                       description="vllm: where this process reads the files "
-                                                   "the servers write")
-    vllm_server_files_dir: str | None = Field(default=None,
-                                              description="vllm: the same directory as the "
-                                                          "servers see it; unset: "
-                                                          "vllm_files_dir")
-
-    engine_api_key: str | None = Field(
-        default=None, description="sglang/vllm: the servers' --api-key, sent as a bearer "
-                                  "token; set it only through AERIE_CAPTURE_ENGINE_API_KEY "
-                                  "(an EnvVar, never run config)")
-    engine_timeout_s: float = Field(default=600.0, gt=0, description="sglang/vllm: seconds "
-                                    "per request")
-    engine_connect_timeout_s: float = Field(default=10.0, gt=0, description="sglang/vllm: "
-                                            "seconds to connect")
-    engine_max_concurrency: int = Field(default=8, ge=1, description="sglang/vllm: requests "
-                                        "in flight at once, over all servers")
-    engine_max_retries: int = Field(default=3, ge=0, description="sglang/vllm: retries of a "
-                                    "request that failed transiently")
-    vllm_file_timeout_s: float = Field(default=60.0, gt=0, description="vllm: seconds for "
-                                       "a hidden-states file to appear after the answer")
+    hf: HFCapture = Field(default_factory=HFCapture, description="the hf backend")
+    sglang: SGLangCapture = Field(default_factory=SGLangCapture,
+                                  description="the sglang backend")
+    vllm: VLLMCapture = Field(default_factory=VLLMCapture, description="the vllm backend")
+    engine: EngineClientConfig = Field(default_factory=EngineClientConfig,
+                                       description="the sglang and vllm backends' clients")
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
         """Refuse a misconfigured backend before any step runs (no retries), naming the
@@ -72,62 +150,28 @@ class CaptureResource(ConfigurableResource):
 
     def problem(self) -> str | None:
         """What is wrong with the configuration, with the fix; None when nothing is."""
-        where = "resources.capture.config"
         if self.backend == "hf":
             return None
-        if self.hf_processes > 1:
-            return (f"{where}.hf_processes is {self.hf_processes}, but only the 'hf' backend "
+        if self.hf.processes > 1:
+            return (f"{WHERE}.hf.processes is {self.hf.processes}, but only the 'hf' backend "
                     f"runs in processes: an engine's parallelism is its servers (list more "
                     f"URLs)")
-        if self.backend == "vllm":
-            return self._vllm_problem(where)
-        missing = [name for name in ("sglang_aux_urls", "sglang_final_urls")
-                   if not getattr(self, name)]
-        bad = [u for u in self.sglang_aux_urls + self.sglang_final_urls
-               if not u.strip().startswith(("http://", "https://"))]
-        if missing:
-            return (f"capture backend 'sglang' needs {' and '.join(missing)}: set {where}."
-                    f"sglang_aux_urls to the aux-capture servers (--enable-return-aux-"
-                    f"hidden-states) and {where}.sglang_final_urls to the final-state servers "
-                    f"(--enable-return-hidden-states), e.g. [\"http://127.0.0.1:30001\"]; see "
-                    f"docs/sglang.md")
-        if bad:
-            return (f"{where}: sglang_aux_urls and sglang_final_urls must be http(s) URLs, "
-                    f"got {bad}")
-        return None
-
-    def _vllm_problem(self, where: str) -> str | None:
-        if not self.vllm_urls or not self.vllm_files_dir:
-            return (f"capture backend 'vllm' needs {where}.vllm_urls (servers launched with "
-                    f"the extract_hidden_states method) and {where}.vllm_files_dir (where "
-                    f"their files are read); see docs/vllm.md")
-        bad = [u for u in self.vllm_urls if not u.strip().startswith(("http://", "https://"))]
-        if bad:
-            return f"{where}.vllm_urls must be http(s) URLs, got {bad}"
-        return None
+        return getattr(self, self.backend).problem()
 
     @property
     def processes(self) -> int:
-        return self.hf_processes if self.backend == "hf" else 1
+        return self.hf.processes if self.backend == "hf" else 1
+
+    def options(self) -> Any:
+        """The chosen backend's settings (:data:`~pipeline.capture.backends.BACKENDS`)."""
+        section = getattr(self, self.backend)
+        return section.options() if self.backend == "hf" else section.options(self.engine)
 
     def open_args(self, token_budget: int) -> dict[str, Any]:
         """``open_backend``'s keyword arguments (JSON: a data-parallel extraction hands
         them to its other processes)."""
-        args = {"kind": self.backend, "aux_layer_ids": self.aux_layer_ids,
-                "token_budget": token_budget, "hf_dtype": self.hf_dtype,
-                "hf_device": self.hf_device}
-        if self.backend == "hf":
-            return args
-        client = {"timeout_s": self.engine_timeout_s,
-                  "connect_timeout_s": self.engine_connect_timeout_s,
-                  "max_concurrency": self.engine_max_concurrency,
-                  "max_retries": self.engine_max_retries, "api_key": self.engine_api_key}
-        if self.backend == "vllm":
-            client["file_timeout_s"] = self.vllm_file_timeout_s
-        return {**args, "sglang_aux_urls": list(self.sglang_aux_urls),
-                "sglang_final_urls": list(self.sglang_final_urls),
-                "vllm_urls": list(self.vllm_urls), "vllm_files_dir": self.vllm_files_dir,
-                "vllm_server_files_dir": self.vllm_server_files_dir, "client": client}
+        return {"kind": self.backend, "aux_layer_ids": self.aux_layer_ids,
+                "token_budget": token_budget, "options": asdict(self.options())}
 
     @contextlib.contextmanager
     def open(self, storage: Storage, step: int, token_budget: int
@@ -139,6 +183,8 @@ class CaptureResource(ConfigurableResource):
 
 
 def capture_from_env() -> CaptureResource:
-    """Every field from ``AERIE_CAPTURE_<FIELD>`` where it is set (lists as JSON or
+    """Every field from ``AERIE_CAPTURE_<FIELD>`` where it is set, a section's fields from
+    ``AERIE_CAPTURE_<SECTION>_<FIELD>`` (``AERIE_CAPTURE_HF_DTYPE``; lists as JSON or
     comma-separated); the API key as an ``EnvVar``."""
-    return resource_from_env(CaptureResource, "AERIE_CAPTURE_", secrets=("engine_api_key",))
+    return resource_from_env(CaptureResource, "AERIE_CAPTURE_", secrets=("engine.api_key",))
+

@@ -1,7 +1,9 @@
 """Resources from the environment, checked when the definitions load.
 
 Every field of a resource built here has a variable, ``<PREFIX><FIELD>`` in upper case
-(``AERIE_CAPTURE_BACKEND`` for ``capture.backend``). A deployment sets the variables on the
+(``AERIE_CAPTURE_BACKEND`` for ``capture.backend``); a field of a section (a nested
+``Config``) has ``<PREFIX><SECTION>_<FIELD>`` (``AERIE_CAPTURE_HF_DTYPE`` for
+``capture.hf.dtype``). A deployment sets the variables on the
 code server and the run workers; each run (sensor, schedule, UI, ``dagster job execute``)
 gets the resource so configured, and run config (``resources: <name>: config:``) still
 overrides field by field.
@@ -21,8 +23,9 @@ import types
 import typing
 from typing import Any, Literal, TypeVar
 
-from dagster import ConfigurableResource, EnvVar
+from dagster import Config, ConfigurableResource, EnvVar
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 R = TypeVar("R", bound=ConfigurableResource)
 
@@ -31,15 +34,28 @@ class EnvConfigError(ValueError):
     """A variable whose value its resource field cannot take."""
 
 
+def leaf_fields(cls: type[Config]) -> dict[str, FieldInfo]:
+    """Every field of ``cls``, a section's (a nested ``Config``) as ``section.field``."""
+    fields: dict[str, FieldInfo] = {}
+    for name, info in cls.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, Config):
+            fields.update({f"{name}.{inner}": sub
+                           for inner, sub in leaf_fields(info.annotation).items()})
+        else:
+            fields[name] = info
+    return fields
+
+
 def env_names(cls: type[ConfigurableResource], prefix: str,
               names: dict[str, str] | None = None) -> dict[str, str]:
-    """Field → variable, for every field of ``cls`` (``names`` overrides the rule; without
-    a prefix every field must be named)."""
+    """Field → variable, for every field of ``cls`` (a section's as ``section.field``;
+    ``names`` overrides the rule; without a prefix every field must be named)."""
     names = names or {}
-    unnamed = [f for f in cls.model_fields if f not in names]
+    fields = leaf_fields(cls)
+    unnamed = [f for f in fields if f not in names]
     if not prefix and unnamed:
         raise TypeError(f"{cls.__name__}: fields {unnamed} have no variable")
-    return {f: names.get(f, f"{prefix}{f.upper()}") for f in cls.model_fields}
+    return {f: names.get(f, f"{prefix}{f.replace('.', '_').upper()}") for f in fields}
 
 
 def resource_from_env(cls: type[R], prefix: str, *, secrets: tuple[str, ...] = (),
@@ -51,17 +67,23 @@ def resource_from_env(cls: type[R], prefix: str, *, secrets: tuple[str, ...] = (
     read as values, since nothing resolves an ``EnvVar`` there."""
     environ = os.environ if environ is None else environ
     variables = env_names(cls, prefix, names)
+    fields = leaf_fields(cls)
     values: dict[str, Any] = {}
     for name, var in variables.items():
         if var not in environ:
             continue
         if name in secrets and not outside_dagster:
-            values[name] = EnvVar(var)
+            value: Any = EnvVar(var)
         elif name in secrets:
-            values[name] = environ[var]
+            value = environ[var]
         else:
-            values[name] = parse_value(environ[var], cls.model_fields[name].annotation,
-                                       f"{var} ({cls.__name__}.{name})")
+            value = parse_value(environ[var], fields[name].annotation,
+                                f"{var} ({cls.__name__}.{name})")
+        *sections, leaf = name.split(".")
+        target = values
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[leaf] = value
     try:
         return cls(**values)
     except ValidationError as e:
@@ -72,7 +94,7 @@ def resource_from_env(cls: type[R], prefix: str, *, secrets: tuple[str, ...] = (
 def _problem(cls: type, variables: dict[str, str], err: Any) -> str:
     if not err["loc"]:  # a check of several fields together
         return f"{cls.__name__}: {err['msg']}"
-    field = str(err["loc"][0])
+    field = ".".join(str(part) for part in err["loc"])
     return f"{variables.get(field, field)} ({cls.__name__}.{field}): {err['msg']}"
 
 

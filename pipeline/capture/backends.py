@@ -1,28 +1,90 @@
-"""Opening a capture backend for one RL step's policy checkpoint, by kind."""
+"""The capture backends, registered once: each kind's settings and how it opens for one RL
+step's policy checkpoint.
+
+``BACKENDS`` maps a kind (``hf``, ``sglang``, ``vllm``) to its :class:`BackendKind`: the
+frozen dataclass of its settings and the function that opens it. The capture resource's
+choices, its typed section per kind and :func:`open_backend` all read this one dict, so a
+new backend is one opener, one settings class and one entry here. Importing this module
+loads no torch: a backend loads what it needs when it opens.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from pipeline.capture.base import CaptureBackend
 from pipeline.capture.config import DEFAULT_TOKEN_BUDGET
 from pipeline.eagle3.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 from pipeline.layout import policy_prefix
+from pipeline.records import from_dict
 from pipeline.snapshot.policy import POLICY_KIND
 from pipeline.storage import Storage
 from pipeline.verified import committed, read_verified
 
-BACKENDS = ("hf", "sglang", "vllm")
+if TYPE_CHECKING:
+    import torch
+
+    from pipeline.capture.base import CaptureBackend
+
+
+@dataclass(frozen=True)
+class EngineClient:
+    """How the engine backends talk to their servers (the clients' defaults)."""
+
+    timeout_s: float = 600.0  # per request
+    connect_timeout_s: float = 10.0
+    max_concurrency: int = 8  # requests in flight at once, over all servers
+    max_retries: int = 3  # of a request that failed transiently
+    api_key: str | None = field(default=None, repr=False)  # the servers' --api-key
+
+
+@dataclass(frozen=True)
+class HFOptions:
+    """``hf``: the step's policy checkpoint loaded in this process."""
+
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16
+    device: str = "cpu"  # cpu, cuda, cuda:N, or auto (CUDA when present)
+
+
+@dataclass(frozen=True)
+class SGLangOptions:
+    """``sglang``: an aux-capture and a final-state server serving the step's checkpoint
+    (``capture/sglang.py``)."""
+
+    aux_urls: tuple[str, ...] = ()
+    final_urls: tuple[str, ...] = ()
+    client: EngineClient = EngineClient()
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """``vllm``: servers that write the states as files (``capture/vllm.py``)."""
+
+    urls: tuple[str, ...] = ()
+    files_dir: str | None = None  # where this process reads the files
+    server_files_dir: str | None = None  # the same directory as the servers see it
+    file_timeout_s: float = 60.0  # for a file to appear after the answer
+    client: EngineClient = EngineClient()
+
+
+Opener = Callable[[Storage, int, Sequence[int] | None, int, Any],
+                  contextlib.AbstractContextManager["CaptureBackend"]]
+
+
+@dataclass(frozen=True)
+class BackendKind:
+    options: type  # the frozen dataclass of this kind's settings
+    open: Opener  # (storage, step, aux_layer_ids, token_budget, options) -> backend
 
 
 def resolve_device(device: str) -> torch.device:
     """``auto``: CUDA when torch sees a GPU, else the CPU; a CUDA device that is not there
     is refused by name rather than left to fail inside the first forward."""
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)
@@ -35,63 +97,99 @@ def resolve_device(device: str) -> torch.device:
 
 
 @contextlib.contextmanager
+def _open_hf(storage: Storage, step: int, aux_layer_ids: Sequence[int] | None,
+             token_budget: int, options: HFOptions) -> Iterator[CaptureBackend]:
+    """States computed as float32 or bfloat16 on ``options.device``, handed out as bf16 on
+    the CPU."""
+    import torch
+
+    from pipeline.capture.hf import hf_backend_for_step
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if options.dtype not in dtypes:
+        raise ValueError(f"hf dtype must be one of {sorted(dtypes)}, got {options.dtype!r}")
+    with hf_backend_for_step(storage, step, aux_layer_ids=aux_layer_ids,
+                             dtype=dtypes[options.dtype], output_dtype=torch.bfloat16,
+                             token_budget=token_budget,
+                             device=resolve_device(options.device)) as backend:
+        yield backend
+
+
+def _engine_geometry(storage: Storage, step: int, aux_layer_ids: Sequence[int] | None,
+                     kind: str) -> tuple[int, int, tuple[int, ...]]:
+    """``(hidden_size, layers, aux ids)`` from the step's checkpoint ``config.json``."""
+    prefix = policy_prefix(step)
+    config = json.loads(read_verified(storage, prefix, committed(storage, prefix, POLICY_KIND),
+                                      "config.json"))
+    layers = int(config["num_hidden_layers"])
+    ids = check_aux_layer_ids(  # SGLang's DeepSeek files number layers their own way
+        aux_layer_ids if aux_layer_ids is not None else default_aux_layer_ids(layers),
+        layers, model_type=config.get("model_type") if kind == "sglang" else None)
+    return int(config["hidden_size"]), layers, tuple(ids)
+
+
+@contextlib.contextmanager
+def _open_sglang(storage: Storage, step: int, aux_layer_ids: Sequence[int] | None,
+                 token_budget: int, options: SGLangOptions) -> Iterator[CaptureBackend]:
+    from pipeline.capture.sglang import SGLangCaptureConfig
+
+    hidden, layers, ids = _engine_geometry(storage, step, aux_layer_ids, "sglang")
+    with SGLangCaptureConfig(
+            aux_urls=tuple(options.aux_urls), final_urls=tuple(options.final_urls),
+            hidden_size=hidden, aux_layer_ids=ids, num_target_layers=layers,
+            request_token_budget=token_budget, **asdict(options.client)).build() as backend:
+        yield backend
+
+
+@contextlib.contextmanager
+def _open_vllm(storage: Storage, step: int, aux_layer_ids: Sequence[int] | None,
+               token_budget: int, options: VLLMOptions) -> Iterator[CaptureBackend]:
+    """The checkpoint's final norm is read from storage (vLLM hands out pre-norm states)."""
+    from pipeline.capture.final_norm import load_final_norm
+    from pipeline.capture.vllm import VLLMCaptureConfig
+
+    hidden, layers, ids = _engine_geometry(storage, step, aux_layer_ids, "vllm")
+    with VLLMCaptureConfig(
+            urls=tuple(options.urls), files_dir=options.files_dir or "",
+            server_files_dir=options.server_files_dir, hidden_size=hidden,
+            aux_layer_ids=ids, num_target_layers=layers,
+            final_norm=load_final_norm(storage, step), file_timeout_s=options.file_timeout_s,
+            **asdict(options.client)).build() as backend:
+        yield backend
+
+
+BACKENDS: dict[str, BackendKind] = {
+    "hf": BackendKind(HFOptions, _open_hf),
+    "sglang": BackendKind(SGLangOptions, _open_sglang),
+    "vllm": BackendKind(VLLMOptions, _open_vllm),
+}
+
+
+def backend_options(kind: str, options: Any = None) -> Any:
+    """``kind``'s settings from its dataclass, a mapping (JSON: a data-parallel extraction
+    hands them to its other processes) or None (the defaults)."""
+    if kind not in BACKENDS:
+        raise ValueError(f"unknown capture backend {kind!r}; expected one of "
+                         f"{sorted(BACKENDS)}")
+    cls = BACKENDS[kind].options
+    if options is None:
+        return cls()
+    if isinstance(options, Mapping):
+        return from_dict(cls, options)
+    if not isinstance(options, cls):
+        raise TypeError(f"capture backend {kind!r} takes {cls.__name__}, got "
+                        f"{type(options).__name__}")
+    return options
+
+
+@contextlib.contextmanager
 def open_backend(storage: Storage, step: int, kind: str = "hf", *,
                  aux_layer_ids: Sequence[int] | None = None,
-                 token_budget: int = DEFAULT_TOKEN_BUDGET, hf_dtype: str = "float32",
-                 hf_device: str = "cpu",
-                 sglang_aux_urls: Sequence[str] = (), sglang_final_urls: Sequence[str] = (),
-                 vllm_urls: Sequence[str] = (), vllm_files_dir: str | None = None,
-                 vllm_server_files_dir: str | None = None,
-                 client: Mapping[str, Any] | None = None) -> Iterator[CaptureBackend]:
-    """The capture backend for ``step``'s policy checkpoint, closed on exit.
-
-    ``hf`` loads ``policies/step=NNNNNN/`` in-process (``hf_dtype``: float32 | bfloat16) on
-    ``hf_device`` (cpu, cuda, cuda:N, or auto: CUDA when present) and hands states out as
-    bf16 on the CPU. ``sglang`` talks to servers already serving that checkpoint
-    (an aux-capture server and a final-state server, see ``capture/sglang.py``); H and the
-    default aux ids come from the checkpoint's ``config.json``. ``vllm`` talks to vLLM
-    servers that write the states as files into ``vllm_files_dir`` (``capture/vllm.py``),
-    with the checkpoint's final norm read from storage. ``client``: the engine clients'
-    settings (``timeout_s``, ``connect_timeout_s``, ``max_concurrency``, ``max_retries``,
-    ``api_key``; vllm also ``file_timeout_s``), their defaults where absent.
-    """
-    if kind == "hf":
-        from pipeline.capture.hf import hf_backend_for_step
-
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-        if hf_dtype not in dtypes:
-            raise ValueError(f"hf_dtype must be one of {sorted(dtypes)}, got {hf_dtype!r}")
-        with hf_backend_for_step(storage, step, aux_layer_ids=aux_layer_ids,
-                                 dtype=dtypes[hf_dtype], output_dtype=torch.bfloat16,
-                                 token_budget=token_budget,
-                                 device=resolve_device(hf_device)) as backend:
-            yield backend
-    elif kind in ("sglang", "vllm"):
-        prefix = policy_prefix(step)
-        config = json.loads(read_verified(storage, prefix, committed(storage, prefix, POLICY_KIND),
-                                          "config.json"))
-        layers = int(config["num_hidden_layers"])
-        ids = check_aux_layer_ids(  # SGLang's DeepSeek files number layers their own way
-            aux_layer_ids if aux_layer_ids is not None else default_aux_layer_ids(layers),
-            layers, model_type=config.get("model_type") if kind == "sglang" else None)
-        if kind == "sglang":
-            from pipeline.capture.sglang import SGLangCaptureConfig
-
-            built = SGLangCaptureConfig(
-                aux_urls=tuple(sglang_aux_urls), final_urls=tuple(sglang_final_urls),
-                hidden_size=int(config["hidden_size"]), aux_layer_ids=ids,
-                num_target_layers=layers, request_token_budget=token_budget,
-                **(client or {})).build()
-        else:
-            from pipeline.capture.final_norm import load_final_norm
-            from pipeline.capture.vllm import VLLMCaptureConfig
-
-            built = VLLMCaptureConfig(
-                urls=tuple(vllm_urls), files_dir=vllm_files_dir or "",
-                server_files_dir=vllm_server_files_dir, hidden_size=int(config["hidden_size"]),
-                aux_layer_ids=ids, num_target_layers=layers,
-                final_norm=load_final_norm(storage, step), **(client or {})).build()
-        with built as backend:
-            yield backend
-    else:
-        raise ValueError(f"unknown capture backend {kind!r}; expected one of {BACKENDS}")
+                 token_budget: int = DEFAULT_TOKEN_BUDGET,
+                 options: Any = None) -> Iterator[CaptureBackend]:
+    """The ``kind`` backend for ``step``'s policy checkpoint, closed on exit. ``options``:
+    the kind's settings (see :func:`backend_options`). The engine backends take H and the
+    default aux ids from the checkpoint's ``config.json``."""
+    settings = backend_options(kind, options)
+    with BACKENDS[kind].open(storage, step, aux_layer_ids, token_budget, settings) as backend:
+        yield backend

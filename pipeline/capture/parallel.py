@@ -142,8 +142,15 @@ def run(storage: Storage, step: int, backend: CaptureBackend, config: ExtractCon
                    seconds=time.perf_counter() - started)
 
 
+def _hf_device(open_args: Mapping[str, Any]) -> str | None:
+    """The device an ``hf`` backend runs on; None for the engine backends."""
+    if open_args.get("kind", "hf") != "hf":
+        return None
+    return str((open_args.get("options") or {}).get("device", "cpu"))
+
+
 def _device_type(open_args: Mapping[str, Any]) -> str:
-    device = str(open_args.get("hf_device", "cpu"))
+    device = _hf_device(open_args) or "cpu"
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(device).type
@@ -153,8 +160,9 @@ def _spread(open_args: Mapping[str, Any], part: int) -> dict[str, Any]:
     """Part ``part``'s backend arguments: ``cuda``/``auto`` on a GPU machine becomes
     ``cuda:part mod count``; an explicit ``cuda:N`` or ``cpu`` stays as it is."""
     args = dict(open_args)
-    if args.get("hf_device") in ("cuda", "auto") and torch.cuda.is_available():
-        args["hf_device"] = f"cuda:{part % torch.cuda.device_count()}"
+    if _hf_device(args) in ("cuda", "auto") and torch.cuda.is_available():
+        args["options"] = {**args["options"],
+                           "device": f"cuda:{part % torch.cuda.device_count()}"}
     return args
 
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU all-reduce op (ShareMemCommBuilder.NAME)
 
 

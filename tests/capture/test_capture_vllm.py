@@ -23,7 +23,7 @@ from pipeline.capture.shards import iter_step, read_shards_manifest
 from pipeline.capture.vllm import VLLMCaptureConfig, engine_layer_ids
 from pipeline.snapshot.policy import publish_policy
 from pipeline.storage import Storage
-from resources.capture import CaptureResource
+from resources.capture import CaptureResource, VLLMCapture
 from resources.storage import StorageResource
 from tests.capture.test_capture_hf import random_batch, tiny_llama
 from tests.capture.test_extraction import CONFIG, STEP, lengths, write_tokenized
@@ -111,8 +111,8 @@ def backend(storage, vllm, **kw):
 
 def test_states_are_the_hf_backends_in_aerie_conventions(storage, vllm, model):
     batch = random_batch()
-    with open_backend(storage, STEP, "vllm", aux_layer_ids=AUX, vllm_urls=[vllm[0]],
-                      vllm_files_dir=str(vllm[1])) as ours:
+    with open_backend(storage, STEP, "vllm", aux_layer_ids=AUX, options={
+            "urls": [vllm[0]], "files_dir": str(vllm[1])}) as ours:
         got = ours.capture(batch)
         record = ours.provenance()
     want = HFCaptureBackend(model, aux_layer_ids=AUX).capture(batch)
@@ -235,8 +235,8 @@ def test_the_vllm_backend_is_a_capture_resource_setting(tmp_path, policy_dir, vl
     storage = Storage(url)
     publish_policy(storage, STEP, policy_dir)
     write_tokenized(storage, STEP, lengths(6))
-    capture = CaptureResource(backend="vllm", aux_layer_ids=list(AUX), vllm_urls=[vllm[0]],
-                              vllm_files_dir=str(vllm[1]))
+    capture = CaptureResource(backend="vllm", aux_layer_ids=list(AUX), vllm=VLLMCapture(
+        urls=[vllm[0]], files_dir=str(vllm[1])))
     config = {"token_budget": CONFIG.token_budget, "heldout_fraction": 0.0}
     with instance_for_test() as instance:
         instance.add_dynamic_partitions("rl_steps", ["step-000003"])
@@ -249,7 +249,7 @@ def test_the_vllm_backend_is_a_capture_resource_setting(tmp_path, policy_dir, vl
     assert manifest.meta["backend"] == "vllm" and manifest.meta["samples"] == 6
     assert manifest.meta["provenance"]["engine"] == "vllm"
     assert sum(1 for _ in iter_step(storage, STEP)) == 6
-    assert "needs resources.capture.config.vllm_urls" in CaptureResource(
+    assert "needs resources.capture.config.vllm.urls" in CaptureResource(
         backend="vllm").problem()
 
 
@@ -272,4 +272,4 @@ def test_the_guide_command_launches_what_the_backend_reads():
     layers = int(re.search(r"For a (\d+)-layer target", section).group(1))
     assert launch.layer_ids == engine_layer_ids(aux, layers)
     assert launch.custom_paths and launch.use_lock
-    assert f"vllm_files_dir: {launch.storage}" in section
+    assert f"files_dir: {launch.storage}" in section

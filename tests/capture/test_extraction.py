@@ -37,7 +37,7 @@ from pipeline.parquet import write_table
 from pipeline.snapshot.policy import load_policy_ref, publish_policy
 from pipeline.storage import Storage
 from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
-from resources.capture import CaptureResource
+from resources.capture import CaptureResource, HFCapture
 from resources.storage import StorageResource
 from tests.capture.test_capture_hf import VOCAB, tiny_llama
 
@@ -374,7 +374,7 @@ def test_asset_materializes_a_step_with_its_own_policy(tmp_path, model):
     run_config = {"ops": {"hidden_state_shards": {"config": {
         "token_budget": 48, "shard_bytes": 60 * TOKEN_BYTES}}}}
     resources = {"storage": StorageResource(url=url),
-                 "capture": CaptureResource(aux_layer_ids=[0, 2, 4], hf_device="auto")}
+                 "capture": CaptureResource(aux_layer_ids=[0, 2, 4], hf=HFCapture(device="auto"))}
     with instance_for_test() as instance:
         instance.add_dynamic_partitions("rl_steps", ["step-000003"])
         result = materialize([hidden_state_shards], partition_key="step-000003",
@@ -414,8 +414,8 @@ def test_open_backend_refuses_unknown_kinds_and_builds_sglang_from_the_policy(tm
     with pytest.raises(ValueError, match="unknown capture backend"):
         with open_backend(storage, STEP, "tensorrt-llm"):
             pass
-    with open_backend(storage, STEP, "sglang", sglang_aux_urls=["http://127.0.0.1:9"],
-                      sglang_final_urls=["http://127.0.0.1:9"]) as sglang:
+    with open_backend(storage, STEP, "sglang", options={
+            "aux_urls": ["http://127.0.0.1:9"], "final_urls": ["http://127.0.0.1:9"]}) as sglang:
         assert sglang.hidden_size == H and sglang.aux_layer_ids == (1, 2, 4)
 
 

@@ -20,7 +20,7 @@ from pipeline.layout import shards_prefix
 from pipeline.manifest import read_manifest
 from pipeline.snapshot.policy import load_policy_ref, publish_policy
 from pipeline.storage import Storage
-from resources.capture import CaptureResource
+from resources.capture import CaptureResource, HFCapture, SGLangCapture
 from resources.storage import StorageResource
 from tests.capture.test_capture_hf import tiny_llama
 from tests.capture.test_extraction import (
@@ -33,7 +33,7 @@ from tests.capture.test_extraction import (
 )
 
 OPEN = {"kind": "hf", "aux_layer_ids": [0, 2, 4], "token_budget": CONFIG.token_budget,
-        "hf_dtype": "float32", "hf_device": "cpu"}
+        "options": {"dtype": "float32", "device": "cpu"}}
 FAILING_PART = [sys.executable, "-c", "import sys; sys.stdin.readline(); "
                 "print('{\"error\": \"RuntimeError: planted\"}'); sys.exit(1)"]
 
@@ -144,7 +144,7 @@ def test_processes_are_a_capture_resource_setting(tmp_path, policy_dir, single):
               "shard_bytes": 60 * TOKEN_BYTES, "row_group_bytes": 24 * TOKEN_BYTES,
               "heldout_fraction": 0.0}
     resources = {"storage": StorageResource(url=url),
-                 "capture": CaptureResource(aux_layer_ids=[0, 2, 4], hf_processes=2)}
+                 "capture": CaptureResource(aux_layer_ids=[0, 2, 4], hf=HFCapture(processes=2))}
     with instance_for_test() as instance:
         instance.add_dynamic_partitions("rl_steps", ["step-000003"])
         result = materialize([hidden_state_shards], partition_key="step-000003",
@@ -153,6 +153,6 @@ def test_processes_are_a_capture_resource_setting(tmp_path, policy_dir, single):
     assert result.success and shard_files(storage) == shard_files(one)
     (event,) = result.get_asset_materialization_events()
     assert event.materialization.metadata["processes"].value == 2
-    assert "hf_processes is 2, but only the 'hf' backend" in CaptureResource(
-        backend="sglang", hf_processes=2, sglang_aux_urls=["http://127.0.0.1:9"],
-        sglang_final_urls=["http://127.0.0.1:9"]).problem()
+    assert "hf.processes is 2, but only the 'hf' backend" in CaptureResource(
+        backend="sglang", hf=HFCapture(processes=2), sglang=SGLangCapture(
+            aux_urls=["http://127.0.0.1:9"], final_urls=["http://127.0.0.1:9"])).problem()

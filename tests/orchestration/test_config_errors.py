@@ -15,7 +15,7 @@ from assets.partitions import refresh_steps, rl_steps
 from assets.shards import hidden_state_shards
 from assets.snapshots import rollout_snapshot
 from assets.tokenized import tokenized_rollouts
-from resources.capture import CaptureResource
+from resources.capture import CaptureResource, HFCapture, SGLangCapture
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
 from tests.orchestration.conftest import on_every_dagster_backend, use_backend
@@ -76,17 +76,20 @@ def test_an_unwritable_storage_root_names_aerie_storage_url(instance, tmp_path):
 
 
 def test_sglang_without_urls_names_the_fields(instance, tmp_path):
-    capture = CaptureResource(backend="sglang", sglang_aux_urls=["http://127.0.0.1:30001"])
+    capture = CaptureResource(backend="sglang",
+                              sglang=SGLangCapture(aux_urls=["http://127.0.0.1:30001"]))
     message = _fails_once(_materialize(DATA, instance, {
         "storage": StorageResource(url=(tmp_path / "storage").as_uri()),
         "capture": capture}))
-    assert "resources.capture.config.sglang_final_urls" in message
+    assert "resources.capture.config.sglang.final_urls" in message
     assert "aux_urls must be" not in message  # the field's name, not the client's
     with pytest.raises(ValidationError, match=r"backend\n.*'hf', 'sglang' or 'vllm'"):
         CaptureResource(backend="sglng")
-    with pytest.raises(ValidationError, match=r"hf_device\n.*should match pattern"):
-        CaptureResource(hf_device="gpu0")
-    assert CaptureResource(hf_device="cuda:1").problem() is None
+    with pytest.raises(ValidationError, match=r"HFCapture\ndevice\n.*should match pattern"):
+        CaptureResource(hf=HFCapture(device="gpu0"))
+    with pytest.raises(ValidationError, match=r"hf.device\n.*should match pattern"):
+        CaptureResource(hf={"device": "gpu0"})  # as run config gives it
+    assert CaptureResource(hf=HFCapture(device="cuda:1")).problem() is None
 
 
 def test_a_refresh_of_a_step_never_ingested_says_to_ingest_it(instance, tmp_path):

@@ -93,9 +93,9 @@ from jobs.refresh import refresh_request
 from jobs.snapshots import INGEST_RUN_CONFIG
 r = definitions.defs.resources
 print(json.dumps({
-    "capture": [r["capture"].backend, r["capture"].sglang_aux_urls,
-                r["capture"].sglang_final_urls, r["capture"].engine_max_concurrency,
-                r["capture"].engine_api_key == EnvVar("AERIE_CAPTURE_ENGINE_API_KEY")],
+    "capture": [r["capture"].backend, r["capture"].sglang.aux_urls,
+                r["capture"].sglang.final_urls, r["capture"].engine.max_concurrency,
+                r["capture"].engine.api_key == EnvVar("AERIE_CAPTURE_ENGINE_API_KEY")],
     "trainer": [r["trainer"].world_size, r["trainer"].launcher, r["trainer"].device,
                 r["trainer"].dtype],
     "serving": [r["serving"].mode, r["serving"].server_urls, r["serving"].verify_min_share,
@@ -121,7 +121,7 @@ print(json.dumps({
 @pytest.mark.integration
 @pytest.mark.parametrize("env,message", [
     ({"AERIE_TRAINER_LAUNCHER": "mpirun"}, "AERIE_TRAINER_LAUNCHER (TrainerResource.launcher)"),
-    ({"AERIE_CAPTURE_HF_DEVICE": "gpu0"}, "AERIE_CAPTURE_HF_DEVICE (CaptureResource.hf_device)"),
+    ({"AERIE_CAPTURE_HF_DEVICE": "gpu0"}, "AERIE_CAPTURE_HF_DEVICE (CaptureResource.hf.device)"),
     ({"AERIE_SERVING_NUM_STEPS": "0"}, "AERIE_SERVING_NUM_STEPS (ServingResource.num_steps)"),
     ({"AERIE_REFRESH_MAX_INTERVAL": "2"}, "max_interval 2 is below every 4"),
     ({"AERIE_REFRESH_RUN_CONFIG": "/nonexistent.yaml"}, "AERIE_REFRESH_RUN_CONFIG: cannot read"),

@@ -96,7 +96,7 @@ def test_secrets_reach_the_services_and_nowhere_else(tmp_path, monkeypatch, moto
                 "DAGSTER_HOME": str(home)}.items():
             monkeypatch.setenv(var, value)
         capture = capture_from_env()
-        assert capture.engine_api_key == EnvVar("AERIE_CAPTURE_ENGINE_API_KEY")
+        assert capture.engine.api_key == EnvVar("AERIE_CAPTURE_ENGINE_API_KEY")
         assert capture.backend == "vllm" and capture.aux_layer_ids == list(AUX)
         config = {"token_budget": CONFIG.token_budget, "heldout_fraction": 0.0}
         with DagsterInstance.get() as instance:
