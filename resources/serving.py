@@ -23,13 +23,14 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from pipeline.eagle3.spec import SpecParams
-from pipeline.release.backend import MODES, LedgerBackend
+from pipeline.release.actuators import MODES, ActuatorSettings, actuator_factory
+from pipeline.release.backend import LedgerBackend
 from pipeline.release.ledger import ServingLedger
 from pipeline.storage import Storage
 from resources.env import resource_from_env
 from resources.home import aerie_home
 
-Mode = Literal[MODES]  # the backend's modes, one list: config offers exactly those
+Mode = Literal[MODES]  # the actuators' registry: config offers exactly those
 
 
 class ServingResource(ConfigurableResource):
@@ -102,28 +103,17 @@ class ServingResource(ConfigurableResource):
 
     def build(self, storage: Storage, name: str) -> LedgerBackend:
         """The backend that serves drafters of ``name`` (the registered model name)."""
-        if self.mode not in MODES:
-            raise ValueError(f"serving mode {self.mode!r} is not one of {MODES}")
         settings = self.settings()
         ledger = ServingLedger(storage, name)
-        if self.mode == "manifest":
+        factory = actuator_factory(self.mode, ActuatorSettings(
+            restart_command=tuple(self.restart_command),
+            no_drafter_command=tuple(self.no_drafter_command),
+            restart_timeout_s=self.restart_timeout_s, server_urls=tuple(self.server_urls),
+            reload_timeout_s=self.reload_timeout_s))
+        if factory is None:
             return LedgerBackend(ledger, settings)
         cache = Path(self.cache_dir) if self.cache_dir else aerie_home() / "serving-cache"
-        if self.mode in ("sglang-restart", "vllm-restart"):
-            from pipeline.release.restart import RestartHook  # torch: only when used
-
-            if not self.restart_command:
-                raise ValueError(f"serving mode {self.mode} needs restart_command")
-            actuator = RestartHook(self.restart_command, settings,
-                                   timeout_s=self.restart_timeout_s,
-                                   no_drafter_argv=self.no_drafter_command or None,
-                                   mode=self.mode)
-        else:  # vllm-reload
-            from pipeline.release.vllm_reload import VllmDraftReload  # torch: only when used
-
-            actuator = VllmDraftReload(self.server_urls, settings,
-                                       timeout_s=self.reload_timeout_s)
-        return LedgerBackend(ledger, settings, actuator, cache_dir=cache)
+        return LedgerBackend(ledger, settings, factory(settings), cache_dir=cache)
 
 
 def serving_from_env() -> ServingResource:

@@ -29,11 +29,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
-from pipeline.eagle3.spec import SpecParams
-from pipeline.release.backend import Actuator, ServingRefused
+from pipeline.release.actuators import (
+    MODES,
+    ActuatorFactory,
+    ActuatorSettings,
+)
+from pipeline.release.actuators import actuator_factory as serving_actuator
+from pipeline.release.backend import ServingRefused
 from pipeline.serving_now import (
     ServingLaunch,
     launch_of,
@@ -46,8 +51,8 @@ from pipeline.verified import IntegrityError
 
 log = logging.getLogger(__name__)
 
-SYNC_MODES = ("fetch", "vllm-reload", "vllm-restart", "sglang-restart")
-ActuatorFactory = Callable[[SpecParams], Actuator]
+# the serving actuators' modes, with "fetch" for the manifest mode (fetch only)
+SYNC_MODES = ("fetch", *(mode for mode in MODES if mode != "manifest"))
 
 
 class DrafterSync:
@@ -137,26 +142,17 @@ class DrafterSync:
 def actuator_factory(mode: str, *, server_urls: list[str] | None = None,
                      restart_command: list[str] | None = None, timeout_s: float = 600.0,
                      also: tuple[str, ...] = ()) -> ActuatorFactory | None:
-    """What hands a drafter to the engines in ``mode`` (:data:`SYNC_MODES`)."""
-    if mode == "fetch":
-        return None
-    if mode == "vllm-reload":
-        from pipeline.release.vllm_reload import VllmDraftReload
-
-        if not server_urls:
-            raise ValueError("sync mode vllm-reload needs the vLLM servers' URLs "
-                             "(AERIE_SYNC_SERVER_URLS)")
-        return lambda settings: VllmDraftReload(server_urls, settings, timeout_s=timeout_s)
-    if mode in ("vllm-restart", "sglang-restart"):
-        from pipeline.release.restart import RestartHook
-
-        if not restart_command:
-            raise ValueError(f"sync mode {mode} needs a restart command "
-                             "(AERIE_SYNC_RESTART_COMMAND, a JSON list)")
-        RestartHook(restart_command, SpecParams(1, 1, 2), mode=mode)  # placeholders: now
-        return lambda settings: RestartHook(restart_command, settings, timeout_s=timeout_s,
-                                            mode=mode)
-    raise ValueError(f"AERIE_SYNC_MODE {mode!r} is not one of {SYNC_MODES + also}")
+    """What hands a drafter to the engines in ``mode`` (:data:`SYNC_MODES`): the serving
+    actuator of the same mode (:mod:`pipeline.release.actuators`)."""
+    if mode not in SYNC_MODES:
+        raise ValueError(f"AERIE_SYNC_MODE {mode!r} is not one of {SYNC_MODES + also}")
+    return serving_actuator(
+        "manifest" if mode == "fetch" else mode,
+        ActuatorSettings(restart_command=tuple(restart_command or ()),
+                         restart_timeout_s=timeout_s, server_urls=tuple(server_urls or ()),
+                         reload_timeout_s=timeout_s),
+        names={"restart_command": "a restart command (AERIE_SYNC_RESTART_COMMAND, a JSON "
+                                  "list)", "server_urls": "AERIE_SYNC_SERVER_URLS"})
 
 
 def sync_from_env(environ: Mapping[str, str] | None = None, *,

@@ -1,7 +1,8 @@
 """Serving backends: how a promoted drafter reaches the servers that generate rollouts.
 
 Every mode records what is served in the :class:`~pipeline.release.ledger.ServingLedger`;
-modes differ in what else they do (their :class:`Actuator`):
+modes differ in what else they do (their :class:`Actuator`, registered in
+:mod:`pipeline.release.actuators`):
 
 - ``manifest`` (default): nothing else. The manifest is the update; the RL trainer's
   rollout launcher reads it at weight sync (:func:`pipeline.serving_now.resolve_serving`)
@@ -37,8 +38,6 @@ from pipeline.serving_now import ServingManifest, ServingTarget, materialize_dra
 from pipeline.storage import StorageError
 
 log = logging.getLogger(__name__)
-
-MODES = ("manifest", "sglang-restart", "vllm-restart", "vllm-reload")
 
 
 class ServingError(RuntimeError):

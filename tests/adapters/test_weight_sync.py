@@ -109,6 +109,10 @@ def test_env_errors_name_the_variable(monkeypatch):
     with pytest.raises(ValueError, match="unknown placeholders"):
         sync_from_env({**env, "AERIE_SYNC_MODE": "sglang-restart",
                        "AERIE_SYNC_RESTART_COMMAND": '["restart.sh", "{model}"]'})
+    with pytest.raises(ValueError, match=r"needs a restart command \(AERIE_SYNC_RESTART"):
+        sync_from_env({**env, "AERIE_SYNC_MODE": "sglang-restart"})
+    with pytest.raises(ValueError, match="'manifest' is not one of .'fetch', 'sglang-restart'"):
+        sync_from_env({**env, "AERIE_SYNC_MODE": "manifest"})  # the sync's name is fetch
 
 
 class _ActorGroup:
