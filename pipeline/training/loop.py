@@ -2,7 +2,9 @@
 
 :func:`train` runs inside ``python -m pipeline.training.worker`` (1 process) or under torchrun /
 the DeepSpeed launcher (N processes); every rank runs the same code on its share of each
-global batch (:mod:`pipeline.training.data`).
+global batch (:mod:`pipeline.training.data`). It reads as four parts: :func:`set_up` (process
+group, drafter, data, optimizer, engine), :func:`resume` (the newest checkpoint),
+:func:`train_step` (one optimizer step) and :func:`export` (the drafter and the result).
 
 Invariants:
 
@@ -23,6 +25,8 @@ import functools
 import logging
 import random
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +45,7 @@ from pipeline.training import checkpoint as ckpt
 from pipeline.training.config import deepspeed_config, lr_factor, total_steps, warmup_steps
 from pipeline.training.curve import metrics_line
 from pipeline.training.data import Position, WindowReader
-from pipeline.training.distributed import barrier, init_distributed
+from pipeline.training.distributed import DistContext, barrier, init_distributed
 from pipeline.training.engine_state import capture, full_fp32_params, restore
 from pipeline.training.metrics import MetricSums, aggregate, all_reduce
 from pipeline.training.spec import TrainResult, TrainSpec
@@ -86,8 +90,45 @@ def build_drafter(spec: TrainSpec, storage: Storage) -> tuple[Eagle3Drafter, Any
     return model, target, manifests
 
 
-def train(spec: TrainSpec, storage: Storage) -> TrainResult:
-    """Train (or resume) the run described by ``spec``; rank 0 exports and writes the result."""
+@dataclass
+class Run:
+    """One process's training run: what :func:`set_up` builds, :func:`resume` restores and
+    :func:`train_step` advances."""
+
+    spec: TrainSpec
+    ctx: DistContext
+    model: Eagle3Drafter
+    target: Any  # the teacher (pipeline.capture.window.Target)
+    reader: WindowReader
+    engine: Any  # DeepSpeed's engine around TTTObjective(model)
+    scheduler: Any
+    named: list[tuple[str, nn.Parameter]]  # the trainable parameters, by name
+    per_epoch: int
+    total: int
+    warm: dict[str, Any]  # the warm start's record
+    step: int = 0
+    position: Position = field(default_factory=Position)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    resumed: int | None = None  # the checkpoint's step, when resumed
+    tokens_seen: int = 0
+
+    @property
+    def config(self):
+        return self.spec.config
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must belong to for this run to resume from it."""
+        return {"fingerprint": self.spec.fingerprint(), "world_size": self.config.world_size}
+
+    @property
+    def checkpoints(self) -> Path:
+        return Path(self.spec.work_dir) / "checkpoints"
+
+
+def set_up(spec: TrainSpec, storage: Storage) -> Run:
+    """The process group, the seeded drafter (warm-started), the window's reader, AdamW with
+    the warmup + cosine schedule, and DeepSpeed's engine around the TTT loss."""
     cfg = spec.config
     ctx = init_distributed(cfg.device, cfg.world_size)
     if cfg.threads:
@@ -111,92 +152,130 @@ def train(spec: TrainSpec, storage: Storage) -> TrainResult:
         model=TTTObjective(model, cfg.ttt_depth, cfg.ttt_decay), optimizer=optimizer,
         lr_scheduler=scheduler, config=deepspeed_config(cfg))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    identity = {"fingerprint": spec.fingerprint(), "world_size": cfg.world_size}
-    root = Path(spec.work_dir) / "checkpoints"
-    step, position, history, resumed = 0, Position(), [], None
-    latest = ckpt.latest_checkpoint(root)
-    if latest is not None:
-        state = ckpt.load_checkpoint(latest, ctx.rank)
-        if state.extra["identity"] != identity:
-            raise RuntimeError(f"{latest} belongs to another run ({state.extra['identity']}, "
-                               f"this one is {identity}); use a fresh work dir")
-        restore(engine, named, state.engine)
-        scheduler.load_state_dict(state.extra["scheduler"])
-        step, resumed = state.step, state.step
-        position = from_dict(Position, state.extra["position"])
-        history = state.extra["history"]
-        warm = state.extra["warm_start"]
-        engine.global_steps, engine.micro_steps = step, step * cfg.grad_accum
-        engine.global_samples = step * cfg.samples_per_step
-        ckpt.set_rng_state(state.rng, state.python_rng)
-        log.info("resumed from %s (step %d of %d)", latest, step, total)
-    else:
-        log.info("training %d steps (%d per epoch) on %d samples, warm start: %s", total,
-                 per_epoch, reader.num_samples, warm["reason"])
-    lm_head, t2d = target.lm_head.to(ctx.device), model.t2d
-    head = LogitHead.of(target.config)  # the target's soft-cap / scaling after the matmul
-    per_step = cfg.world_size * cfg.grad_accum
-    tokens_seen, started = 0, time.perf_counter()
-    while step < total:
-        batches = reader.iter_micro_batches(position, ctx.rank, cfg.world_size,
-                                            stop=per_epoch * per_step)
-        while step < total and position.micro_batch < per_epoch * per_step:
-            sums = MetricSums.zeros(cfg.ttt_depth)
-            for _ in range(cfg.grad_accum):
-                _, samples = next(batches)
-                batch = collate(samples, lm_head, t2d, device=ctx.device, head=head)
-                loss, metrics = engine(batch)
-                engine.backward(loss)
-                engine.step()
-                sums.add(metrics, int(batch.real.sum()))
-            step += 1
-            position = Position(position.epoch, position.micro_batch + per_step)
-            total_sums = all_reduce(sums, ctx.device)
-            tokens_seen += total_sums.tokens
-            history.append({"step": step, "lr": scheduler.get_last_lr()[0],
-                            "sums": total_sums.to_list()})
-            if ctx.rank == 0 and (step % cfg.log_every == 0 or step == total):
-                s = total_sums.summary()
-                log.info("step %d/%d lr %.3g loss %.4f acc/depth [%s] sim_accept %.3f", step,
-                         total, history[-1]["lr"], s["loss"],
-                         " ".join(f"{a:.3f}" for a in s["depth_accuracy"]),
-                         s["sim_accept_length"])
-                log.info("%s", metrics_line(_brief(history[-1], cfg.ttt_depth)))
-            if step % cfg.checkpoint_every == 0 or step == total:
-                _checkpoint(root, engine, named, scheduler, step, position, history, warm,
-                            identity, ctx.rank, cfg.keep_checkpoints)
-        if position.micro_batch >= per_epoch * per_step:
-            position = Position(position.epoch + 1, 0)
-    seconds = time.perf_counter() - started
-    samples_done = (step - (resumed or 0)) * cfg.samples_per_step
-    params = full_fp32_params(engine, named)  # collective
-    result = None
-    if ctx.rank == 0:
-        embed = model.embed_tokens.weight.cpu() if model.config.owns_embedding else target.embed
-        export = Eagle3Drafter(model.config, embed, d2t=model.d2t.cpu(), t2d=model.t2d.cpu())
-        trained = {n for n, _ in export.named_parameters()}
-        if set(params) != trained:  # every parameter trained: none left at its fresh init
-            raise RuntimeError(f"gathered parameters {sorted(set(params) ^ trained)} differ "
-                               "from the drafter's")
-        persistent = {k: v for k, v in export.state_dict().items() if k not in trained}
-        export.load_state_dict({**persistent, **params}, strict=True)  # d2t, t2d, own embed
-        save_drafter(export, model.config, spec.out_dir, overwrite=True,
-                     dtype=_EXPORT_DTYPES[cfg.export_dtype])
-        window = max(1, min(per_epoch, len(history) // 4))  # first vs last quarter
-        result = TrainResult(
-            fingerprint=spec.fingerprint(), steps=step, steps_per_epoch=per_epoch,
-            epochs=step / per_epoch, samples=reader.num_samples, tokens_trained=tokens_seen,
-            seconds=seconds, tokens_per_s=tokens_seen / seconds if seconds > 0 else 0.0,
-            samples_per_s=samples_done / seconds if seconds > 0 else 0.0,
-            resumed_from_step=resumed, world_size=cfg.world_size, zero_stage=cfg.zero_stage,
-            dtype=cfg.dtype,
-            final=aggregate(cfg.ttt_depth, (h["sums"] for h in history[-window:])).summary(),
-            first=aggregate(cfg.ttt_depth, (h["sums"] for h in history[:window])).summary(),
-            history=[_brief(h, cfg.ttt_depth) for h in history], warm_start=warm,
-            drafter_config=model.config.to_sglang_config(), out_dir=str(spec.out_dir))
-        ckpt.write_atomic(Path(spec.work_dir) / RESULT_NAME, to_json(result).encode())
+    return Run(spec, ctx, model, target, reader, engine, scheduler, named, per_epoch, total,
+               warm)
+
+
+def resume(run: Run) -> bool:
+    """Restore ``run`` from its newest complete checkpoint, if any: weights, optimizer,
+    scheduler, step, data position, metric history, warm-start record and RNG. A checkpoint
+    of another run (fingerprint or world size) is refused."""
+    latest = ckpt.latest_checkpoint(run.checkpoints)
+    if latest is None:
+        return False
+    state = ckpt.load_checkpoint(latest, run.ctx.rank)
+    if state.extra["identity"] != run.identity:
+        raise RuntimeError(f"{latest} belongs to another run ({state.extra['identity']}, "
+                           f"this one is {run.identity}); use a fresh work dir")
+    restore(run.engine, run.named, state.engine)
+    run.scheduler.load_state_dict(state.extra["scheduler"])
+    run.step, run.resumed = state.step, state.step
+    run.position = from_dict(Position, state.extra["position"])
+    run.history = state.extra["history"]
+    run.warm = state.extra["warm_start"]
+    cfg = run.config
+    run.engine.global_steps, run.engine.micro_steps = run.step, run.step * cfg.grad_accum
+    run.engine.global_samples = run.step * cfg.samples_per_step
+    ckpt.set_rng_state(state.rng, state.python_rng)
+    log.info("resumed from %s (step %d of %d)", latest, run.step, run.total)
+    return True
+
+
+def train_step(run: Run, batches: Iterator[tuple[Any, list]], collate_batch) -> None:
+    """One optimizer step: ``grad_accum`` micro-batches of this rank through the engine;
+    the metrics summed over the ranks join the history."""
+    cfg = run.config
+    sums = MetricSums.zeros(cfg.ttt_depth)
+    for _ in range(cfg.grad_accum):
+        _, samples = next(batches)
+        batch = collate_batch(samples)
+        loss, metrics = run.engine(batch)
+        run.engine.backward(loss)
+        run.engine.step()
+        sums.add(metrics, int(batch.real.sum()))
+    run.step += 1
+    run.position = Position(run.position.epoch,
+                            run.position.micro_batch + cfg.world_size * cfg.grad_accum)
+    total_sums = all_reduce(sums, run.ctx.device)
+    run.tokens_seen += total_sums.tokens
+    run.history.append({"step": run.step, "lr": run.scheduler.get_last_lr()[0],
+                        "sums": total_sums.to_list()})
+
+
+def export(run: Run, seconds: float) -> TrainResult | None:
+    """Gather the fp32 weights (a collective), and on rank 0 save the drafter and write
+    the run's result; None on the other ranks."""
+    cfg, model = run.config, run.model
+    params = full_fp32_params(run.engine, run.named)  # collective
+    if run.ctx.rank != 0:
+        return None
+    embed = model.embed_tokens.weight.cpu() if model.config.owns_embedding else \
+        run.target.embed
+    drafter = Eagle3Drafter(model.config, embed, d2t=model.d2t.cpu(), t2d=model.t2d.cpu())
+    trained = {n for n, _ in drafter.named_parameters()}
+    if set(params) != trained:  # every parameter trained: none left at its fresh init
+        raise RuntimeError(f"gathered parameters {sorted(set(params) ^ trained)} differ "
+                           "from the drafter's")
+    persistent = {k: v for k, v in drafter.state_dict().items() if k not in trained}
+    drafter.load_state_dict({**persistent, **params}, strict=True)  # d2t, t2d, own embed
+    save_drafter(drafter, model.config, run.spec.out_dir, overwrite=True,
+                 dtype=_EXPORT_DTYPES[cfg.export_dtype])
+    history, per_epoch = run.history, run.per_epoch
+    window = max(1, min(per_epoch, len(history) // 4))  # first vs last quarter
+    samples_done = (run.step - (run.resumed or 0)) * cfg.samples_per_step
+    result = TrainResult(
+        fingerprint=run.spec.fingerprint(), steps=run.step, steps_per_epoch=per_epoch,
+        epochs=run.step / per_epoch, samples=run.reader.num_samples,
+        tokens_trained=run.tokens_seen, seconds=seconds,
+        tokens_per_s=run.tokens_seen / seconds if seconds > 0 else 0.0,
+        samples_per_s=samples_done / seconds if seconds > 0 else 0.0,
+        resumed_from_step=run.resumed, world_size=cfg.world_size, zero_stage=cfg.zero_stage,
+        dtype=cfg.dtype,
+        final=aggregate(cfg.ttt_depth, (h["sums"] for h in history[-window:])).summary(),
+        first=aggregate(cfg.ttt_depth, (h["sums"] for h in history[:window])).summary(),
+        history=[_brief(h, cfg.ttt_depth) for h in history], warm_start=run.warm,
+        drafter_config=model.config.to_sglang_config(), out_dir=str(run.spec.out_dir))
+    ckpt.write_atomic(Path(run.spec.work_dir) / RESULT_NAME, to_json(result).encode())
+    return result
+
+
+def train(spec: TrainSpec, storage: Storage) -> TrainResult:
+    """Train (or resume) the run described by ``spec``; rank 0 exports and writes the result."""
+    run = set_up(spec, storage)
+    cfg = run.config
+    if not resume(run):
+        log.info("training %d steps (%d per epoch) on %d samples, warm start: %s", run.total,
+                 run.per_epoch, run.reader.num_samples, run.warm["reason"])
+    lm_head, t2d = run.target.lm_head.to(run.ctx.device), run.model.t2d
+    head = LogitHead.of(run.target.config)  # the target's soft-cap / scaling after the matmul
+
+    def collate_batch(samples: list) -> TTTBatch:
+        return collate(samples, lm_head, t2d, device=run.ctx.device, head=head)
+
+    epoch_end = run.per_epoch * cfg.world_size * cfg.grad_accum  # micro-batches per epoch
+    started = time.perf_counter()
+    while run.step < run.total:
+        batches = run.reader.iter_micro_batches(run.position, run.ctx.rank, cfg.world_size,
+                                                stop=epoch_end)
+        while run.step < run.total and run.position.micro_batch < epoch_end:
+            train_step(run, batches, collate_batch)
+            if run.ctx.rank == 0 and (run.step % cfg.log_every == 0 or run.step == run.total):
+                _log_step(run)
+            if run.step % cfg.checkpoint_every == 0 or run.step == run.total:
+                _checkpoint(run)
+        if run.position.micro_batch >= epoch_end:
+            run.position = Position(run.position.epoch + 1, 0)
+    result = export(run, time.perf_counter() - started)
     barrier()
     return result
+
+
+def _log_step(run: Run) -> None:
+    s = MetricSums.from_list(run.config.ttt_depth, run.history[-1]["sums"]).summary()
+    log.info("step %d/%d lr %.3g loss %.4f acc/depth [%s] sim_accept %.3f", run.step,
+             run.total, run.history[-1]["lr"], s["loss"],
+             " ".join(f"{a:.3f}" for a in s["depth_accuracy"]), s["sim_accept_length"])
+    log.info("%s", metrics_line(_brief(run.history[-1], run.config.ttt_depth)))
 
 
 def _brief(h: dict[str, Any], depth: int) -> dict[str, Any]:
@@ -205,14 +284,14 @@ def _brief(h: dict[str, Any], depth: int) -> dict[str, Any]:
             "accuracy": s["depth_accuracy"], "sim_accept_length": s["sim_accept_length"]}
 
 
-def _checkpoint(root: Path, engine: Any, named: list, scheduler: Any, step: int,
-                position: Position, history: list, warm: dict, identity: dict, rank: int,
-                keep: int) -> None:
+def _checkpoint(run: Run) -> None:
     tensors, python_state = ckpt.rng_state()
     state = ckpt.Checkpoint(
-        step=step, engine=capture(engine, named), rng=tensors, python_rng=python_state,
-        extra={"scheduler": scheduler.state_dict(), "position": to_dict(position),
-               "history": history, "warm_start": warm, "identity": identity})
-    path = ckpt.save_checkpoint(root, state, rank=rank, barrier=barrier, keep=keep)
+        step=run.step, engine=capture(run.engine, run.named), rng=tensors,
+        python_rng=python_state,
+        extra={"scheduler": run.scheduler.state_dict(), "position": to_dict(run.position),
+               "history": run.history, "warm_start": run.warm, "identity": run.identity})
+    path = ckpt.save_checkpoint(run.checkpoints, state, rank=run.ctx.rank, barrier=barrier,
+                                keep=run.config.keep_checkpoints)
     if path is not None:
         log.info("checkpoint %s", path)

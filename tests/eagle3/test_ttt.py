@@ -3,7 +3,6 @@ mask gating of the first response tokens, memory-safe attention, teacher targets
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 from types import SimpleNamespace
@@ -15,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pipeline.eagle3.chain_attention import gathered_chain_attention, prefix_with_sink
 from pipeline.eagle3.drafting import draft_reference_logits
 from pipeline.eagle3.model import EXPORTED_NAMES
+from pipeline.eagle3.reference import masked_chain_attention, reference_ttt_loss
 from pipeline.eagle3.ttt import simulated_accept_length, ttt_logits, ttt_loss
 from pipeline.eagle3.ttt_batch import TTTBatch, collate, teacher_rows, teacher_targets
 from tests.eagle3.helpers import random_batch, tiny_drafter, tiny_target_config
@@ -63,42 +63,6 @@ def test_ttt_logits_equal_autoregressive_drafting(target_overrides, lengths, dep
 
 
 # -- (2) the loss == a slow, explicit reference --------------------------------------------
-def reference_loss(model, batch: TTTBatch, depth: int, decay: float = 0.8):
-    """Python loops over rows, steps and positions; logits from KV-cache drafting."""
-    t2d = model.t2d.tolist()
-    d2t = model.d2t.tolist()
-    ce_sum, count, correct = [0.0] * depth, [0] * depth, [0] * depth
-    for b in range(batch.input_ids.shape[0]):
-        n = int(batch.attention_mask[b].sum())
-        logits = draft_reference_logits(model, batch.input_ids[b, :n],
-                                        batch.aux_hidden[b, :n], depth).double()
-        for i in range(depth):
-            for t in range(n):
-                # chain from t, step i: input token x_{t+1+i}; it predicts x_{t+2+i},
-                # with the teacher's distribution at t+1+i.
-                predicted, teacher = t + 2 + i, t + 1 + i
-                if predicted >= n or not bool(batch.loss_mask[b, predicted]):
-                    continue
-                top = int(batch.target_argmax[b, teacher])
-                if not t2d[top]:
-                    continue
-                z = batch.target_logits_draft[b, teacher].double().tolist()
-                zmax = max(z)
-                p = [math.exp(v - zmax) for v in z]
-                p = [v / sum(p) for v in p]
-                row = logits[i, t].tolist()
-                rmax = max(row)
-                log_norm = rmax + math.log(sum(math.exp(v - rmax) for v in row))
-                ce_sum[i] += -sum(pk * (rk - log_norm) for pk, rk in zip(p, row, strict=True))
-                count[i] += 1
-                draft_top = row.index(rmax)
-                correct[i] += int(draft_top + d2t[draft_top] == top)
-    step_loss = [s / c if c else 0.0 for s, c in zip(ce_sum, count, strict=True)]
-    acc = [k / c if c else 0.0 for k, c in zip(correct, count, strict=True)]
-    total = sum(decay ** i * lo for i, lo in enumerate(step_loss))
-    return total, step_loss, acc, count
-
-
 @pytest.mark.parametrize("lengths", [[11, 6], [3], [14]])
 def test_loss_equals_slow_reference(lengths):
     depth = 4
@@ -106,7 +70,7 @@ def test_loss_equals_slow_reference(lengths):
     batch = random_batch(model, lengths, seed=6)
     with torch.no_grad():
         loss, metrics = ttt_loss(model, batch, depth)
-    total, step_loss, acc, count = reference_loss(model, batch, depth)
+    total, step_loss, acc, count = reference_ttt_loss(model, batch, depth)
     assert metrics.count == count
     assert loss.item() == pytest.approx(total, rel=1e-5, abs=1e-6)
     assert metrics.step_loss == pytest.approx(step_loss, rel=1e-5, abs=1e-6)
@@ -179,19 +143,6 @@ def test_first_response_tokens_are_trained_and_lag_gating_would_miss_them():
 
 
 # -- attention: exact, and never a (B, heads, T, T) tensor ----------------------------------
-def naive_chain_attention(q, prefix_k, prefix_v, chain_k, chain_v, scale):
-    """Masked softmax over [prefix keys ; chain keys of every position]: (B, h, T, T(1+i))."""
-    t = q.shape[2]
-    keys = torch.cat([prefix_k, *chain_k], dim=2)
-    values = torch.cat([prefix_v, *chain_v], dim=2)
-    scores = (q @ keys.transpose(-1, -2)) * scale
-    pos = torch.arange(t)
-    allowed = [pos[None, :] <= pos[:, None]]  # prefix: causal
-    allowed += [pos[None, :] == pos[:, None]] * len(chain_k)  # chain: same position only
-    scores = scores.masked_fill(~torch.cat(allowed, dim=1), float("-inf"))
-    return torch.softmax(scores, dim=-1) @ values
-
-
 @pytest.mark.parametrize("t, steps", [(1, 1), (7, 1), (7, 3), (33, 6)])
 def test_chain_attention_equals_naive_masked_softmax(t, steps):
     g = torch.Generator().manual_seed(t * 10 + steps)
@@ -204,7 +155,7 @@ def test_chain_attention_equals_naive_masked_softmax(t, steps):
 
     fast = prefix_and_chain_attention(q, pk, pv, ck, cv, scale=0.35)
     fast_grads = torch.autograd.grad((fast * upstream).sum(), leaves)
-    slow = naive_chain_attention(q, pk, pv, ck, cv, scale=0.35)
+    slow = masked_chain_attention(q, pk, pv, ck, cv, scale=0.35)
     slow_grads = torch.autograd.grad((slow * upstream).sum(), leaves)
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
     for a, b in zip(fast_grads, slow_grads, strict=True):
@@ -217,7 +168,7 @@ def test_chain_attention_bf16_is_close():
     shape = (1, 2, 40, 16)
     q, pk, pv, k1, k2, v1, v2 = ((3.0 * torch.randn(shape, generator=g)).bfloat16()
                                  for _ in range(7))
-    ref = naive_chain_attention(*(x.float() for x in (q, pk, pv)), [k1.float(), k2.float()],
+    ref = masked_chain_attention(*(x.float() for x in (q, pk, pv)), [k1.float(), k2.float()],
                                 [v1.float(), v2.float()], scale=0.25)
     low = prefix_and_chain_attention(q, pk, pv, [k1, k2], [v1, v2], scale=0.25)
     assert low.dtype == torch.bfloat16
@@ -260,7 +211,7 @@ def test_ttt_never_materialises_full_attention_scores():
     # The same probe catches a naive implementation (the check can fail).
     q = torch.randn(1, heads, t, 8, requires_grad=True)
     with LargestTensor() as naive:
-        naive_chain_attention(q, q, q, [q], [q], 0.3).sum().backward()
+        masked_chain_attention(q, q, q, [q], [q], 0.3).sum().backward()
     assert naive.largest >= scores
 
 

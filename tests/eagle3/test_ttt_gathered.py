@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from pipeline.eagle3.chain_attention import gathered_chain_attention, prefix_with_sink
+from pipeline.eagle3.reference import masked_chain_attention
 from pipeline.eagle3.ttt import needed_positions, ttt_chain, ttt_hidden_states, ttt_loss
 from pipeline.eagle3.ttt_batch import TTTBatch
 from tests.eagle3.helpers import random_batch, tiny_drafter
-from tests.eagle3.test_ttt import naive_chain_attention
 
 DEPTH = 5
 
@@ -151,7 +151,7 @@ def test_gathered_attention_equals_naive_masked_softmax(chunk):
                                     [as_rows(k) for k in ck], [as_rows(v) for v in cv],
                                     0.35, chunk=chunk)
     fast_grads = torch.autograd.grad((fast * upstream).sum(), leaves)
-    slow = as_rows(naive_chain_attention(q, pk, pv, ck, cv, scale=0.35))
+    slow = as_rows(masked_chain_attention(q, pk, pv, ck, cv, scale=0.35))
     slow_grads = torch.autograd.grad((slow * upstream).sum(), leaves)
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
     for a, ref in zip(fast_grads, slow_grads, strict=True):
