@@ -1,4 +1,5 @@
-"""Tiny random-initialised targets of the model families people train with RL.
+"""The tests' one source of tiny random models: :func:`tiny_llama` (a Llama of any toy
+shape, the tests' default target) and :func:`tiny_target` (each family people train with RL).
 
 Each keeps its family's distinguishing structure at toy width (hidden 64, 4 layers; 5 for
 DeepSeek, whose aux ids start at 1): the rope type, tied embeddings, the vocabulary size
@@ -6,6 +7,9 @@ where it matters (Qwen3's 151,936), MoE routing, MLA, sliding-window and hybrid 
 (windows of 8 tokens, shorter than the test sequences), Gemma's soft-caps and GPT-OSS's
 attention sinks. Built through ``AutoModelForCausalLM.from_config`` exactly as a checkpoint
 of that family loads.
+
+Every test that needs a tiny random model builds it here, so that a change of how models are
+made (seeding, dtype, eval mode) happens once.
 """
 
 from __future__ import annotations
@@ -64,3 +68,23 @@ def tiny_target(family: str, seed: int = 0) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_config(_configs()[family], dtype=torch.float32)
     model.config.architectures = [type(model).__name__]
     return model.eval()
+
+
+def tiny_llama_config(*, vocab: int, hidden: int, layers: int, intermediate: int | None = None,
+                      heads: int = 4, kv_heads: int = 2, max_positions: int = 256,
+                      **extra: Any) -> tf.LlamaConfig:
+    """A toy Llama config (``intermediate``: 2 × ``hidden`` unless given); ``extra``: any
+    other ``LlamaConfig`` argument, by its own name, over the ones above."""
+    return tf.LlamaConfig(**{
+        "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": intermediate or 2 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "max_position_embeddings": max_positions, **extra})
+
+
+def tiny_llama(seed: int = 0, config: tf.LlamaConfig | None = None,
+               **shape: Any) -> tf.LlamaForCausalLM:
+    """A random fp32 ``LlamaForCausalLM`` in eval mode, initialised under ``seed``: of
+    ``config``, or of :func:`tiny_llama_config` ``(**shape)``."""
+    torch.manual_seed(seed)
+    return tf.LlamaForCausalLM(config or tiny_llama_config(**shape)).eval()

@@ -4,28 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from pipeline.capture.hf import HFCaptureBackend, hf_backend_for_step
 from pipeline.eagle3.config import default_aux_layer_ids
 from pipeline.snapshot.policy import publish_policy
 from pipeline.storage import Storage
-
-VOCAB = 128
-LENGTHS = (5, 17, 1, 9, 32, 2)
-
-
-def tiny_llama(layers: int = 6, hidden: int = 64, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(config).eval()
-
-
-def random_batch(lengths=LENGTHS, seed: int = 1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+from tests.capture.helpers import random_batch, tiny_llama
 
 
 def padded(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,10 +4,8 @@ Aerie's conventions out of vLLM's, the files cleaned up, and every planted fault
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
-import sys
 
 import pytest
 import requests
@@ -25,9 +23,8 @@ from pipeline.snapshot.policy import publish_policy
 from pipeline.storage import Storage
 from resources.capture import CaptureResource, VLLMCapture
 from resources.storage import StorageResource
-from tests.capture.test_capture_hf import random_batch, tiny_llama
-from tests.capture.test_extraction import CONFIG, STEP, lengths, write_tokenized
-from tests.conftest import free_port, local_server
+from tests.capture.helpers import CONFIG, STEP, lengths, random_batch, tiny_llama, write_tokenized
+from tests.vllm_contract.fixtures import capture_stand_in
 
 pytestmark = pytest.mark.integration
 
@@ -47,23 +44,8 @@ def policy_dir(tmp_path_factory, model):
     return path
 
 
-@contextlib.contextmanager
 def vllm_stand_in(policy_dir, files, api_key: str | None = None):
-    """The stand-in serving ``policy_dir``, its files in ``files``: yields its URL."""
-    port = free_port()
-    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {
-                "eagle_aux_hidden_state_layer_ids": engine_layer_ids(AUX, LAYERS)}}}
-    kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"shared_storage_path": str(files),
-                                        "allow_custom_save_path": True}}
-    cmd = [sys.executable, "-m", "tests.vllm_contract.capture_server", str(policy_dir),
-           "--port", str(port), "--dtype", "float32", "--speculative-config", json.dumps(spec),
-           "--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
-    if api_key is not None:
-        cmd += ["--api-key", api_key]
-    with local_server(cmd, files.parent / f"vllm-capture-{port}.log", [port], timeout=120):
-        yield f"http://127.0.0.1:{port}"
+    return capture_stand_in(policy_dir, files, AUX, LAYERS, api_key=api_key)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 import transformers
@@ -30,54 +29,26 @@ from pipeline.capture.shards import (
     read_shards_manifest,
 )
 from pipeline.capture.stage import ExtractionError
-from pipeline.contracts import Manifest
 from pipeline.layout import shards_prefix, tokenized_prefix
-from pipeline.manifest import entry_for, read_manifest, verify_manifest, write_manifest
-from pipeline.parquet import write_table
+from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.snapshot.policy import load_policy_ref, publish_policy
 from pipeline.storage import Storage
-from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
 from resources.capture import CaptureResource, HFCapture
 from resources.storage import StorageResource
-from tests.capture.test_capture_hf import VOCAB, tiny_llama
+from tests.capture.helpers import (
+    CONFIG,
+    STEP,
+    TOKEN_BYTES,
+    VOCAB,
+    H,
+    lengths,
+    shard_files,
+    tiny_llama,
+    write_rows,
+    write_tokenized,
+)
 
 pytestmark = pytest.mark.integration
-
-STEP = 3
-H = 64
-TOKEN_BYTES = 2 * 4 * H  # bf16 aux (3H) + final (H)
-# ~6 samples per shard, 2–3 per batch, 1–2 per row group
-CONFIG = ExtractConfig(token_budget=48, max_batch_size=4, shard_bytes=60 * TOKEN_BYTES,
-                       row_group_bytes=24 * TOKEN_BYTES, heldout_fraction=0.0)
-
-
-def write_tokenized(storage: Storage, step: int, lengths: Sequence[int], seed: int = 0,
-                    rows_per_part: int = 7) -> list[dict]:
-    """A tokenized dataset as the tokenizer stage commits it: parts, then the manifest."""
-    rng = np.random.default_rng(seed)
-    rows = [{"sample_id": f"r{step}-{i}", "step": step,
-             "input_ids": rng.integers(0, VOCAB, n).tolist(),
-             "loss_mask": (rng.random(n) < 0.6).astype(int).tolist()}
-            for i, n in enumerate(lengths)]
-    return write_rows(storage, step, rows, rows_per_part)
-
-
-def write_rows(storage: Storage, step: int, rows: list[dict], rows_per_part: int = 7
-               ) -> list[dict]:
-    prefix = tokenized_prefix(step)
-    entries = []
-    for p in range(0, len(rows), rows_per_part):
-        table = pa.Table.from_pylist(rows[p:p + rows_per_part], schema=TOKENIZED_SCHEMA)
-        written = write_table(storage, f"{prefix}/part-{p // rows_per_part:05d}.parquet", table)
-        entries.append(entry_for(prefix, written, rows=table.num_rows))
-    write_manifest(storage, prefix, Manifest(kind=TOKENIZED_KIND, kind_version=1,
-                                             files=tuple(entries), meta={"step": step}))
-    return rows
-
-
-def lengths(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(1, 17, n).tolist()
-
 
 class Recording:
     """Wraps a backend: counts calls, can fail at call ``fail_at``, tracks live outputs."""
@@ -116,11 +87,6 @@ def model():
 
 def backend(model, **kw) -> Recording:
     return Recording(HFCaptureBackend(model, output_dtype=torch.bfloat16, **kw))
-
-
-def shard_files(storage: Storage) -> list[tuple[str, int, str]]:
-    manifest = read_shards_manifest(storage, STEP)
-    return [(f.path, f.bytes, f.sha256) for f in manifest.files]
 
 
 def test_shards_hold_every_sample_with_its_states(tmp_path, model):

@@ -22,13 +22,13 @@ from pipeline.snapshot.policy import load_policy_ref, publish_policy
 from pipeline.storage import Storage
 from resources.capture import CaptureResource, HFCapture, SGLangCapture
 from resources.storage import StorageResource
-from tests.capture.test_capture_hf import tiny_llama
-from tests.capture.test_extraction import (
+from tests.capture.helpers import (
     CONFIG,
     STEP,
     TOKEN_BYTES,
     lengths,
     shard_files,
+    tiny_llama,
     write_tokenized,
 )
 

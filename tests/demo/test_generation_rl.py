@@ -6,22 +6,20 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from pipeline.demo.drift import measure_drift
 from pipeline.demo.generation import generate
 from pipeline.demo.rl import group_advantages
+from tests.families import tiny_llama
 
 EOS, PAD = 3, 4
 
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=128, tie_word_embeddings=False)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(0, vocab=40, hidden=32, layers=4, heads=2, max_positions=128,
+                      tie_word_embeddings=False)
 
 
 PROMPTS = [[0, 5, 6, 7, 8, 9, 10], [0, 11], [0, 12, 13, 14]]

@@ -9,17 +9,15 @@ from pipeline.eagle3.config import DrafterConfig, DrafterShape
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.eagle3.ttt_batch import TTTBatch
 from pipeline.vocab.mapping import build_vocab_mapping
+from tests.families import tiny_llama_config
 
 TARGET_VOCAB = 48
 DRAFT_VOCAB = 24
 
 
 def tiny_target_config(**overrides) -> LlamaConfig:
-    kwargs = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=8,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=TARGET_VOCAB,
-                  max_position_embeddings=256, rms_norm_eps=1e-6)
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+    return tiny_llama_config(vocab=TARGET_VOCAB, hidden=32, layers=8, intermediate=48,
+                             **{"rms_norm_eps": 1e-6, **overrides})
 
 
 def tiny_drafter(seed: int = 0, *, target: LlamaConfig | None = None,

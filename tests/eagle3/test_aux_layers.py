@@ -12,7 +12,7 @@ from pipeline.eagle3.aux_layers import (
     ids_from_config,
 )
 from pipeline.eagle3.config import DrafterConfig
-from tests.capture.test_capture_hf import tiny_llama
+from tests.capture.helpers import tiny_llama
 
 
 @pytest.mark.parametrize("layers", range(4, 129))

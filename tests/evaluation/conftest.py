@@ -12,6 +12,7 @@ from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.evaluation.reference import greedy_reference
 from pipeline.vocab.mapping import build_vocab_mapping
+from tests.families import tiny_llama, tiny_llama_config
 
 VOCAB = 300
 DRAFT_VOCAB = 200
@@ -22,16 +23,14 @@ torch.set_num_threads(1)
 
 
 def target_config() -> LlamaConfig:
-    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                       max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1,
-                       architectures=["LlamaForCausalLM"])
+    return tiny_llama_config(vocab=VOCAB, hidden=64, layers=2, max_positions=512,
+                             rms_norm_eps=1e-6, initializer_range=0.1,
+                             architectures=["LlamaForCausalLM"])
 
 
 @pytest.fixture(scope="session")
 def target() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(target_config()).eval()
+    return tiny_llama(0, target_config())
 
 
 @pytest.fixture(scope="session")

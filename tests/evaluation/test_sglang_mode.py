@@ -16,8 +16,7 @@ import requests
 import torch
 
 from pipeline.capture.engine_http import EngineRequestError, TransientFailure
-from pipeline.eagle3.config import DrafterConfig
-from pipeline.eagle3.export import load_drafter, save_drafter
+from pipeline.eagle3.export import load_drafter
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.engine import CycleTrace, EvalRun, evaluate
@@ -29,24 +28,19 @@ from pipeline.evaluation.sglang_mode import (
     parse_spec_response,
 )
 from pipeline.sampling import SamplingParams
-from pipeline.vocab.mapping import build_vocab_mapping
 from tests.sglang_contract import fixtures
-from tests.sglang_contract.fixtures import HIDDEN, LAYERS, VOCAB, ContractServer
+from tests.sglang_contract.drafters import (
+    CHAIN,
+    MAX_NEW,
+    save_copy_drafter,
+    spec_flags,
+)
+from tests.sglang_contract.fixtures import VOCAB, ContractServer
 
 pytestmark = pytest.mark.integration
 
-MAX_NEW = 20
-DRAFT_VOCAB = 64
-CHAIN = SpecParams(3, 1, 4)
 TREE = SpecParams(3, 2, 6)
 FAST = {"timeout": 60.0, "retries": 1, "backoff_s": 0.01}
-
-
-def spec_flags(params: SpecParams, drafter: Path, interval: int = 1) -> dict:
-    return {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(drafter),
-            "speculative_num_steps": params.num_steps, "speculative_eagle_topk": params.eagle_topk,
-            "speculative_num_draft_tokens": params.num_draft_tokens,
-            "decode_log_interval": interval}
 
 
 @dataclass(frozen=True)
@@ -61,29 +55,6 @@ class World:
 
     def url(self, name: str) -> str:
         return self.servers[name].url
-
-
-def save_copy_drafter(target: torch.nn.Module, directory: Path, outputs: list[list[int]]
-                      ) -> Path:
-    """A real EAGLE-3 checkpoint whose drafts are often right: ``fc`` passes the last
-    layer's output through, attention and MLP add nothing, and ``norm``/``lm_head`` are the
-    target's (rows of the draft vocab). So it proposes the target's top choices at the
-    previous position, which a tiny random Llama, repeating itself, often confirms. The
-    draft vocab (64 of 128 ids, a real d2t/t2d) holds the tokens the target emits most."""
-    cfg = DrafterConfig.from_target(target.config, draft_vocab_size=DRAFT_VOCAB,
-                                    aux_layer_ids=(1, 3, LAYERS - 2))
-    counts = torch.bincount(torch.tensor([t for o in outputs for t in o]), minlength=VOCAB)
-    mapping = build_vocab_mapping(counts, DRAFT_VOCAB)
-    model = Eagle3Drafter(cfg, target.get_input_embeddings().weight.detach())
-    with torch.no_grad():
-        model.fc.weight.zero_()
-        model.fc.weight[:, 2 * HIDDEN:] = torch.eye(HIDDEN)  # (H, 3H): the last aux slot
-        model.midlayer.self_attn.o_proj.weight.zero_()
-        model.midlayer.mlp.down_proj.weight.zero_()
-        model.norm.weight.copy_(target.model.norm.weight)
-        model.set_vocab(mapping.d2t, mapping.t2d)
-        model.lm_head.weight.copy_(target.lm_head.weight[mapping.t2d])
-    return save_drafter(model, cfg, directory, dtype=torch.float32)
 
 
 def pick_eos(outputs: list[list[int]]) -> int:

@@ -13,7 +13,7 @@ from pipeline.demo.policy import build_policy
 from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
-from tests.tokenize.test_tokenization_templates import demo_tokenizer
+from tests.tokenize.chat_tokenizers import demo_tokenizer
 
 pytestmark = pytest.mark.integration
 

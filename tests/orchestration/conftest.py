@@ -1,13 +1,18 @@
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
-from dagster import DagsterInstance, instance_for_test
+from dagster import AssetKey, AssetMaterialization, DagsterInstance, instance_for_test
 
+from assets.groups import DATA_ASSETS
+from assets.partitions import step_key
 from pipeline.snapshot.writer import SnapshotWriter
 from pipeline.storage import Storage
+from resources.mlflow import MlflowResource
+from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
 from tests.snapshot.conftest import good_record, make_policy_dir
 
@@ -64,3 +69,30 @@ def write_step(storage: Storage, tmp_path, step: int, n_good: int = 8, n_bad: in
                 for i in range(n_bad)]
     policy = make_policy_dir(tmp_path / f"policy-{step}")
     SnapshotWriter(storage).write_step(step, records, policy, step)
+
+
+EMPTY_STORAGE = Path(tempfile.mkdtemp(prefix="aerie-refresh-tests-"))
+
+
+def trigger_resources(policy=None, storage_url: str | None = None) -> dict:
+    """What the refresh triggers are given: the policy, and where they read the serving
+    drafter's acceptance (a storage root holding none unless a test writes it)."""
+    return {"refresh": policy or RefreshPolicyResource(),
+            "storage": StorageResource(url=storage_url or EMPTY_STORAGE.as_uri()),
+            "mlflow": MlflowResource()}
+
+
+def ingest(instance, *steps: int, assets=DATA_ASSETS) -> None:
+    """Record the data assets of ``steps`` as materialized (runless events), as an ingest
+    run would."""
+    for s in steps:
+        for name in assets:
+            instance.report_runless_asset_event(
+                AssetMaterialization(asset_key=AssetKey(name), partition=step_key(s)))
+
+
+def refresh_job():
+    """The ``drafter_refresh`` job of the definitions."""
+    from definitions import defs
+
+    return defs.resolve_job_def("drafter_refresh")

@@ -18,8 +18,12 @@ from pipeline.monitor import drift
 from pipeline.monitor.drift import DriftPolicy, Reading, decide, healthy, reading
 from pipeline.monitor.observed import rollout_counts, summarise
 from resources.refresh import RefreshPolicyResource
-from tests.orchestration.conftest import on_every_dagster_backend
-from tests.orchestration.test_refresh_sensor import _job, ingest, trigger_resources
+from tests.orchestration.conftest import (
+    ingest,
+    on_every_dagster_backend,
+    refresh_job,
+    trigger_resources,
+)
 
 REFERENCE = 2.0  # the serving drafter's τ at promotion
 POLICY = DriftPolicy(max_drop=0.10, window=1, rearm_drop=0.05, cooldown_steps=2,
@@ -96,7 +100,7 @@ def _tick(sensor, instance, cursor, policy):
 
 def _launch(instance, request) -> None:
     """What the daemon does with a request: a run with its tags (its run key dedups)."""
-    instance.create_run_for_job(job_def=_job(), run_id=None, tags=request.tags,
+    instance.create_run_for_job(job_def=refresh_job(), run_id=None, tags=request.tags,
                                 status=DagsterRunStatus.SUCCESS)
 
 

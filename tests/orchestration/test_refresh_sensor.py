@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
 
 import pytest
 from dagster import (
-    AssetKey,
-    AssetMaterialization,
     DagsterRunStatus,
     SensorResult,
     SkipReason,
@@ -26,22 +22,16 @@ from jobs.refresh import (
     refresh_request,
     refresh_sensor,
 )
-from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
-from resources.storage import StorageResource
-from tests.orchestration.conftest import on_every_dagster_backend
+from tests.orchestration.conftest import (
+    ingest,
+    on_every_dagster_backend,
+    refresh_job,
+    trigger_resources,
+)
 
 pytestmark = pytest.mark.integration
 
-EMPTY_STORAGE = Path(tempfile.mkdtemp(prefix="aerie-refresh-tests-"))
-
-
-def trigger_resources(policy=None, storage_url: str | None = None) -> dict:
-    """What the refresh triggers are given: the policy, and where they read the serving
-    drafter's acceptance (a storage root holding none unless a test writes it)."""
-    return {"refresh": policy or RefreshPolicyResource(),
-            "storage": StorageResource(url=storage_url or EMPTY_STORAGE.as_uri()),
-            "mlflow": MlflowResource()}
 
 
 @pytest.mark.parametrize(("ingested", "last", "every", "due"), [
@@ -57,13 +47,6 @@ def trigger_resources(policy=None, storage_url: str | None = None) -> dict:
 ])
 def test_due_refresh(ingested, last, every, due):
     assert due_refresh(ingested, last, every) == due
-
-
-def ingest(instance, *steps: int, assets=DATA_ASSETS) -> None:
-    for s in steps:
-        for name in assets:
-            instance.report_runless_asset_event(
-                AssetMaterialization(asset_key=AssetKey(name), partition=step_key(s)))
 
 
 def tick(instance, cursor, policy=None):
@@ -107,7 +90,7 @@ def test_sensor_requests_exactly_one_refresh_per_block(dagster_backend):
 
 def launched(instance, step: int, status=DagsterRunStatus.SUCCESS) -> None:
     """A finished refresh run of ``step``, tagged as the triggers tag theirs."""
-    instance.create_run_for_job(job_def=_job(), run_id=None, tags=refresh_request(step).tags,
+    instance.create_run_for_job(job_def=refresh_job(), run_id=None, tags=refresh_request(step).tags,
                                 status=status)
 
 
@@ -159,18 +142,12 @@ def test_sensor_waits_while_a_refresh_is_in_flight(dagster_backend):
         instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(4)])
         ingest(instance, 0, 1, 2, 3)
         run = instance.create_run_for_job(
-            job_def=_job(), run_id=None, status=DagsterRunStatus.STARTED)
+            job_def=refresh_job(), run_id=None, status=DagsterRunStatus.STARTED)
         assert isinstance(run, DagsterRun)
         result = tick(instance, None)
         assert isinstance(result, SkipReason) and "still queued or running" in str(result)
         instance.report_run_failed(run)
         assert isinstance(tick(instance, None), SensorResult)
-
-
-def _job():
-    from definitions import defs
-
-    return defs.resolve_job_def("drafter_refresh")
 
 
 def test_schedule_refreshes_the_newest_step_once(dagster_backend):
@@ -200,7 +177,7 @@ def test_embedded_instance_runs_one_refresh_at_a_time(tmp_path, monkeypatch):
     cli.prepare_dagster_home()
     with DagsterInstance.get() as instance:
         limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
-    tags = _job().tags
+    tags = refresh_job().tags
     assert [(lim["key"], lim["value"], lim["limit"]) for lim in limits] == [
         ("aerie/serial", tags["aerie/serial"], 1)]
 

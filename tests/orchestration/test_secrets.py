@@ -25,22 +25,21 @@ from pipeline.snapshot.policy import publish_policy
 from pipeline.storage import Storage
 from resources.capture import capture_from_env
 from resources.storage import storage_from_env
-from tests.capture.test_capture_vllm import AUX, vllm_stand_in
-from tests.capture.test_extraction import CONFIG, STEP, lengths, write_tokenized
+from tests.capture.helpers import CONFIG, STEP, lengths, tiny_llama, write_tokenized
 from tests.conftest import s3_options
 from tests.orchestration.conftest import on_every_dagster_backend, use_backend
+from tests.vllm_contract.fixtures import capture_stand_in
 
 pytestmark = pytest.mark.integration
 
 pytest.importorskip("torch")
+LAYERS, AUX = 6, (0, 2, 3)  # the policy's layers and the ones captured
 
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
-    from tests.capture.test_capture_vllm import LAYERS, H, tiny_llama
-
     path = tmp_path_factory.mktemp("policy")
-    tiny_llama(layers=LAYERS, hidden=H).save_pretrained(path)
+    tiny_llama(layers=LAYERS).save_pretrained(path)
     return path
 
 
@@ -85,7 +84,7 @@ def test_secrets_reach_the_services_and_nowhere_else(tmp_path, monkeypatch, moto
     home.mkdir()
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     use_backend(home, dagster_backend)
-    with vllm_stand_in(policy_dir, files, api_key=key) as url:
+    with capture_stand_in(policy_dir, files, AUX, LAYERS, api_key=key) as url:
         for var, value in {
                 "AERIE_STORAGE_URL": f"s3://{bucket}/aerie", "AWS_ENDPOINT_URL": moto_endpoint,
                 "AWS_ACCESS_KEY_ID": opts["key"], "AWS_SECRET_ACCESS_KEY": s3_secret,

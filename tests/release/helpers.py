@@ -4,6 +4,7 @@ the gate settings and evaluation summaries the promotion tests decide with."""
 from __future__ import annotations
 
 import hashlib
+import uuid
 from pathlib import Path
 
 from pipeline.contracts import Manifest
@@ -11,8 +12,9 @@ from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.spec import SpecParams
 from pipeline.manifest import entry_for, write_manifest
 from pipeline.release.backend import LedgerBackend
-from pipeline.release.gate import EvalSummary, GatePolicy
+from pipeline.release.gate import Candidate, EvalSummary, GatePolicy, decide
 from pipeline.release.ledger import ServingLedger
+from pipeline.release.mlflow_registry import DrafterRegistry
 from pipeline.serving_now import ServingTarget
 from pipeline.storage import Storage
 
@@ -102,3 +104,23 @@ class Drafters:
         from tests.vllm_contract.server import Eagle3Drafter  # vLLM's view of the weights
 
         return Eagle3Drafter(self.dirs[version]).digest()
+
+
+def register(registry: DrafterRegistry, storage: Storage, drafter_dir, step: int) -> str:
+    """``drafter_dir`` published for ``step`` and registered; its version."""
+    fingerprint = uuid.uuid4().hex
+    uri = publish_drafter(storage, step, drafter_dir, fingerprint)
+    reg = registry.publish(drafter_dir=drafter_dir,
+                           lineage=lineage(fingerprint, uri, step=step))
+    return reg.version.version
+
+
+def gate(tau: float, champion: EvalSummary | None):
+    """The gate's decision for a candidate of τ ``tau`` against ``champion``."""
+    return decide(Candidate(summary(tau), format_ok=True), champion, None, POLICY)
+
+
+def served_version(serving) -> str | None:
+    """The registry version ``serving`` serves now (None: no drafter)."""
+    current = serving.current()
+    return current.target.registry_version if current and current.target else None

@@ -26,10 +26,14 @@ from pipeline.release.mlflow_registry import DrafterRegistry
 from pipeline.release.promotion import force_promote
 from pipeline.release.register import ReleaseError
 from pipeline.serving_now import serving_drafter_key
-from tests.evaluation.test_stage import SETTINGS, STEPS, publish_drafter
-from tests.evaluation.test_stage import world as world  # noqa: F401 (fixture)
+from tests.evaluation.world import SETTINGS, STEPS, eval_world, publish_drafter
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return eval_world(tmp_path_factory.mktemp("eval-world") / "storage")
 
 CONFIG = EvalConfig(max_prompts=4, max_new_tokens=10, **SETTINGS)
 # Random drafters get an accept now and then (τ ≈ 1.03 here): demand +50%.

@@ -21,7 +21,7 @@ from pipeline.capture.shards import read_shards_manifest
 from pipeline.layout import shards_prefix
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.storage import Storage
-from tests.capture.test_extraction import STEP, lengths, write_tokenized
+from tests.capture.helpers import STEP, lengths, write_tokenized
 
 pytestmark = pytest.mark.integration
 

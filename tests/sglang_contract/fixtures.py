@@ -62,14 +62,9 @@ class ContractServer:
 
 def tiny_llama() -> Any:
     """The random 8-layer, 64-wide ``LlamaForCausalLM`` every contract server serves."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.families import tiny_llama as build
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128,
-                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256)
-    return LlamaForCausalLM(config)
+    return build(0, vocab=VOCAB, hidden=HIDDEN, layers=LAYERS, intermediate=128)
 
 
 def save_model(model: Any, path: Path) -> Path:

@@ -29,8 +29,7 @@ from pipeline.tokenize.config import TokenizeConfig
 from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
 from pipeline.tokenize.stage import first_difference, load_step_tokenizer, tokenize_record, truncate
 from resources.storage import StorageResource
-
-from .test_tokenization_templates import (
+from tests.tokenize.chat_tokenizers import (
     TOKENIZERS,
     chatml_think_tokenizer,
     chatml_tokenizer,

@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.tokenize.chat_masks import ChatMaskError, encode_chat, render_with_spans
-
-from .test_tokenization_templates import TOKENIZERS, chatml_tokenizer, llama3_tokenizer
+from tests.tokenize.chat_tokenizers import TOKENIZERS, chatml_tokenizer, llama3_tokenizer
 
 GOLDEN = Path(__file__).parent / "golden"
 

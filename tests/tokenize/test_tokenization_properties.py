@@ -1,6 +1,6 @@
 """Property: on random conversations, the mask covers exactly the assistant turns.
 
-Ground truth comes from the plain-Python oracles in ``test_tokenization_templates``, not
+Ground truth comes from the plain-Python oracles in ``chat_tokenizers``, not
 from the code under test: the masked characters must cover every assistant content
 character and its closing token, nothing of system/user/tool content, and the decoded
 masked text must be the assistant contents plus closing tokens (plus, only where a token
@@ -13,8 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.tokenize.chat_masks import encode_chat, render_with_spans
-
-from .test_tokenization_templates import ORACLES, TOKENIZERS
+from tests.tokenize.chat_tokenizers import ORACLES, TOKENIZERS
 
 _SPECIAL_TEXT = ("<|", "|>", "<think>", "</think>", "<tool_response>", "</tool_response>")
 _EXOTIC = "東京日本語한국어🙂🗼👩‍💻é\u0301\u0308ñ—✓\u200d\U000f0000 \n\t"

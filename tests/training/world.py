@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from pipeline.capture import stage as capture_stage
 from pipeline.capture.config import ExtractConfig
@@ -26,6 +26,7 @@ from pipeline.parquet import write_table
 from pipeline.snapshot.policy import load_policy_ref, publish_policy
 from pipeline.storage import Storage
 from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
+from tests.families import tiny_llama
 
 VOCAB = 300
 HIDDEN = 32
@@ -37,12 +38,8 @@ EXTRACT = ExtractConfig(token_budget=256, max_batch_size=8, shard_bytes=400 * ST
 
 
 def tiny_target(seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
-                         num_hidden_layers=LAYERS, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=tie)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(seed, vocab=VOCAB, hidden=HIDDEN, layers=LAYERS, intermediate=64,
+                       max_positions=128, tie_word_embeddings=tie)
     if not tie:
         with torch.no_grad():
             model.lm_head.weight.normal_(0.0, 0.5)  # confident teacher: logits std ~3

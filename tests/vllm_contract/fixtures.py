@@ -1,7 +1,9 @@
-"""Start the vLLM stand-in on loopback for a test and stop it by PID."""
+"""Start the vLLM stand-ins on loopback for a test and stop them by PID: the serving one
+(``vllm serve`` with a drafter) and the hidden-state capture one."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import requests
 
+from pipeline.capture.vllm import engine_layer_ids
 from tests.conftest import free_port, local_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,3 +38,25 @@ def vllm_server(work: Path, args: Sequence[str], *, dev_mode: bool = True,
 def served(url: str) -> dict:
     """What the stand-in serves now (test-only route)."""
     return requests.get(f"{url}/_contract/drafter", timeout=10).json()
+
+
+@contextmanager
+def capture_stand_in(policy_dir: Path, files: Path, aux_layer_ids: Sequence[int],
+                     num_layers: int, api_key: str | None = None) -> Iterator[str]:
+    """The hidden-state capture stand-in serving ``policy_dir`` (``num_layers`` layers),
+    exporting ``aux_layer_ids`` as files into ``files``; its base URL."""
+    port = free_port()
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {
+                "eagle_aux_hidden_state_layer_ids": engine_layer_ids(aux_layer_ids,
+                                                                     num_layers)}}}
+    kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(files),
+                                        "allow_custom_save_path": True}}
+    cmd = [sys.executable, "-m", "tests.vllm_contract.capture_server", str(policy_dir),
+           "--port", str(port), "--dtype", "float32", "--speculative-config", json.dumps(spec),
+           "--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
+    if api_key is not None:
+        cmd += ["--api-key", api_key]
+    with local_server(cmd, files.parent / f"vllm-capture-{port}.log", [port], timeout=120):
+        yield f"http://127.0.0.1:{port}"

@@ -16,9 +16,9 @@ from pipeline.monitor.verify import BROKEN, HEALTHY, UNDECIDED, VerifyPolicy, ju
 from pipeline.release.mlflow_registry import CHAMPION
 from pipeline.release.promotion import force_promote
 from pipeline.sampling import GREEDY
-from tests.evaluation.test_sglang_mode import CHAIN, MAX_NEW, save_copy_drafter, spec_flags
-from tests.release.promotion.test_promotion import gate, register, served_version
+from tests.release.helpers import gate, register, served_version
 from tests.sglang_contract import fixtures
+from tests.sglang_contract.drafters import CHAIN, MAX_NEW, save_copy_drafter, spec_flags
 from tests.sglang_contract.fixtures import VOCAB
 
 pytestmark = pytest.mark.integration

@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import sys
 import threading
-import uuid
 
 import pytest
 
 from pipeline.release.backend import LedgerBackend
-from pipeline.release.gate import Candidate, EvalSummary, decide
 from pipeline.release.ledger import ServingLedger
 from pipeline.release.lock import LockTimeout
-from pipeline.release.mlflow_registry import CHAMPION, DrafterRegistry
+from pipeline.release.mlflow_registry import CHAMPION
 from pipeline.release.promotion import (
     PromotionError,
     force_promote,
@@ -22,34 +20,16 @@ from pipeline.release.promotion import (
 )
 from pipeline.release.restart import RestartHook
 from pipeline.serving_now import resolve_serving
-from pipeline.storage import Storage
 from tests.conftest import on_every_storage
 from tests.release.helpers import (
-    POLICY,
     SETTINGS,
-    lineage,
-    publish_drafter,
+    gate,
+    register,
+    served_version,
     summary,
 )
 
 pytestmark = pytest.mark.integration
-
-
-def register(registry: DrafterRegistry, storage: Storage, drafter_dir, step: int) -> str:
-    fingerprint = uuid.uuid4().hex
-    uri = publish_drafter(storage, step, drafter_dir, fingerprint)
-    reg = registry.publish(drafter_dir=drafter_dir,
-                           lineage=lineage(fingerprint, uri, step=step))
-    return reg.version.version
-
-
-def gate(tau: float, champion: EvalSummary | None):
-    return decide(Candidate(summary(tau), format_ok=True), champion, None, POLICY)
-
-
-def served_version(serving) -> str | None:
-    current = serving.current()
-    return current.target.registry_version if current and current.target else None
 
 
 @pytest.fixture

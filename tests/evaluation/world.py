@@ -1,0 +1,47 @@
+"""The evaluation tests' world: two ingested RL steps of a tiny target with held-out
+prompts, and random drafters published as the training stage publishes them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from pipeline.contracts import Manifest
+from pipeline.eagle3.config import DrafterConfig
+from pipeline.eagle3.export import save_drafter
+from pipeline.eagle3.model import Eagle3Drafter
+from pipeline.manifest import entry_for, write_manifest
+from pipeline.storage import Storage
+from tests.training.world import EXTRACT, build_world, tiny_target
+
+STEPS = (1, 2)
+SETTINGS = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
+
+
+def eval_world(root: Path) -> tuple[Storage, torch.nn.Module]:
+    """STEPS of a 16-sample world under ``root``, 30% of prompts held out; and its target."""
+    torch.set_num_threads(1)
+    target = tiny_target(seed=4)
+    extract = replace(EXTRACT, heldout_fraction=0.3)
+    return build_world(root, STEPS, samples=16, model=target, extract=extract), target
+
+
+def publish_drafter(storage: Storage, target, step: int, seed: int, tmp: Path) -> str:
+    """A random drafter published like the training stage does (manifest last)."""
+    cfg = DrafterConfig.from_target(target.config, draft_vocab_size=64)
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(cfg, target.get_input_embeddings().weight.detach())
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[torch.randperm(cfg.vocab_size)[:64]] = True
+    used = t2d.nonzero().flatten()
+    model.set_vocab(used - torch.arange(64), t2d)
+    local = save_drafter(model, cfg, tmp / f"drafter-{seed}", dtype=torch.float32)
+    prefix = f"drafters/step={step:06d}-seed{seed}"
+    written = storage.upload_dir(local, prefix)
+    write_manifest(storage, prefix, Manifest(
+        kind="drafter_checkpoint", kind_version=1,
+        files=tuple(entry_for(prefix, w) for w in written),
+        meta={"step": step, "fingerprint": f"fp-{seed}", "window_steps": list(STEPS)}))
+    return prefix
