@@ -143,6 +143,22 @@ def test_tests_are_imported_by_nobody_but_tests():
         ["aerie/cli.py:1 imports tests.e2e (tests are never imported)"]
 
 
+def test_modules_import_helpers_never_a_test_module():
+    """Shared test code lives in conftests and helper modules: importing a ``test_*``
+    module would run its tests' module set-up and collect its fixtures twice."""
+
+    def offenders(module: str, source: str, where: str) -> list[str]:
+        return [f"{where}:{line} imports {target}" for line, target in imports(source, module)
+                if target.startswith("tests.") and target.split(".")[-1].startswith("test_")]
+
+    found = [o for f in sorted((ROOT / "tests").rglob("*.py"))
+             for o in offenders(module_name(f), f.read_text(encoding="utf-8"),
+                                str(f.relative_to(ROOT)))]
+    assert found == []
+    assert offenders("tests.a.test_b", "from .test_c import x\n", "tests/a/test_b.py") == \
+        ["tests/a/test_b.py:1 imports tests.a.test_c"]
+
+
 def test_a_planted_upward_import_is_caught():
     """Each rule fails on an edge planted in memory (the source tree is never written)."""
     planted = {
