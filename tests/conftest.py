@@ -69,39 +69,71 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    """Poll until something accepts connections on ``port`` (no fixed sleeps)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+class ServerProcess:
+    """The tests' one way to run a server: ``cmd`` started with its output in ``log_path``,
+    ready when each port accepts connections on 127.0.0.1 and ``probe()`` (if given) is
+    true, stopped by PID (its whole process group with ``group``): SIGTERM, then SIGKILL
+    after ``grace_s``."""
+
+    def __init__(self, cmd: Sequence[str], log_path: Path, *, group: bool = False, **popen):
+        self.group = group
+        self.log_path = log_path
+        with open(log_path, "wb") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=group, **popen)
+
+    def wait_ready(self, ports: Iterable[int] = (), timeout: float = 60.0,
+                   probe: Callable[[], bool] | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        waiting = list(ports)
+        while True:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"server exited early with {self.proc.returncode}: {tail}")
+            while waiting and _accepts(waiting[0]):
+                waiting.pop(0)
+            if not waiting and (probe is None or probe()):
                 return
-        except OSError:
+            if time.monotonic() > deadline:
+                what = f"127.0.0.1:{waiting[0]}" if waiting else "its readiness probe"
+                raise TimeoutError(f"server not ready after {timeout}s (waiting on {what})")
             time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+    def stop(self, grace_s: float = 60.0) -> None:
+        kill = os.killpg if self.group else os.kill
+        try:
+            kill(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:  # gone already
+            pass
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
 
 
 @contextmanager
 def local_server(cmd: Sequence[str], log_path: Path, ports: Iterable[int], *,
                  timeout: float = 60.0, group: bool = False,
                  ready: Callable[[], None] | None = None, **popen) -> Iterator[None]:
-    """Run ``cmd`` (output to ``log_path``) until every one of ``ports`` on 127.0.0.1
-    accepts connections (``ready()`` runs first, while it starts), then yield; on exit stop
-    it by PID (its whole process group with ``group``)."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=group, **popen)
-        try:
-            if ready is not None:
-                ready()
-            for port in ports:
-                wait_for_port(port, proc, timeout)
-            yield
-        finally:
-            (os.killpg if group else os.kill)(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+    """:class:`ServerProcess` for a block: run ``cmd`` until every one of ``ports``
+    accepts connections (``ready()`` runs first, while it starts), then yield; stopped on
+    exit."""
+    server = ServerProcess(cmd, log_path, group=group, **popen)
+    try:
+        if ready is not None:
+            ready()
+        server.wait_ready(ports, timeout)
+        yield
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

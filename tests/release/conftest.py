@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -16,7 +13,7 @@ import pytest
 import requests
 
 from pipeline.release.mlflow_registry import DrafterRegistry
-from tests.conftest import free_port
+from tests.conftest import ServerProcess, free_port
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
@@ -40,40 +37,26 @@ class _MlflowServer:
         self.root = Path(tempfile.mkdtemp(prefix="aerie-mlflow-server-"))
         exe = shutil.which("mlflow") or str(Path(sys.executable).parent / "mlflow")
         self.url = f"http://127.0.0.1:{free_port()}"
-        self.log = open(self.root / "server.log", "wb")
         env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true",
                "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        self.proc = subprocess.Popen(
+        self.server = ServerProcess(
             [exe, "server", "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
              "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
              "--artifacts-destination", (self.root / "artifacts").as_uri()],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.root / "server.log", group=True, env=env)
 
     def wait_healthy(self, timeout_s: float = 120.0) -> str:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}: "
-                                   f"{(self.root / 'server.log').read_text()[-2000:]}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return self.url
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"mlflow server not healthy after {timeout_s}s")
-            time.sleep(0.1)
+        self.server.wait_ready(timeout=timeout_s, probe=self._healthy)
+        return self.url
+
+    def _healthy(self) -> bool:
+        try:
+            return requests.get(f"{self.url}/health", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
-        self.log.close()
+        self.server.stop(grace_s=5)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
