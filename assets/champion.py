@@ -3,7 +3,9 @@
 rollback, a post-promotion check's rollback) is recorded as one.
 
 Invariant: the newest ``serving_drafter`` materialization names the drafter serving now,
-whoever moved it; every path that can move it runs in :data:`PROMOTION_POOL` (limit 1).
+whoever moved it: the gate, the override and the manual rollback run in
+:data:`PROMOTION_POOL` (limit 1), and the post-promotion check's rollback in
+``serving_acceptance`` records its event while it holds the promotion lock.
 """
 
 from dagster import (
@@ -23,7 +25,7 @@ from pipeline.serving_now import drafter_name
 from pipeline.storage import Storage
 from resources.refresh import RefreshPolicyResource
 
-PROMOTION_POOL = "promotion"  # every path that moves the champion; limit 1
+PROMOTION_POOL = "promotion"  # the jobs' paths that move the champion; limit 1
 
 
 def champion_metadata(p: PromotionResult, registry: DrafterRegistry, *, actor: str,

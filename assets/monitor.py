@@ -5,8 +5,13 @@ speculative counters (τ per drafter version, :mod:`pipeline.monitor.observed`),
 for the drift sensor, and draws the loop's chart (τ observed over RL steps, offline τ at each
 refresh, promotions and rollbacks). Its check ``promotion_verified`` judges the drafter
 serving now on those counters where promotions are not verified on live servers (the
-``manifest`` and vLLM modes): below the floor, the promotion is rolled back. It runs in the
-pool ``promotion``, as every path that can move the champion.
+``manifest`` and vLLM modes): below the floor, the promotion is rolled back.
+
+It runs outside the pool ``promotion``, so that ingesting an RL step never waits for a
+promotion: judging reads only. A rollback takes the promotion lock, as every change of
+champion does (:func:`pipeline.release.promotion.rollback`), and records its
+``serving_drafter`` event before releasing it, so the newest event still names the drafter
+serving now.
 """
 
 import functools
@@ -19,7 +24,7 @@ from dagster import (
     asset,
 )
 
-from assets.champion import PROMOTION_POOL, record_champion_change
+from assets.champion import record_champion_change
 from assets.checks import result, spec
 from assets.loop_chart import publish_loop_chart
 from assets.partitions import rl_steps, step_of
@@ -34,7 +39,7 @@ from resources.storage import StorageResource
 
 
 @asset(partitions_def=rl_steps, group_name="monitor", kinds={"sglang"},
-       deps=["rollout_snapshot"], retry_policy=SERVICE_RETRY, pool=PROMOTION_POOL,
+       deps=["rollout_snapshot"], retry_policy=SERVICE_RETRY,
        description="τ per drafter version as the RL engine observed it in this RL step "
                    "(the rollouts' speculative counters), and the loop's chart.",
        check_specs=[spec("serving_acceptance", "promotion_verified",
@@ -77,24 +82,16 @@ def _check(context, store, mlflow: MlflowResource, serving: ServingResource,
         registry = mlflow.build()
         return registry, serving.build(store, registry.model_name)
 
-    checked = monitor_stage.check_reported(store, model_name(mlflow.target_family), connect,
-                                           serving.verify_policy())
-    return _outcome(context, checked, lambda: connect()[0], store, refresh)
-
-
-def _outcome(context, checked, registry, store, refresh) -> CheckOutcome:
-    """The ``promotion_verified`` outcome of a verdict; a rollback is logged and recorded as a
-    ``serving_drafter`` event naming the new champion (``registry()``: the one it used)."""
-    from pipeline.monitor import stage as monitor_stage
-
-    v, r = checked.verification, checked.rollback
-    if v is not None and r is not None:
+    def rolled_back(v, r) -> None:  # under the promotion lock: no promotion comes between
         context.log.error(f"v{v.version}: {v.reason}; rolled back to "
                           f"{r.version or 'no drafter'}")
-        record_champion_change(context, registry(), r, actor=VERIFY_ACTOR,
+        record_champion_change(context, connect()[0], r, actor=VERIFY_ACTOR,
                                reason=f"post-promotion check: {v.reason}", store=store,
                                refresh=refresh)
-    return monitor_stage.outcome_of(checked)
+
+    return monitor_stage.outcome_of(monitor_stage.check_reported(
+        store, model_name(mlflow.target_family), connect, serving.verify_policy(),
+        on_rollback=rolled_back))
 
 
 def _table(observed) -> str:

@@ -42,6 +42,10 @@ VERIFY_ACTOR = "aerie (post-promotion check)"
 VERDICT_TAG = "post_promotion.verdict"
 
 
+# called with the verdict and the rollback's result while the promotion lock is held
+OnRollback = Callable[[Verification, PromotionResult], None]
+
+
 @dataclass(frozen=True)
 class Checked:
     """A verdict (None: nothing serving, or judged already), the rollback it caused, and why
@@ -113,10 +117,12 @@ def outcome_of(checked: Checked) -> CheckOutcome:
 
 def check_reported(storage: Storage, name: str,
                    connect: Callable[[], tuple[DrafterRegistry, ServingBackend]],
-                   policy: VerifyPolicy) -> Checked:
+                   policy: VerifyPolicy, *,
+                   on_rollback: OnRollback | None = None) -> Checked:
     """Judge the drafter serving ``name`` now on what the RL engine reported with it, unless
     it was judged already; ``connect`` gives the registry and serving backend (only called
-    when a drafter serves)."""
+    when a drafter serves). ``on_rollback(verification, result)`` runs while the rollback
+    still holds the promotion lock (see :func:`_settle`)."""
     state = serving_state(storage, name)
     if state is None or not state.version:
         return Checked(None, note="no drafter serves: nothing to verify")
@@ -128,7 +134,7 @@ def check_reported(storage: Storage, name: str,
         return Checked(None, note=f"v{state.version} has no gated τ to compare with")
     verification = verify_reported(observed_series(storage, since=state.window_end),
                                    state.version, state.tau_at_promotion, policy)
-    return _settle(registry, serving, verification)
+    return _settle(registry, serving, verification, on_rollback)
 
 
 def verify_promotion(storage: Storage, registry: DrafterRegistry, serving: ServingBackend,
@@ -139,18 +145,22 @@ def verify_promotion(storage: Storage, registry: DrafterRegistry, serving: Servi
                                                   api_key=api_key))
 
 
-def _settle(registry: DrafterRegistry, serving: ServingBackend,
-            verification: Verification) -> Checked:
+def _settle(registry: DrafterRegistry, serving: ServingBackend, verification: Verification,
+            on_rollback: OnRollback | None = None) -> Checked:
     """Roll a broken promotion back, then record the decided verdict: a rollback that fails
-    leaves no verdict, so the next attempt judges (and rolls back) again."""
+    leaves no verdict, so the next attempt judges (and rolls back) again. The rollback takes
+    the promotion lock, as every change of champion does; ``on_rollback`` runs inside it
+    (a caller outside the promotion pool records the change there)."""
     if verification.verdict == UNDECIDED:
         return Checked(verification)
     result, note = None, ""
     if verification.broken:
         try:
-            result = rollback(registry, serving, actor=VERIFY_ACTOR,
-                              expected=verification.version,
-                              reason=f"post-promotion check: {verification.reason}")
+            result = rollback(
+                registry, serving, actor=VERIFY_ACTOR, expected=verification.version,
+                reason=f"post-promotion check: {verification.reason}",
+                on_applied=None if on_rollback is None else
+                lambda r: on_rollback(verification, r))
         except PromotionNotApplied as e:  # another drafter serves by now: nothing to undo
             note = str(e)
     registry.set_tags(verification.version, {

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -203,35 +203,47 @@ def _require_version(registry: DrafterRegistry, version: str) -> None:
 def rollback(registry: DrafterRegistry, serving: ServingBackend, *, actor: str = "aerie",
              reason: str = "rollback", dagster_run_id: str | None = None,
              lock: AbstractContextManager[Any] | None = None,
-             expected: str | None = None) -> PromotionResult:
+             expected: str | None = None,
+             on_applied: Callable[[PromotionResult], None] | None = None) -> PromotionResult:
     """Restore the champion before the current one (alias and serving); ``expected``: only
-    if that one is this version (a check judged it), else :class:`PromotionNotApplied`."""
+    if that one is this version (a check judged it), else :class:`PromotionNotApplied`.
+    ``on_applied(result)`` runs while the promotion lock is still held (a caller outside
+    the promotion pool records the change there, so no promotion's record can come
+    between)."""
     with _held(registry, serving, lock) as (registry, serving):
-        serving_version = serving_champion(registry, serving)
-        if expected is not None and serving_version != expected:
-            raise PromotionNotApplied(f"{registry.model_name}: v{expected} is no longer the "
-                                      f"champion ({_v(serving_version)} is); not rolled back")
-        if serving_version is None:
-            raise PromotionError(f"{registry.model_name} has no champion to roll back: no "
-                                 f"drafter was promoted yet (a refresh promotes the first one "
-                                 f"that beats no drafter: aerie demo, or the drafter_refresh "
-                                 f"job)")
-        current = registry.get_version(serving_version)
-        previous = current.tags.get(PREVIOUS_CHAMPION)
-        if previous is None:
-            raise PromotionError(f"{registry.model_name} v{current.version} has no "
-                                 f"{PREVIOUS_CHAMPION} tag; nothing to roll back to")
-        registry.set_tags(current.version, {
-            "rolled_back_at": _now(), "rolled_back_by": actor, "rollback_reason": reason,
-            **({"rolled_back_in_run": dagster_run_id} if dagster_run_id else {})})
-        why = f"rollback v{current.version} -> {previous} by {actor}: {reason}"
-        if previous == NONE:
-            manifest = _clear_champion(registry, serving, reason=why)
-            return PromotionResult("rolled_back", registry.model_name, None, current.version,
-                                   manifest, (why,))
-        manifest = _make_champion(registry, serving, previous, {}, reason=why)
-        return PromotionResult("rolled_back", registry.model_name, previous, current.version,
+        result = _rollback(registry, serving, actor, reason, dagster_run_id, expected)
+        if on_applied is not None:
+            on_applied(result)
+        return result
+
+
+def _rollback(registry: DrafterRegistry, serving: ServingBackend, actor: str, reason: str,
+              dagster_run_id: str | None, expected: str | None) -> PromotionResult:
+    serving_version = serving_champion(registry, serving)
+    if expected is not None and serving_version != expected:
+        raise PromotionNotApplied(f"{registry.model_name}: v{expected} is no longer the "
+                                  f"champion ({_v(serving_version)} is); not rolled back")
+    if serving_version is None:
+        raise PromotionError(f"{registry.model_name} has no champion to roll back: no "
+                             f"drafter was promoted yet (a refresh promotes the first one "
+                             f"that beats no drafter: aerie demo, or the drafter_refresh "
+                             f"job)")
+    current = registry.get_version(serving_version)
+    previous = current.tags.get(PREVIOUS_CHAMPION)
+    if previous is None:
+        raise PromotionError(f"{registry.model_name} v{current.version} has no "
+                             f"{PREVIOUS_CHAMPION} tag; nothing to roll back to")
+    registry.set_tags(current.version, {
+        "rolled_back_at": _now(), "rolled_back_by": actor, "rollback_reason": reason,
+        **({"rolled_back_in_run": dagster_run_id} if dagster_run_id else {})})
+    why = f"rollback v{current.version} -> {previous} by {actor}: {reason}"
+    if previous == NONE:
+        manifest = _clear_champion(registry, serving, reason=why)
+        return PromotionResult("rolled_back", registry.model_name, None, current.version,
                                manifest, (why,))
+    manifest = _make_champion(registry, serving, previous, {}, reason=why)
+    return PromotionResult("rolled_back", registry.model_name, previous, current.version,
+                           manifest, (why,))
 
 
 def serving_champion(registry: DrafterRegistry, serving: ServingBackend, *,

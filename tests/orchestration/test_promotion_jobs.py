@@ -129,13 +129,16 @@ def test_every_change_of_champion_is_a_serving_drafter_event(world):
 
 
 def test_every_promotion_path_is_in_the_pool_promotion():
+    """Ingestion never queues behind a promotion: ``serving_acceptance`` (in ``ingest_step``)
+    is outside the pool; its rare rollback takes the promotion lock instead."""
     from definitions import defs
 
     repo = defs.get_repository_def()
     pooled = {node.name for job in repo.get_all_jobs() for node in job.graph.node_defs
               if getattr(node, "pool", None) == "promotion"}
-    assert pooled == {"serving_drafter", "force_promote_op", "rollback_op",
-                      "serving_acceptance"}  # its check may roll a promotion back
+    assert pooled == {"serving_drafter", "force_promote_op", "rollback_op"}
+    ingest = repo.get_job("ingest_step")
+    assert {n.pool for n in ingest.graph.node_defs} == {None}
     for job in (promote_drafter_manually, rollback_drafter):
         assert {n.pool for n in job.graph.node_defs} == {"promotion"}, job.name
 

@@ -198,6 +198,24 @@ def test_promotion_waits_for_the_lock(sqlite_registry, serving, champion_v1):
     assert registry.alias(CHAMPION) == v1
 
 
+def test_a_rollbacks_follow_up_runs_while_it_holds_the_lock(sqlite_registry, serving,
+                                                            champion_v1):
+    """``on_applied`` (serving_acceptance records its event there, outside the promotion
+    pool) runs after the change and before the lock is released: a promotion waits."""
+    registry, (v1, v2) = sqlite_registry, champion_v1
+    promote(registry, serving, v2, gate(2.5, summary(2.0, v1)))
+    registry.lock_timeout_s = 0.3
+    seen = []
+
+    def follow_up(result):
+        seen.append((result.version, served_version(serving)))
+        with pytest.raises(LockTimeout):
+            promote(registry, serving, v2, gate(2.5, summary(2.0, v1)))
+
+    rollback(registry, serving, actor="check", expected=v2, on_applied=follow_up)
+    assert seen == [(v1, v1)] and served_version(serving) == v1
+
+
 def test_the_serving_record_is_the_champion_and_a_disagreeing_alias_is_refused(
         sqlite_registry, storage, serving, drafter_dirs):
     """Promotion reads the same record as warm start and evaluation (the serving record);
