@@ -7,7 +7,6 @@ are measured with the policy of s on held-out prompts, next to no drafter. The c
 draft position, τ over refresh steps) are stored next to the report and linked.
 """
 
-from typing import Literal
 
 from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
 from pydantic import Field
@@ -17,7 +16,7 @@ from assets.drafter import WINDOW_NOTE
 from assets.partitions import refresh_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from pipeline.checks import evaluation_sound
-from pipeline.evaluation.config import EvalConfig
+from pipeline.evaluation.config import Device, Dtype, EvalConfig
 from pipeline.layout import drafter_prefix
 from pipeline.release.mlflow_registry import model_name
 from pipeline.serving_now import serving_drafter_key
@@ -53,10 +52,10 @@ class EvalRunConfig(Config):
     min_p: float | None = Field(default=None, description="sampler min_p (unset: recorded; "
                                                           "SGLang's verification ignores it)")
     seed: int = Field(default=_E.seed, description="seeds the draws of a sampled evaluation")
-    device: Literal["cpu", "cuda", "auto"] = Field(
+    device: Device = Field(
         default=_E.device, description="where the target and drafters run (auto: CUDA when "
                                        "present)")
-    dtype: Literal["float32", "bfloat16"] = Field(
+    dtype: Dtype = Field(
         default=_E.dtype, description="bfloat16: near-ties tolerated, see docs/concepts/"
                                        "acceptance.md, Where it runs")
     confidence: float = Field(default=_E.confidence,

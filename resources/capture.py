@@ -13,6 +13,7 @@ from pydantic import Field
 
 from pipeline.capture.backends import (
     BACKENDS,
+    CaptureDtype,
     EngineClient,
     HFOptions,
     SGLangOptions,
@@ -30,7 +31,7 @@ WHERE = "resources.capture.config"
 class HFCapture(Config):
     """``hf``: the step's policy checkpoint in-process."""
 
-    dtype: Literal["float32", "bfloat16"] = Field(
+    dtype: CaptureDtype = Field(
         default="float32", description="compute dtype (bfloat16 on GPUs)")
     device: str = Field(default="cpu", pattern=r"^(cpu|auto|cuda(:[0-9]+)?)$",
                         description="where the policy runs: cpu, cuda, cuda:N, or auto "

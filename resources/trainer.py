@@ -15,7 +15,7 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from pipeline.storage import Storage
-from pipeline.training.config import TrainConfig
+from pipeline.training.config import Device, Dtype, LauncherKind, TrainConfig
 from resources.env import resource_from_env
 from resources.home import aerie_home
 
@@ -33,13 +33,13 @@ class TrainerResource(ConfigurableResource):
     world_size: int = Field(default=1, ge=1, description="training processes (ranks): on "
                                                          "this host, or the hostfile's "
                                                          "slots")
-    launcher: Literal["auto", "python", "torchrun", "deepspeed"] = Field(
+    launcher: LauncherKind = Field(
         default="auto", description="auto: python for 1 rank, else torchrun")
     zero_stage: int = Field(default=2, ge=0, le=2, description="DeepSpeed ZeRO stage: 0, 1 "
                                                                "or 2")
-    dtype: Literal["fp32", "bf16", "auto"] = Field(
+    dtype: Literal[Dtype, "auto"] = Field(
         default="auto", description="auto: bf16 on CUDA, else fp32 (bf16 needs ZeRO 1 or 2)")
-    device: Literal["cpu", "cuda", "auto"] = Field(
+    device: Literal[Device, "auto"] = Field(
         default="auto", description="auto: cuda when available")
     threads: int = Field(default=0, ge=0, description="torch threads per rank; 0 = torch "
                                                       "default")

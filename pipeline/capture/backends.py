@@ -14,7 +14,7 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.capture.config import DEFAULT_TOKEN_BUDGET
 from pipeline.eagle3.aux_layers import check_aux_layer_ids, default_aux_layer_ids
@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     import torch
 
     from pipeline.capture.base import CaptureBackend
+
+
+CaptureDtype = Literal["float32", "bfloat16"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class EngineClient:
 class HFOptions:
     """``hf``: the step's policy checkpoint loaded in this process."""
 
-    dtype: str = "float32"  # compute dtype: float32 | bfloat16
+    dtype: CaptureDtype = "float32"  # the compute dtype
     device: str = "cpu"  # cpu, cuda, cuda:N, or auto (CUDA when present)
 
 

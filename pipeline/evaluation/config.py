@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from pipeline.eagle3.spec import SpecParams
 from pipeline.sampling import FIELDS, SamplingParams
 
-DEVICES = ("cpu", "cuda", "auto")
-DTYPES = ("float32", "bfloat16")
+Device = Literal["cpu", "cuda", "auto"]  # auto: CUDA when present
+Dtype = Literal["float32", "bfloat16"]
+DEVICES, DTYPES = get_args(Device), get_args(Dtype)
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,8 @@ class EvalConfig:
     top_k: int | None = None
     min_p: float | None = None
     seed: int = 0
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: Device = "cpu"
+    dtype: Dtype = "float32"
     confidence: float = 0.95
 
     def __post_init__(self) -> None:

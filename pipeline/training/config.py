@@ -20,13 +20,16 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pipeline.eagle3.config import DrafterShape
 from pipeline.records import to_dict
 
-DTYPES = ("fp32", "bf16")
-DEVICES = ("cpu", "cuda")
+Dtype = Literal["fp32", "bf16"]
+Device = Literal["cpu", "cuda"]
+ExportDtype = Literal["bfloat16", "float16", "float32"]  # of the exported SGLang weights
+LauncherKind = Literal["auto", "python", "torchrun", "deepspeed"]  # pipeline.training.launch
+DTYPES, DEVICES, EXPORT_DTYPES = get_args(Dtype), get_args(Device), get_args(ExportDtype)
 
 
 @dataclass(frozen=True)
@@ -55,15 +58,15 @@ class TrainConfig:
     seed: int = 0
     # execution (the trainer resource overrides these)
     zero_stage: int = 2  # EAGLE uses ZeRO-2; works on CPU + gloo
-    dtype: str = "fp32"
+    dtype: Dtype = "fp32"
     world_size: int = 1
-    device: str = "cpu"
+    device: Device = "cpu"
     threads: int = 0  # torch intra-op threads per rank; 0 = torch's default
     # bookkeeping
     checkpoint_every: int = 50  # optimizer steps; a final checkpoint is always written
     keep_checkpoints: int = 2
     log_every: int = 10
-    export_dtype: str = "bfloat16"  # dtype of the exported SGLang weights
+    export_dtype: ExportDtype = "bfloat16"
     # the drafter's widths (0: derived from the target, see pipeline.eagle3.config)
     drafter_hidden_size: int = 0
     drafter_intermediate_size: int = 0
@@ -101,8 +104,8 @@ class TrainConfig:
         if self.dtype == "bf16" and self.zero_stage == 0:
             raise ValueError("bf16 needs zero_stage 1 or 2 (the stage-0 bf16 wrapper's state "
                              "is not covered by Aerie's resume)")
-        if self.export_dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"export_dtype must be bfloat16, float16 or float32, got "
+        if self.export_dtype not in EXPORT_DTYPES:
+            raise ValueError(f"export_dtype must be one of {EXPORT_DTYPES}, got "
                              f"{self.export_dtype!r}")
 
     @property

@@ -36,9 +36,10 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from pipeline.records import from_json, to_json
+from pipeline.training.config import LauncherKind
 from pipeline.training.curve import parse_metrics_line
 from pipeline.training.distributed import free_port
 from pipeline.training.loop import RESULT_NAME
@@ -46,7 +47,7 @@ from pipeline.training.spec import TrainResult, TrainSpec
 from pipeline.training.worker import CACHE_DIR_ENV, CACHE_MAX_BYTES_ENV, STORAGE_OPTIONS_ENV
 
 log = logging.getLogger(__name__)
-LAUNCHERS = ("auto", "python", "torchrun", "deepspeed")
+LAUNCHERS = get_args(LauncherKind)
 SPEC_NAME = "spec.json"
 LOG_NAME = "train.log"
 
@@ -61,7 +62,7 @@ class Launcher:
     on several hosts a DeepSpeed ``hostfile`` with the ``master_addr`` the other hosts reach
     rank 0 at (default: this host's name)."""
 
-    kind: str = "auto"
+    kind: LauncherKind = "auto"
     hostfile: str | None = None
     master_addr: str | None = None
 
