@@ -5,7 +5,8 @@ step's policy checkpoint.
 frozen dataclass of its settings and the function that opens it. The capture resource's
 choices, its typed section per kind and :func:`open_backend` all read this one dict, so a
 new backend is one opener, one settings class and one entry here. Importing this module
-loads no torch: a backend loads what it needs when it opens.
+loads neither torch nor pyarrow (the definitions import it): a backend loads what it needs
+when it opens.
 """
 
 from __future__ import annotations
@@ -18,11 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.capture.config import DEFAULT_TOKEN_BUDGET
 from pipeline.eagle3.aux_layers import check_aux_layer_ids, default_aux_layer_ids
-from pipeline.layout import policy_prefix
 from pipeline.records import from_dict
-from pipeline.snapshot.policy import POLICY_KIND
 from pipeline.storage import Storage
-from pipeline.verified import committed, read_verified
 
 if TYPE_CHECKING:
     import torch
@@ -121,6 +119,10 @@ def _open_hf(storage: Storage, step: int, aux_layer_ids: Sequence[int] | None,
 def _engine_geometry(storage: Storage, step: int, aux_layer_ids: Sequence[int] | None,
                      kind: str) -> tuple[int, int, tuple[int, ...]]:
     """``(hidden_size, layers, aux ids)`` from the step's checkpoint ``config.json``."""
+    from pipeline.layout import policy_prefix
+    from pipeline.snapshot.policy import POLICY_KIND
+    from pipeline.verified import committed, read_verified
+
     prefix = policy_prefix(step)
     config = json.loads(read_verified(storage, prefix, committed(storage, prefix, POLICY_KIND),
                                       "config.json"))
