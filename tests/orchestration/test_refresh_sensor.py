@@ -168,20 +168,6 @@ def test_schedule_refreshes_the_newest_step_once(dagster_backend):
         assert isinstance(tick(instance, None), SkipReason)  # nor by the sensor (block 0..3)
 
 
-def test_embedded_instance_runs_one_refresh_at_a_time(tmp_path, monkeypatch):
-    from dagster import DagsterInstance
-
-    from aerie import cli
-
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
-    cli.prepare_dagster_home()
-    with DagsterInstance.get() as instance:
-        limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
-    tags = refresh_job().tags
-    assert [(lim["key"], lim["value"], lim["limit"]) for lim in limits] == [
-        ("aerie/serial", tags["aerie/serial"], 1)]
-
-
 @on_every_dagster_backend
 def test_dagster_resolves_the_triggers_requests_in_the_refresh_partitions(dagster_backend):
     """Dagster's own tick evaluation (what the daemon runs) validates each request's partition
