@@ -12,20 +12,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
 from transformers import LlamaForCausalLM
 
 from pipeline.capture import stage as capture_stage
 from pipeline.capture.config import ExtractConfig
 from pipeline.capture.hf import HFCaptureBackend
-from pipeline.contracts import Manifest
-from pipeline.layout import tokenized_prefix
-from pipeline.manifest import entry_for, write_manifest
-from pipeline.parquet import write_table
 from pipeline.snapshot.policy import load_policy_ref, publish_policy
 from pipeline.storage import Storage
-from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
+from tests.capture.helpers import write_rows
 from tests.families import tiny_llama
 
 VOCAB = 300
@@ -59,15 +54,7 @@ def write_tokenized(storage: Storage, step: int, n: int, seed: int,
         start = int(rng.integers(2, t // 2))
         rows.append({"sample_id": f"s{step}-{i}", "step": step, "input_ids": ids.tolist(),
                      "loss_mask": [int(j >= start) for j in range(t)]})
-    prefix = tokenized_prefix(step)
-    entries = []
-    for p in range(0, n, rows_per_part):
-        table = pa.Table.from_pylist(rows[p:p + rows_per_part], schema=TOKENIZED_SCHEMA)
-        written = write_table(storage, f"{prefix}/part-{p // rows_per_part:05d}.parquet", table)
-        entries.append(entry_for(prefix, written, rows=table.num_rows))
-    write_manifest(storage, prefix, Manifest(kind=TOKENIZED_KIND, kind_version=1,
-                                             files=tuple(entries), meta={"step": step}))
-    return rows
+    return write_rows(storage, step, rows, rows_per_part)
 
 
 def build_world(root: Path, steps: Sequence[int] = (1, 2, 3), samples: int = 32,
