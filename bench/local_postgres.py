@@ -84,16 +84,18 @@ class PostgresServer:
     def url(self, database: str) -> str:
         return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{database}"
 
-    def new_database(self, prefix: str = "aerie") -> str:
-        """A new empty database; its URL."""
+    def new_database(self, prefix: str = "aerie", template: str | None = None) -> str:
+        """A new database, empty or a copy of the database at URL ``template`` (PostgreSQL
+        copies one only while nobody is connected to it); its URL."""
         import psycopg2
 
         name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+        copy = f' TEMPLATE "{template.rsplit("/", 1)[1]}"' if template else ""
         conn = psycopg2.connect(self.url("postgres"))
         try:
             conn.autocommit = True
             with conn.cursor() as cur:
-                cur.execute(f'CREATE DATABASE "{name}"')
+                cur.execute(f'CREATE DATABASE "{name}"{copy}')
         finally:
             conn.close()
         return self.url(name)

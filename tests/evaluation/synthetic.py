@@ -4,9 +4,10 @@ They read no features: they see the verified tokens (``reset`` + ``extend``) and
 frontier node, the draft path to it, and propose from that context alone.
 
 - :class:`OracleDrafter` asks the target itself (a plain forward pass over the context, no
-  cache) and places the target's greedy token at a chosen rank: rank 0 everywhere gives
-  full acceptance; ``greedy_rank`` returning None at draft position k gives a drafter that is
-  right exactly up to position k; rank 1 puts it second, which only a tree can accept.
+  cache, once per context) and places the target's greedy token at a chosen rank: rank 0
+  everywhere gives full acceptance; ``greedy_rank`` returning None at draft position k gives
+  a drafter that is right exactly up to position k; rank 1 puts it second, which only a tree
+  can accept.
 - :class:`RandomDrafter` proposes tokens drawn from a generator seeded by the context, so
   its proposals are deterministic and independent of call order.
 
@@ -16,6 +17,7 @@ tree scores, and hence which nodes get verified, are predictable.
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 
@@ -63,6 +65,14 @@ class _ContextDrafter:
         raise NotImplementedError
 
 
+# The oracle's answers, by target, then (context, n): a pure function of the context, asked
+# again and again (the context an accepted path leads to was a frontier node's in the cycle
+# before, and the lossless tests decode the same prompts with many settings), each asking a
+# plain forward pass of the target (~5 ms). Weakly keyed: they go with their target.
+_TOP_TOKENS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[tuple[int, ...], int], list[int]]] \
+    = weakref.WeakKeyDictionary()
+
+
 class OracleDrafter(_ContextDrafter):
     """Proposes the target's own top tokens, its greedy token at rank ``greedy_rank``."""
 
@@ -73,15 +83,11 @@ class OracleDrafter(_ContextDrafter):
         self.top_prob = top_prob
         self.greedy_rank = greedy_rank or (lambda _context, _position: 0)
 
-    @torch.inference_mode()
     def choose(self, contexts: list[list[int]], positions: list[int], k: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        device = next(self.target.parameters()).device
-        ids = torch.tensor(contexts, device=device)  # (F, T): one depth, equal lengths
-        logits = self.target(input_ids=ids, use_cache=False).logits[:, -1].float()  # (F, V)
-        ranked = torch.sort(logits, dim=-1, descending=True, stable=True).indices.cpu()
         rows = []
-        for row, context, position in zip(ranked.tolist(), contexts, positions, strict=True):
+        for row, context, position in zip(self._top(contexts, k + 1), contexts, positions,
+                                          strict=True):
             greedy, others = row[0], row[1:k + 1]
             rank = self.greedy_rank(context, position)
             if rank is None or rank >= k:
@@ -90,6 +96,20 @@ class OracleDrafter(_ContextDrafter):
                 rows.append(others[:rank] + [greedy] + others[rank:k - 1])
         probs = probability_profile(k, self.top_prob).expand(len(rows), k)
         return probs.clone(), torch.tensor(rows, dtype=torch.long)
+
+    @torch.inference_mode()
+    def _top(self, contexts: list[list[int]], n: int) -> list[list[int]]:
+        """The target's ``n`` most likely next tokens after each context, best first (ties:
+        the lower id); those not in :data:`_TOP_TOKENS` yet in one forward pass."""
+        known = _TOP_TOKENS.setdefault(self.target, {})
+        new = [c for c in dict.fromkeys((tuple(c), n) for c in contexts) if c not in known]
+        if new:
+            device = next(self.target.parameters()).device
+            ids = torch.tensor([c for c, _ in new], device=device)  # (F, T): equal lengths
+            logits = self.target(input_ids=ids, use_cache=False).logits[:, -1].float()
+            ranked = torch.sort(logits, dim=-1, descending=True, stable=True).indices  # (F, V)
+            known.update(zip(new, ranked[:, :n].tolist(), strict=True))
+        return [known[tuple(c), n] for c in contexts]
 
 
 class RandomDrafter(_ContextDrafter):

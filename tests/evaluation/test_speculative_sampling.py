@@ -39,6 +39,7 @@ V, LENGTH, RUNS, ALPHA = 4, 3, 3000, 1e-4
 PROMPT = [0, 1]
 TABLE = torch.randn(V, V, V, generator=torch.Generator().manual_seed(7)) * 1.5  # (a, b) -> V
 DRAFT_TABLE = TABLE + torch.randn(V, V, V, generator=torch.Generator().manual_seed(8))
+DRAFT_PROBS = torch.softmax(DRAFT_TABLE, dim=-1)  # (a, b) -> V
 CHAIN = SpecParams(num_steps=2, eagle_topk=1, num_draft_tokens=3)
 TREE = SpecParams(num_steps=2, eagle_topk=2, num_draft_tokens=4)
 SAMPLERS = {"T=1": SamplingParams(1.0), "T=0.7 top_p=0.8": SamplingParams(0.7, top_p=0.8),
@@ -75,9 +76,9 @@ class TableTarget:
                ) -> tuple[torch.Tensor, None]:
         self.pending = tokens.tolist()
         rows = []
-        for i in range(len(self.pending)):
-            path = [self.pending[j] for j in range(len(self.pending)) if ancestors[i, j]]
-            rows.append(logits_after(self.seq + path))  # ancestors precede node i
+        for row in ancestors.tolist():  # node i's ancestors (node i last) precede it
+            path = [token for token, on_path in zip(self.pending, row, strict=True) if on_path]
+            rows.append(logits_after(self.seq + path))
         return torch.stack(rows), None
 
     def keep(self, prefix: int, tree_nodes: list[int]) -> None:
@@ -88,7 +89,7 @@ class TableDrafter(_ContextDrafter):
     """Proposes the top-k tokens of the perturbed table, with their draft probabilities."""
 
     def choose(self, contexts, positions, k):
-        probs = torch.softmax(torch.stack([DRAFT_TABLE[c[-2], c[-1]] for c in contexts]), -1)
+        probs = DRAFT_PROBS[[c[-2] for c in contexts], [c[-1] for c in contexts]]  # (F, V)
         top = torch.topk(probs, k, dim=-1)
         return top.values, top.indices
 
@@ -128,15 +129,18 @@ def exact_sequences(sampler: SamplingParams) -> dict[tuple[int, ...], float]:
 
 def sampled_sequences(sampler: SamplingParams, params: SpecParams | None
                       ) -> tuple[Counter, int]:
-    """(counts of the first LENGTH tokens over RUNS seeded decodings, cycles with a reject)"""
+    """(counts of the first LENGTH tokens over RUNS seeded decodings, cycles with a reject);
+    under ``torch.inference_mode()``, as ``generate`` asks (and a quarter faster)"""
     counts: Counter = Counter()
     drafter = TableDrafter() if params is not None else None
     rejected = 0
-    for seed in range(RUNS):
-        out, stats = generate(TableTarget(), drafter, PROMPT, params, LENGTH, frozenset(),
-                              sampler=sampler, generator=torch.Generator().manual_seed(seed))
-        counts[tuple(out)] += 1
-        rejected += stats.cycles - stats.accept_hist[-1]
+    with torch.inference_mode():
+        for seed in range(RUNS):
+            out, stats = generate(TableTarget(), drafter, PROMPT, params, LENGTH, frozenset(),
+                                  sampler=sampler,
+                                  generator=torch.Generator().manual_seed(seed))
+            counts[tuple(out)] += 1
+            rejected += stats.cycles - stats.accept_hist[-1]
     return counts, rejected
 
 

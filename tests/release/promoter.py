@@ -1,4 +1,5 @@
-"""One promoter of the multi-host race (``python -m tests.release.promoter JOB_JSON``).
+"""One promoter of the multi-host race (:func:`main`, in a process of its own started by
+:func:`tests.forking.start`).
 
 Each promoter plays a host: it evaluated its candidate while no drafter was served (a gate
 decision against no drafter), waits until every promoter is ready, then calls ``promote``.
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,6 +76,3 @@ def main(job: dict) -> None:
     outcome.update(version=job["version"], applied=serving.applied)
     Path(job["out"]).write_text(json.dumps(outcome))
 
-
-if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))

@@ -11,7 +11,6 @@ those invariants, or the race would prove nothing.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import uuid
@@ -29,9 +28,12 @@ from pipeline.release.mlflow_registry import CHAMPION, DrafterRegistry
 from pipeline.release.promotion import promote, serving_target
 from pipeline.storage import Storage
 from pipeline.verified import IntegrityError
+from tests import forking
+from tests.release import promoter
 from tests.release.helpers import (
     POLICY,
     SETTINGS,
+    create_mlflow_tables,
     lineage,
     make_drafter_dir,
     publish_drafter,
@@ -49,11 +51,23 @@ def drafter_dir(tmp_path_factory) -> Path:
     return make_drafter_dir(tmp_path_factory.mktemp("drafter") / "d")
 
 
+@pytest.fixture(scope="module")
+def mlflow_database(postgres, tmp_path_factory) -> str:
+    """A database with MLflow's tables, created once and copied for each test's world. They
+    are created in a child process, so that no connection to the copied database stays
+    open."""
+    url = postgres.new_database("mlflow_tables")
+    log = tmp_path_factory.mktemp("mlflow-tables") / "create.log"
+    assert forking.finish(forking.start(create_mlflow_tables, url, log=log),
+                          timeout_s=120) == 0, log.read_text()[-3000:]
+    return url
+
+
 @pytest.fixture
-def world(postgres, tmp_path, drafter_dir):
+def world(postgres, mlflow_database, tmp_path, drafter_dir):
     """A Postgres-backed registry with PROMOTERS candidate versions, a storage and a lease
     database (the same server, as a deployment would use)."""
-    url = postgres.new_database("mlflow")
+    url = postgres.new_database("mlflow", template=mlflow_database)
     family = f"race{uuid.uuid4().hex[:8]}"
     artifacts = (tmp_path / "artifacts").as_uri()
     registry = DrafterRegistry.connect(url, family, artifact_location=artifacts,
@@ -71,7 +85,9 @@ def world(postgres, tmp_path, drafter_dir):
 
 
 def race(world, tmp_path, *, per_host_files: bool) -> list[dict]:
-    """Run the promoters at once; their outcomes."""
+    """Run the promoters at once, each a process of its own (forked from a warm parent,
+    :mod:`tests.forking`: a started python spent ~7 s of CPU importing torch and MLflow,
+    eight of them most of the race); their outcomes."""
     barrier = tmp_path / "barrier"
     barrier.mkdir()
     procs = []
@@ -84,11 +100,10 @@ def race(world, tmp_path, *, per_host_files: bool) -> list[dict]:
             job["lock_path"] = str(tmp_path / f"host-{i}" / "promotion.lock")
         else:
             job["lock_url"] = world["url"]
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.release.promoter",
-                                       json.dumps(job)], cwd=ROOT,
-                                      env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}))
-    for proc in procs:
-        assert proc.wait(timeout=300) == 0
+        procs.append(forking.start(promoter.main, job, log=tmp_path / f"promoter-{i}.log"))
+    for i, proc in enumerate(procs):
+        assert forking.finish(proc, timeout_s=300) == 0, \
+            (tmp_path / f"promoter-{i}.log").read_text()[-3000:]
     return [json.loads((tmp_path / f"out-{i}.json").read_text()) for i in range(PROMOTERS)]
 
 
