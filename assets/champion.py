@@ -5,7 +5,9 @@ rollback, a post-promotion check's rollback) is recorded as one.
 Invariant: the newest ``serving_drafter`` materialization names the drafter serving now,
 whoever moved it: the gate, the override and the manual rollback run in
 :data:`PROMOTION_POOL` (limit 1), and the post-promotion check's rollback in
-``serving_acceptance`` records its event while it holds the promotion lock.
+``serving_acceptance`` (outside the pool) records its event while it holds the promotion
+lock. One gap remains: the pooled paths record after releasing the lock, so that rollback
+can land between a pooled change and its event (see ``assets/monitor.py``).
 """
 
 from dagster import (

@@ -7,7 +7,6 @@ are measured with the policy of s on held-out prompts, next to no drafter. The c
 draft position, τ over refresh steps) are stored next to the report and linked.
 """
 
-
 from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 

@@ -9,9 +9,12 @@ serving now on those counters where promotions are not verified on live servers 
 
 It runs outside the pool ``promotion``, so that ingesting an RL step never waits for a
 promotion: judging reads only. A rollback takes the promotion lock, as every change of
-champion does (:func:`pipeline.release.promotion.rollback`), and records its
-``serving_drafter`` event before releasing it, so the newest event still names the drafter
-serving now.
+champion does (:func:`pipeline.release.promotion.rollback`; it waits for a promotion in
+progress up to the registry's lock timeout, then fails and the next step judges again), and
+records its ``serving_drafter`` event before releasing it. The pooled paths record theirs
+after the lock is released, so a rollback that lands in that gap can be recorded before the
+promotion it followed: the serving record is right, the newest event is not (a known gap,
+until every path records under the lock).
 """
 
 import functools

@@ -188,4 +188,3 @@ def capture_from_env() -> CaptureResource:
     ``AERIE_CAPTURE_<SECTION>_<FIELD>`` (``AERIE_CAPTURE_HF_DTYPE``; lists as JSON or
     comma-separated); the API key as an ``EnvVar``."""
     return resource_from_env(CaptureResource, "AERIE_CAPTURE_", secrets=("engine.api_key",))
-

@@ -94,7 +94,9 @@ def resource_from_env(cls: type[R], prefix: str, *, secrets: tuple[str, ...] = (
 def _problem(cls: type, variables: dict[str, str], err: Any) -> str:
     if not err["loc"]:  # a check of several fields together
         return f"{cls.__name__}: {err['msg']}"
-    field = ".".join(str(part) for part in err["loc"])
+    parts = [str(part) for part in err["loc"]]  # (section, field, list index, ...)
+    paths = [".".join(parts[:n]) for n in range(len(parts), 0, -1)]
+    field = next((p for p in paths if p in variables), paths[0])  # the field that has one
     return f"{variables.get(field, field)} ({cls.__name__}.{field}): {err['msg']}"
 
 

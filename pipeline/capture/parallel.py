@@ -93,7 +93,8 @@ class PartJob:
 
     storage: dict[str, Any] = field(repr=False)  # Storage.spec(): may hold credentials
     step: int
-    open_args: dict[str, Any]  # open_backend's keyword arguments, ``kind`` included
+    open_args: dict[str, Any] = field(repr=False)  # open_backend's keyword arguments
+    # (``kind`` included, JSON: options as a dict; an engine's API key may be among them)
     config: dict[str, Any]
     policy: dict[str, Any] | None
     part: int

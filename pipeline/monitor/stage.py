@@ -153,18 +153,26 @@ def _settle(registry: DrafterRegistry, serving: ServingBackend, verification: Ve
     (a caller outside the promotion pool records the change there)."""
     if verification.verdict == UNDECIDED:
         return Checked(verification)
-    result, note = None, ""
-    if verification.broken:
-        try:
-            result = rollback(
-                registry, serving, actor=VERIFY_ACTOR, expected=verification.version,
-                reason=f"post-promotion check: {verification.reason}",
-                on_applied=None if on_rollback is None else
-                lambda r: on_rollback(verification, r))
-        except PromotionNotApplied as e:  # another drafter serves by now: nothing to undo
-            note = str(e)
-    registry.set_tags(verification.version, {
-        VERDICT_TAG: verification.verdict, "post_promotion.source": verification.source,
-        "post_promotion.reason": verification.reason,
-        "post_promotion.at": datetime.now(UTC).isoformat(timespec="seconds")})
-    return Checked(verification, result, note)
+
+    def record_verdict() -> None:
+        registry.set_tags(verification.version, {
+            VERDICT_TAG: verification.verdict, "post_promotion.source": verification.source,
+            "post_promotion.reason": verification.reason,
+            "post_promotion.at": datetime.now(UTC).isoformat(timespec="seconds")})
+
+    def rolled_back(result: PromotionResult) -> None:  # the verdict first: a follow-up
+        record_verdict()                                # that fails cannot lose it
+        if on_rollback is not None:
+            on_rollback(verification, result)
+
+    if not verification.broken:
+        record_verdict()
+        return Checked(verification)
+    try:
+        result = rollback(registry, serving, actor=VERIFY_ACTOR, expected=verification.version,
+                          reason=f"post-promotion check: {verification.reason}",
+                          on_applied=rolled_back)
+    except PromotionNotApplied as e:  # another drafter serves by now: nothing to undo
+        record_verdict()
+        return Checked(verification, None, str(e))
+    return Checked(verification, result)

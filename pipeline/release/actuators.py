@@ -43,7 +43,7 @@ def _restart(mode: str, settings: ActuatorSettings,
     from pipeline.release.restart import RestartHook  # torch: only when used
 
     if not settings.restart_command:
-        raise ValueError(f"serving mode {mode} needs "
+        raise ValueError(f"mode {mode} needs "
                          f"{names.get('restart_command', 'restart_command')}")
     argv, undo = list(settings.restart_command), list(settings.no_drafter_command) or None
 
@@ -60,7 +60,7 @@ def _reload(mode: str, settings: ActuatorSettings,
     from pipeline.release.vllm_reload import VllmDraftReload  # torch: only when used
 
     if not settings.server_urls:
-        raise ValueError(f"serving mode {mode} needs the vLLM servers' base URLs "
+        raise ValueError(f"mode {mode} needs the vLLM servers' base URLs "
                          f"({names.get('server_urls', 'server_urls')})")
     urls = list(settings.server_urls)
     return lambda spec: VllmDraftReload(urls, spec, timeout_s=settings.reload_timeout_s)

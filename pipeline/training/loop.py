@@ -42,7 +42,13 @@ from pipeline.eagle3.ttt_batch import LogitHead, TTTBatch, collate
 from pipeline.records import from_dict, to_dict, to_json
 from pipeline.storage import Storage
 from pipeline.training import checkpoint as ckpt
-from pipeline.training.config import deepspeed_config, lr_factor, total_steps, warmup_steps
+from pipeline.training.config import (
+    TrainConfig,
+    deepspeed_config,
+    lr_factor,
+    total_steps,
+    warmup_steps,
+)
 from pipeline.training.curve import metrics_line
 from pipeline.training.data import Position, WindowReader
 from pipeline.training.distributed import DistContext, barrier, init_distributed
@@ -113,7 +119,7 @@ class Run:
     tokens_seen: int = 0
 
     @property
-    def config(self):
+    def config(self) -> TrainConfig:
         return self.spec.config
 
     @property

@@ -254,4 +254,4 @@ def test_the_guide_command_launches_what_the_backend_reads():
     layers = int(re.search(r"For a (\d+)-layer target", section).group(1))
     assert launch.layer_ids == engine_layer_ids(aux, layers)
     assert launch.custom_paths and launch.use_lock
-    assert f"files_dir: {launch.storage}" in section
+    assert re.search(rf"[{{,]\s*files_dir: {re.escape(str(launch.storage))}\b", section)

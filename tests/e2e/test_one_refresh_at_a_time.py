@@ -67,6 +67,7 @@ def test_the_daemon_runs_one_refresh_at_a_time(tmp_path, monkeypatch):
                 time.sleep(0.5)
         finally:
             daemon.stop(grace_s=10)
-    first, second = sorted(records, key=lambda r: r.start_time)
     assert {r.dagster_run.tags["dagster/partition"] for r in records} == set(STEPS)
+    assert all(r.start_time and r.end_time for r in records), "a run never started"
+    first, second = sorted(records, key=lambda r: r.start_time)
     assert first.end_time <= second.start_time, (first.end_time, second.start_time)

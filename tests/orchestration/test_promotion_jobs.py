@@ -128,7 +128,7 @@ def test_every_change_of_champion_is_a_serving_drafter_event(world):
     assert registry.champion() is None
 
 
-def test_every_promotion_path_is_in_the_pool_promotion():
+def test_the_jobs_promotion_paths_are_in_the_pool_and_ingestion_is_not():
     """Ingestion never queues behind a promotion: ``serving_acceptance`` (in ``ingest_step``)
     is outside the pool; its rare rollback takes the promotion lock instead."""
     from definitions import defs
