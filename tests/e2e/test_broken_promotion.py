@@ -12,13 +12,18 @@ The healthy promotion left alone is in test_drift_loop (v1 verified healthy at s
 
 from __future__ import annotations
 
+import copy
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 from dagster import AssetCheckKey, AssetKey, DagsterInstance
 
 from aerie import cli
 from aerie.demo import RefreshLoop, reported_records
 from pipeline.demo.config import DemoConfig
-from pipeline.demo.world import generate_world
+from pipeline.demo.world import StepOutput, generate_world
 from pipeline.monitor.stage import VERDICT_TAG, VERIFY_ACTOR
 from pipeline.release.mlflow_registry import CHAMPION
 from pipeline.serving_now import read_serving
@@ -43,11 +48,23 @@ def _bonus_only(records: list[dict]) -> list[dict]:
     return records
 
 
-def _world(home) -> list:
-    cli.prepare_dagster_home()
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> tuple[Path, list[StepOutput]]:
+    """The demo world, generated once (~8 s; seeded, so each test would generate the same
+    one): its directory and the trainer's steps."""
     outputs = []
-    generate_world(WORLD, home / "demo-world", outputs.append, progress=False)
-    return outputs
+    directory = tmp_path_factory.mktemp("world") / "demo-world"
+    generate_world(WORLD, directory, outputs.append, progress=False)
+    return directory, outputs
+
+
+def _world(home, world) -> list[StepOutput]:
+    """A copy of ``world`` in ``home`` (a test's own), and its steps pointing there."""
+    cli.prepare_dagster_home()
+    directory, outputs = world
+    shutil.copytree(directory, home / "demo-world")
+    return [replace(out, policy_dir=home / "demo-world" / out.policy_dir.relative_to(directory),
+                    records=copy.deepcopy(out.records)) for out in outputs]
 
 
 def _run(home, outputs, refresh_config: dict, plant=lambda records: records):
@@ -78,10 +95,10 @@ def _meta(instance, asset: str, partition: str) -> dict:
     raise AssertionError(f"no {asset} event for {partition}")
 
 
-def test_manifest_mode_rolls_back_on_what_the_trainer_reports(tmp_path):
+def test_manifest_mode_rolls_back_on_what_the_trainer_reports(world, tmp_path):
     home = tmp_path / "home"
     with home_env(home):
-        instance, storage = _run(home, _world(home), TRAIN, plant=_bonus_only)
+        instance, storage = _run(home, _world(home, world), TRAIN, plant=_bonus_only)
         registry = mlflow_from_environment()
         actions = [r.asset_materialization.metadata["action"].value for r in
                    instance.fetch_materializations(AssetKey("serving_drafter"), limit=9).records]
@@ -97,13 +114,13 @@ def test_manifest_mode_rolls_back_on_what_the_trainer_reports(tmp_path):
         assert (event["action"], event["champion"]) == ("rolled_back", "none")
 
 
-def test_sglang_restart_mode_rolls_back_when_the_servers_do_not_speculate(tmp_path):
+def test_sglang_restart_mode_rolls_back_when_the_servers_do_not_speculate(world, tmp_path):
     home = tmp_path / "home"
     work = tmp_path / "server"
     work.mkdir()
     policy = home / "demo-world" / "policy" / "step-000001"
     with home_env(home):
-        outputs = _world(home)
+        outputs = _world(home, world)
     with home_env(home), fixtures.contract_process(
             work, policy, {"plain": {"mode": "final"}}, lambda: None) as servers:
         serving = {"resources": {"serving": {"config": {

@@ -1,15 +1,17 @@
 """A separate environment with vLLM's speculators, for the peer-loader checks.
 
 Built once per session: a venv layered on this one (a ``.pth`` line puts the project's
-site-packages behind its own), with speculators installed without its declared pins and
-the few modules its import chain needs, every package the project already has held at the
-project's version (``pip -c`` with this environment's freeze); the ``.pth`` adds every
-site directory of this interpreter with ``site.addsitedir``, so their own ``.pth`` files
-(editable installs) apply too. There
+site-packages behind its own), with speculators installed (by this environment's pip)
+without its declared pins and the few modules its import chain needs, every package the
+project already has held at the project's version (``pip -c`` with this environment's
+freeze); the ``.pth`` adds every site directory of this interpreter with
+``site.addsitedir``, so their own ``.pth`` files (editable installs) apply too. There
 ``tests/matrix/speculators_load.py`` runs as one service process for the session
-(:class:`Speculators`), stopped at the end. When the environment cannot be built (no
-package index), the checks are skipped locally and fail in CI (``CI`` set): never silently
-skipped there.
+(:class:`Speculators`), stopped at the end. The environment is built and the service
+started in a thread as soon as collection shows a test needs them (:class:`_Environment`):
+the ~35 s of pip installs and speculators' imports overlap the tests that run first. When
+the environment cannot be built (no package index), the checks are skipped locally and fail
+in CI (``CI`` set): never silently skipped there.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import site
 import subprocess
 import sys
+import tempfile
 import threading
 import venv
-from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,8 +41,11 @@ REPORT = "SPECULATORS-REPORT "
 
 
 def _pip(python: Path, *args: str) -> None:
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    *args], check=True, capture_output=True, text=True, timeout=600)
+    """``pip install`` into the environment of ``python``, run by this environment's pip
+    (the venv gets none: ``ensurepip`` costs ~8 s)."""
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
+                    "--disable-pip-version-check", *args],
+                   check=True, capture_output=True, text=True, timeout=600)
 
 
 class Speculators:
@@ -84,30 +91,69 @@ class Speculators:
             self.process.wait()
 
 
+def _build(root: Path) -> Path:
+    """The speculators environment under ``root``; its python."""
+    venv.create(root / "venv")
+    python = root / "venv" / "bin" / "python"
+    peer_site = subprocess.run(
+        [str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+        check=True, capture_output=True, text=True).stdout.strip()
+    Path(peer_site, "aerie-project.pth").write_text("".join(  # with their own .pth
+        f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))
+    freeze = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
+                            check=True, capture_output=True, text=True).stdout
+    constraints = root / "constraints.txt"
+    constraints.write_text("".join(line + "\n" for line in freeze.splitlines()
+                                   if "==" in line))
+    _pip(python, "--no-deps", *PEER_PINS)
+    _pip(python, *PEER_IMPORT_DEPS, "-c", str(constraints))
+    return python
+
+
+class _Environment:
+    """The environment built, then the service started, in a thread of their own."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="aerie-speculators-"))
+        self._thread = ThreadPoolExecutor(max_workers=1)
+        self._service = self._thread.submit(lambda: Speculators(_build(self.root)))
+
+    def service(self) -> Speculators:
+        """The service, once started; what the build raised, if it failed."""
+        return self._service.result()
+
+    def stop(self) -> None:
+        self._thread.shutdown(wait=True)
+        if self._service.exception() is None:
+            self._service.result().stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+_environment: list[_Environment] = []
+
+
+def pytest_collection_finish(session):
+    # under xdist every worker collects every test but runs only some: built on demand
+    if os.environ.get("PYTEST_XDIST_WORKER") or session.config.option.collectonly:
+        return
+    if any("speculators" in getattr(item, "fixturenames", ()) for item in session.items):
+        _environment.append(_Environment())
+
+
+def pytest_sessionfinish(session):
+    while _environment:
+        _environment.pop().stop()
+
+
 @pytest.fixture(scope="session")
-def speculators(tmp_path_factory) -> Iterator[Speculators]:
-    root = tmp_path_factory.mktemp("speculators-env")
+def speculators() -> Speculators:
+    if not _environment:
+        _environment.append(_Environment())
     try:
-        venv.create(root / "venv", with_pip=True)
-        python = root / "venv" / "bin" / "python"
-        peer_site = subprocess.run(
-            [str(python), "-c", "import site; print(site.getsitepackages()[0])"],
-            check=True, capture_output=True, text=True).stdout.strip()
-        Path(peer_site, "aerie-project.pth").write_text("".join(  # with their own .pth
-            f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))
-        freeze = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
-                                check=True, capture_output=True, text=True).stdout
-        constraints = root / "constraints.txt"
-        constraints.write_text("".join(line + "\n" for line in freeze.splitlines()
-                                       if "==" in line))
-        _pip(python, "--no-deps", *PEER_PINS)
-        _pip(python, *PEER_IMPORT_DEPS, "-c", str(constraints))
+        return _environment[0].service()
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         message = f"cannot build the speculators environment: {detail[-2000:]}"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    service = Speculators(python)
-    yield service
-    service.stop()

@@ -3,7 +3,8 @@
 nothing from Aerie).
 
 A small service: each line on stdin is a JSON request ``{"drafter", "target", "out"}`` (one
-process serves the whole session, so speculators is imported once); each answer is one line
+process serves the whole session, so speculators is imported once, as it starts: before the
+first request comes); each answer is one line
 on stdout, ``SPECULATORS-REPORT <json>``, the report or ``{"error": <traceback tail>}``.
 For a request, it converts the export with
 speculators' own EAGLE-3 converter (the path a vLLM user takes from an SGLang-format
@@ -21,6 +22,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+from speculators.convert.eagle.eagle3_legacy_model import Eagle3Speculator
+from speculators.models.eagle3 import Eagle3DraftModel
+from speculators.models.utils import resolve_target_layer_ids
 
 
 def _compare(ours: dict, state: dict) -> tuple[list[str], list[str]]:
@@ -36,11 +41,6 @@ def _compare(ours: dict, state: dict) -> tuple[list[str], list[str]]:
 
 
 def main(drafter: Path, target: Path, out: Path) -> dict:
-    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
-    from speculators.convert.eagle.eagle3_legacy_model import Eagle3Speculator
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from speculators.models.utils import resolve_target_layer_ids
-
     written = json.loads((drafter / "config.json").read_text())
     ids = written["eagle_aux_hidden_state_layer_ids"]
     resolve_target_layer_ids(ids, str(target))  # distinct and within the target's depth

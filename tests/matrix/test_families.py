@@ -10,7 +10,10 @@ from __future__ import annotations
 import inspect
 import json
 import math
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,23 +45,64 @@ STEP = 1
 TRAIN = TrainConfig(lr=1e-3, warmup_ratio=0.1, micro_batch_size=4, epochs=1, ttt_depth=2,
                     threads=1, checkpoint_every=100, log_every=100, shuffle_buffer=8,
                     export_dtype="float32")
+NARROW = replace(TRAIN, drafter_hidden_size=32, drafter_head_dim=8)
 SETTINGS = {"chain": dict(num_steps=3, eagle_topk=1, num_draft_tokens=4),
             "tree": dict(num_steps=3, eagle_topk=2, num_draft_tokens=6)}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def refreshed(request, tmp_path_factory):
-    """One family's world after capture, vocab and training: (storage, target, the
-    training refresh, the target's checkpoint directory)."""
-    torch.set_num_threads(1)
-    target = tiny_target(request.param)
-    root = tmp_path_factory.mktemp(request.param)
+# worlds prepared at once: a training is a DeepSpeed process on one thread that spends most
+# of its ~12 s importing, so preparing one world at a time left one of CI's 2 cores idle
+LANES = 2
+
+
+def _prepare(target, root: Path, config: TrainConfig = TRAIN) -> tuple:
+    """A world of ``target`` under ``root`` after capture, vocab and training: (storage,
+    target, the training refresh, the target's checkpoint directory)."""
+    torch.set_num_threads(1)  # this thread's torch: the captures stay one-threaded
     storage = build_world(root / "storage", (STEP,), samples=16, model=target,
                           extract=replace(EXTRACT, heldout_fraction=0.3))
     vocab_stage.run(storage, STEP, 1, 64)
-    refresh = train_stage.run(storage, STEP, TRAIN, work_root=root / "work",
+    refresh = train_stage.run(storage, STEP, config, work_root=root / "work",
                               warm_start="none")
     return storage, target, refresh, root / "storage-policy"  # saved by build_world
+
+
+def _worlds_used(request) -> list[str]:
+    """The worlds the selected tests of this module use (a family, or ``narrow``), in the
+    order they run."""
+    used: dict[str, None] = {}
+    for item in request.session.items:
+        if item.module is request.module and "refreshed" in item.fixturenames:
+            used[item.callspec.params["refreshed"]] = None
+        elif item.module is request.module and "narrow" in item.fixturenames:
+            used["narrow"] = None
+    return list(used)
+
+
+@pytest.fixture(scope="module")
+def prepared(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    """The worlds of the selected tests, prepared :data:`LANES` at a time in the background
+    from the module's first test on, in the order the tests use them. The targets are built
+    here, one after the other: their seeded initialisation draws from torch's global
+    generator, which threads would share."""
+    torch.set_num_threads(1)
+    with ThreadPoolExecutor(max_workers=LANES) as lanes:
+        worlds = {}
+        for name in _worlds_used(request):
+            target, config = ((tiny_target("qwen3_moe"), NARROW) if name == "narrow"  # H 64
+                              else (tiny_target(name), TRAIN))
+            worlds[name] = lanes.submit(_prepare, target, tmp_path_factory.mktemp(name),
+                                        config)
+        yield worlds
+        for world in worlds.values():
+            world.cancel()  # those not started yet, when the module stops early
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def refreshed(request, prepared):
+    """One family's world after capture, vocab and training: (storage, target, the
+    training refresh, the target's checkpoint directory)."""
+    return prepared[request.param].result()
 
 
 def test_the_export_is_a_drafter_of_the_target(refreshed):
@@ -197,18 +241,12 @@ def test_evaluation_is_lossless_against_the_reference(refreshed, drafting):
 
 
 @pytest.fixture(scope="module")
-def narrow(tmp_path_factory):
-    """A drafter of half the target's width (``drafter_hidden_size``), trained and
+def narrow(prepared):
+    """A drafter of half the width of its target (qwen3_moe, hidden 64), trained and
     published: (storage, its export, the target's checkpoint directory)."""
-    root = tmp_path_factory.mktemp("narrow")
-    target = tiny_target("qwen3_moe")  # hidden 64
-    storage = build_world(root / "storage", (STEP,), samples=16, model=target,
-                          extract=replace(EXTRACT, heldout_fraction=0.3))
-    vocab_stage.run(storage, STEP, 1, 64)
-    narrow = replace(TRAIN, drafter_hidden_size=32, drafter_head_dim=8)
-    train_stage.run(storage, STEP, narrow, work_root=root / "work", warm_start="none")
+    storage, _, _, target_dir = prepared["narrow"].result()
     local = fetch(storage, drafter_prefix(STEP), kind="drafter_checkpoint", label="drafter")
-    return storage, local, root / "storage-policy"
+    return storage, local, target_dir
 
 
 def test_a_narrower_drafter_trains_exports_and_decodes(narrow):
