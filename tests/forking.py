@@ -7,8 +7,9 @@ forks each child from there.
 
 A forked child is still a process of its own: its own pid, memory, database sessions and
 file locks, killed by ``SIGKILL`` like any other, its exit code in ``exitcode`` (``-9``
-when killed). The server only imports: it opens no connection, starts no thread and runs
-no torch op, so no child inherits such state. A child runs ``target(*args)`` with its
+when killed). The server only imports: it opens no connection and runs no torch op, so no
+child inherits such state (the threads two libraries start as they load, OpenBLAS's pool
+and Arrow's jemalloc, prepare for fork themselves). A child runs ``target(*args)`` with its
 stdout and stderr going to ``log`` (a traceback included), and exits without ``atexit``
 handlers, as multiprocessing children do.
 """
