@@ -28,12 +28,14 @@ if TYPE_CHECKING:  # the capture backends import torch: loaded when a backend is
 WHERE = "resources.capture.config"
 
 
+# each section's defaults are its backend's settings' (pipeline.capture.backends): one copy
+
 class HFCapture(Config):
     """``hf``: the step's policy checkpoint in-process."""
 
     dtype: CaptureDtype = Field(
-        default="float32", description="compute dtype (bfloat16 on GPUs)")
-    device: str = Field(default="cpu", pattern=r"^(cpu|auto|cuda(:[0-9]+)?)$",
+        default=HFOptions.dtype, description="compute dtype (bfloat16 on GPUs)")
+    device: str = Field(default=HFOptions.device, pattern=r"^(cpu|auto|cuda(:[0-9]+)?)$",
                         description="where the policy runs: cpu, cuda, cuda:N, or auto "
                                     "(CUDA when present)")
     processes: int = Field(default=1, ge=1, description="processes that extract a step "
@@ -52,12 +54,14 @@ class EngineClientConfig(Config):
         default=None, description="the servers' --api-key, sent as a bearer token; set it "
                                   "only through AERIE_CAPTURE_ENGINE_API_KEY (an EnvVar, "
                                   "never run config)")
-    timeout_s: float = Field(default=600.0, gt=0, description="seconds per request")
-    connect_timeout_s: float = Field(default=10.0, gt=0, description="seconds to connect")
-    max_concurrency: int = Field(default=8, ge=1, description="requests in flight at once, "
-                                                              "over all servers")
-    max_retries: int = Field(default=3, ge=0, description="retries of a request that failed "
-                                                          "transiently")
+    timeout_s: float = Field(default=EngineClient.timeout_s, gt=0,
+                             description="seconds per request")
+    connect_timeout_s: float = Field(default=EngineClient.connect_timeout_s, gt=0,
+                                     description="seconds to connect")
+    max_concurrency: int = Field(default=EngineClient.max_concurrency, ge=1,
+                                 description="requests in flight at once, over all servers")
+    max_retries: int = Field(default=EngineClient.max_retries, ge=0,
+                             description="retries of a request that failed transiently")
 
     def client(self) -> EngineClient:
         return EngineClient(timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s,
@@ -103,8 +107,9 @@ class VLLMCapture(Config):
     server_files_dir: str | None = Field(default=None, description="the same directory as "
                                                                    "the servers see it; "
                                                                    "unset: files_dir")
-    file_timeout_s: float = Field(default=60.0, gt=0, description="seconds for a "
-                                  "hidden-states file to appear after the answer")
+    file_timeout_s: float = Field(default=VLLMOptions.file_timeout_s, gt=0,
+                                  description="seconds for a hidden-states file to appear "
+                                              "after the answer")
 
     def problem(self) -> str | None:
         if not self.urls or not self.files_dir:
