@@ -5,20 +5,23 @@ never secrets: storage credentials travel in the child's environment), a :class:
 what it reports back. Both are plain JSON-serialisable dataclasses with a schema version.
 
 Invariant: ``TrainSpec.fingerprint()`` covers every input that changes the trained weights
-(config, window data identity, vocab, teacher policy, warm-start source) and none of the paths,
-so the same inputs map to the same run directory (and resume) and the same published drafter.
+(config, window data identity, vocab, teacher policy, the warm start's config and weights)
+and nothing else: no path, host, run id or timing, so the same inputs map to the same run
+directory (and resume) and the same published drafter, in any home.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeline.training.config import TrainConfig
 
 SPEC_SCHEMA_VERSION = 1
+DRAFTER_CONTENT = ("config.json", "model.safetensors")  # what determines a drafter
 
 
 @dataclass(frozen=True)
@@ -35,16 +38,41 @@ class TrainSpec:
     work_dir: str  # checkpoints, result.json, train.log
     out_dir: str  # the exported SGLang drafter
     warm_start_dir: str | None = None  # a local drafter directory, or None (scratch)
-    warm_start_source: str | None = None  # what it is (storage key or local URI) and its
-    # content hash, for lineage
+    warm_start_source: str | None = None  # where it came from (storage key or local URI)
+    # and its content hash, for lineage
+    warm_start_identity: str | None = None  # what the fingerprint covers of the warm start
+    # (``sha256:`` of its config and weights, see :func:`drafter_content_sha256`)
+    superseded_identity: str | None = None  # the identity an earlier definition gave the
+    # same warm start (see :meth:`superseded`)
     schema_version: int = SPEC_SCHEMA_VERSION
 
     def fingerprint(self) -> str:
         payload = {"config": self.config.fingerprint(), "step": self.step,
                    "window": list(self.window_steps), "shards": self.shard_manifest_sha256,
                    "vocab": self.vocab_key, "policy": self.policy_sha256,
-                   "warm_start": self.warm_start_source, "schema": self.schema_version}
+                   "warm_start": self.warm_start_identity, "schema": self.schema_version}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def superseded(self) -> TrainSpec | None:
+        """This spec as the earlier definition fingerprinted it, or None when nothing
+        changed. Until #39 a warm start entered the fingerprint as its source label, whose
+        hash covered the source drafter's whole manifest, training timings included; a
+        drafter committed under that fingerprint is these inputs' drafter and is kept."""
+        if self.superseded_identity is None:
+            return None
+        return replace(self, warm_start_identity=self.superseded_identity,
+                       superseded_identity=None)
+
+
+def drafter_content_sha256(files: Mapping[str, str]) -> str:
+    """The identity of a drafter's content: sha256 over the sha256 of its ``config.json``
+    and ``model.safetensors`` (``files``: name -> sha256 hex), whatever else its directory or
+    manifest holds (a training curve, timings) and wherever it is stored."""
+    missing = [name for name in DRAFTER_CONTENT if name not in files]
+    if missing:
+        raise ValueError(f"a drafter needs {', '.join(DRAFTER_CONTENT)}; missing {missing}")
+    listing = [[name, files[name]] for name in DRAFTER_CONTENT]
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ manifest written last.
 
 Invariants:
 
-- Idempotent: a committed drafter manifest with the same fingerprint is returned as is; one
-  with another fingerprint is withdrawn before its files are replaced.
+- Idempotent: a committed drafter manifest with the same fingerprint (or the fingerprint an
+  earlier definition gave the same inputs, :meth:`TrainSpec.superseded`) is returned as is;
+  one with another fingerprint is withdrawn before its files are replaced.
 - Lineage in the manifest: window steps and the sha256 of each step's shard manifest, vocab
   cache key and coverage, teacher policy, aux layer ids, warm-start source and decision,
   training config and per-depth metrics.
@@ -53,7 +54,7 @@ from pipeline.storage import Storage, StorageError
 from pipeline.training.config import TrainConfig
 from pipeline.training.curve import TrainingObserver, display_points, read_curve, write_curve
 from pipeline.training.launch import Launcher, launch
-from pipeline.training.spec import TrainResult, TrainSpec
+from pipeline.training.spec import DRAFTER_CONTENT, TrainResult, TrainSpec, drafter_content_sha256
 from pipeline.verified import fetch
 from pipeline.vocab.stage import load_window_vocab
 
@@ -101,16 +102,26 @@ def served_drafter(storage: Storage, serving_name: str, step: int) -> int | None
     return None
 
 
+@dataclass(frozen=True)
+class WarmStart:
+    """A resolved warm start: a local copy, where it came from, and what identifies it."""
+
+    directory: str
+    source: str  # storage key or local URI, ``#`` the first 16 hex of its content sha256
+    identity: str  # ``sha256:`` + :func:`drafter_content_sha256`: what the fingerprint covers
+    superseded: str  # the identity the definition before #39 gave it (see TrainSpec)
+
+
 def resolve_warm_start(storage: Storage, step: int, warm_start: str,
-                       serving_name: str | None = None) -> tuple[str | None, str | None]:
-    """``(local directory, source label)`` of the warm start, or ``(None, None)``.
+                       serving_name: str | None = None) -> WarmStart | None:
+    """The warm start of ``step``'s refresh, or None (scratch).
 
     ``warm_start``: ``serving`` (the drafter serving ``serving_name``, see
     :func:`served_drafter`), ``previous`` (the newest committed drafter of an earlier step,
     promoted or not), ``none``, or a committed drafter prefix / local drafter directory.
     """
     if warm_start == "none":
-        return None, None
+        return None
     if warm_start in ("serving", "previous"):
         if warm_start == "serving" and not serving_name:
             raise ValueError("warm_start 'serving' needs the serving name (the registered "
@@ -118,20 +129,25 @@ def resolve_warm_start(storage: Storage, step: int, warm_start: str,
         prev = (served_drafter(storage, serving_name, step) if warm_start == "serving"
                 else previous_drafter(storage, step))
         if prev is None:
-            return None, None
+            return None
         warm_start = drafter_prefix(prev)
     manifest = read_manifest(storage, warm_start) if "://" not in warm_start and not \
         warm_start.startswith("/") else None
     if manifest is not None:
-        digest = hashlib.sha256(to_json(manifest).encode()).hexdigest()
         local = fetch(storage, warm_start, label="drafter")  # verified against its manifest
-        return str(local), f"{warm_start}#{digest[:16]}"  # a key: the same wherever stored
+        content = drafter_content_sha256({f.path: f.sha256 for f in manifest.files})
+        whole = hashlib.sha256(to_json(manifest).encode()).hexdigest()
+        return WarmStart(str(local), f"{warm_start}#{content[:16]}", f"sha256:{content}",
+                         f"{warm_start}#{whole[:16]}")  # keys: the same wherever stored
     local = Path(warm_start.removeprefix("file://"))
     if not (local / "config.json").is_file():
         raise FileNotFoundError(f"warm start {warm_start!r} is neither a committed drafter in "
                                 f"{storage.url()} nor a local drafter directory")
-    digest = hashlib.sha256((local / "model.safetensors").read_bytes()).hexdigest()
-    return str(local), f"{local.resolve().as_uri()}#{digest[:16]}"
+    sha = {name: hashlib.sha256((local / name).read_bytes()).hexdigest()
+           for name in DRAFTER_CONTENT if (local / name).is_file()}
+    content, uri = drafter_content_sha256(sha), local.resolve().as_uri()
+    return WarmStart(str(local), f"{uri}#{content[:16]}", f"sha256:{content}",
+                     f"{uri}#{sha['model.safetensors'][:16]}")
 
 
 def plan(storage: Storage, step: int, config: TrainConfig, work_root: Path,
@@ -141,14 +157,21 @@ def plan(storage: Storage, step: int, config: TrainConfig, work_root: Path,
     read_window(storage, window)  # names any missing step
     shard_sha = {str(s): hashlib.sha256(storage.read_bytes(
         manifest_key(shards_prefix(s)))).hexdigest() for s in window}
-    warm_dir, warm_source = resolve_warm_start(storage, step, warm_start,
-                                               serving_name)
+    warm = resolve_warm_start(storage, step, warm_start, serving_name)
     spec = TrainSpec(config=config, storage_url=storage.root_url, step=step,
                      window_steps=tuple(window), shard_manifest_sha256=shard_sha,
                      vocab_key=mapping.cache_key, policy_sha256=load_policy_ref(
                          storage, step).sha256, work_dir="", out_dir="",
-                     warm_start_dir=warm_dir, warm_start_source=warm_source)
-    run_dir = Path(work_root) / f"{step_dir(step)}-{spec.fingerprint()[:16]}"
+                     warm_start_dir=warm and warm.directory,
+                     warm_start_source=warm and warm.source,
+                     warm_start_identity=warm and warm.identity,
+                     superseded_identity=warm and warm.superseded)
+    return in_work_root(spec, Path(work_root))
+
+
+def in_work_root(spec: TrainSpec, work_root: Path) -> TrainSpec:
+    """``spec`` with its run directory under ``work_root``, named by its fingerprint."""
+    run_dir = work_root / f"{step_dir(spec.step)}-{spec.fingerprint()[:16]}"
     return replace(spec, work_dir=str(run_dir), out_dir=str(run_dir / "export"))
 
 
@@ -162,6 +185,10 @@ def run(storage: Storage, step: int, config: TrainConfig, *, work_root: Path,
     spec = plan(storage, step, config, Path(work_root), warm_start, serving_name)
     prefix = drafter_prefix(step)
     existing = read_manifest(storage, prefix)
+    earlier = spec.superseded()
+    if (existing is not None and earlier is not None
+            and existing.meta.get("fingerprint") == earlier.fingerprint()):
+        spec = in_work_root(earlier, Path(work_root))  # committed under the earlier definition
     follow = _Follow(observer)
     if existing is not None and existing.meta.get("fingerprint") == spec.fingerprint():
         log.info("step %d: drafter %s already committed", step, spec.fingerprint()[:12])

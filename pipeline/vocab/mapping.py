@@ -202,7 +202,18 @@ def vocab_mapping_to_bytes(mapping: VocabMapping) -> bytes:
     }
     tensors = {"d2t": mapping.d2t.contiguous(), "t2d": mapping.t2d.contiguous(),
                "counts": mapping.counts.contiguous()}
-    return st_save(tensors, metadata=meta)
+    return _sorted_header(st_save(tensors, metadata=meta))
+
+
+def _sorted_header(data: bytes) -> bytes:
+    """safetensors ``data`` with its JSON header's keys sorted. The writer keeps metadata in
+    a hash map, so without this one mapping gives different bytes (and sha256) from one
+    process to the next. Offsets count from the end of the header: the tensors stay put."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8:8 + n]), sort_keys=True,
+                        separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the format pads the header to 8 bytes
+    return len(header).to_bytes(8, "little") + header + data[8 + n:]
 
 
 def vocab_mapping_from_bytes(data: bytes) -> VocabMapping:

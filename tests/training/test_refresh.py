@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -15,11 +15,12 @@ from pipeline.eagle3.export import load_drafter, save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.eagle3.spec import SpecParams
 from pipeline.layout import drafter_prefix
-from pipeline.manifest import entry_for, write_manifest
+from pipeline.manifest import entry_for, read_manifest, write_manifest
 from pipeline.release.ledger import ServingLedger
 from pipeline.serving_now import ServingTarget
 from pipeline.training import stage as training_stage
 from pipeline.training.loop import build_drafter
+from pipeline.training.spec import TrainResult
 from pipeline.training.stage import DRAFTER_KIND, plan, served_drafter
 from pipeline.training.warmstart import apply_warm_start
 
@@ -127,6 +128,46 @@ def test_plan_pins_the_data_and_names_the_run_by_content(vocab_storage, tmp_path
     assert plan(vocab_storage, STEP, replace(FAST, lr=5e-4), tmp_path, "none").work_dir != \
         a.work_dir
     assert Path(a.work_dir).name.startswith("step=000003-")
+
+
+def test_a_warm_start_enters_the_fingerprint_by_its_content_alone(vocab_storage, tmp_path):
+    """Not its manifest's other records (the training timings) nor where it is kept."""
+    model = build_drafter(plan(vocab_storage, STEP, FAST, tmp_path, "none"), vocab_storage)[0]
+    publish_fake_drafter(vocab_storage, 2, model, tmp_path)
+    first = plan(vocab_storage, STEP, FAST, tmp_path, "previous")
+    prefix = drafter_prefix(2)
+    manifest = read_manifest(vocab_storage, prefix)
+    write_manifest(vocab_storage, prefix, replace(manifest, meta={
+        "result": {"seconds": 12.5, "tokens_per_s": 800.0}}))  # trained at another speed
+    timed = plan(vocab_storage, STEP, FAST, tmp_path, "previous")
+    elsewhere = plan(vocab_storage, STEP, FAST, tmp_path, str(tmp_path / "d2"))  # same files
+    assert first.fingerprint() == timed.fingerprint() == elsewhere.fingerprint()
+    assert first.warm_start_identity.startswith("sha256:")
+    assert timed.superseded().fingerprint() != first.superseded().fingerprint()  # #39's bug
+    other = other_drafter(model, 7)
+    publish_fake_drafter(vocab_storage, 2, other, tmp_path / "other")
+    assert plan(vocab_storage, STEP, FAST, tmp_path, "previous").fingerprint() != \
+        first.fingerprint()
+
+
+def test_a_drafter_committed_under_the_superseded_fingerprint_is_kept(vocab_storage,
+                                                                      tmp_path):
+    model = build_drafter(plan(vocab_storage, STEP, FAST, tmp_path, "none"), vocab_storage)[0]
+    publish_fake_drafter(vocab_storage, 2, model, tmp_path)
+    spec = plan(vocab_storage, STEP, FAST, tmp_path, "previous")
+    old = spec.superseded().fingerprint()
+    result = TrainResult(fingerprint=old, steps=4, steps_per_epoch=2, epochs=2.0, samples=8,
+                         tokens_trained=100, seconds=1.0, tokens_per_s=100.0,
+                         samples_per_s=8.0, resumed_from_step=None, world_size=1,
+                         zero_stage=0, dtype="fp32", final={}, first={})
+    publish_fake_drafter(vocab_storage, STEP, model, tmp_path / "committed")
+    prefix = drafter_prefix(STEP)
+    manifest = read_manifest(vocab_storage, prefix)
+    write_manifest(vocab_storage, prefix, replace(manifest, meta={
+        "step": STEP, "fingerprint": old, "result": asdict(result)}))
+    kept = training_stage.run(vocab_storage, STEP, FAST, work_root=tmp_path / "runs")
+    assert kept.reused and kept.manifest.meta["fingerprint"] == old
+    assert not (tmp_path / "runs").exists()  # nothing trained
 
 
 def test_a_damaged_shard_in_the_window_stops_training_before_it_starts(vocab_storage,

@@ -6,6 +6,7 @@ import time
 from collections import Counter
 
 import pytest
+import safetensors.torch
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -138,6 +139,16 @@ def test_save_load_round_trip(tmp_path):
     broken.t2d[0] = True
     with pytest.raises(ValueError, match="disagree"):
         vocab_mapping_from_bytes(vocab_mapping_to_bytes(broken))
+
+
+def test_one_mapping_always_gives_the_same_bytes():
+    """Content-addressed storage: the safetensors writer's hash-map order must not leak."""
+    mapping = build_vocab_mapping(torch.tensor([0, 5, 1, 0, 9, 2]), 3, cache_key="k")
+    written = {vocab_mapping_to_bytes(mapping) for _ in range(8)}
+    assert len(written) == 1
+    (data,) = written
+    assert vocab_mapping_from_bytes(data).cache_key == "k"
+    assert safetensors.torch.load(data)["counts"].tolist() == [0, 5, 1, 0, 9, 2]
 
 
 def test_128k_to_32k_is_fast():
