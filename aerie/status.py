@@ -41,7 +41,8 @@ def refresh_table(outcomes: list[RefreshOutcome], notes: dict[str, str] | None =
 
 
 def _main_reason(reasons: list[str]) -> str:
-    """The reason that decided: the τ comparison when there is one, else the interval."""
+    """The reason that decided: the τ comparison when there is one, else the interval (the
+    gate gives it first; decisions recorded before it ordered its reasons need the search)."""
     for check in ("gain:", "confidence:"):
         found = [r for r in reasons if r.startswith(check)]
         if found:
@@ -126,7 +127,7 @@ def _last_refresh(instance: DagsterInstance) -> str:
     if outcome is not None:
         text += f"; {outcome.action} {drafter_name(outcome.version, outcome.fingerprint)}"
         if outcome.reasons:
-            text += f": {outcome.reasons[0]}"
+            text += f": {_main_reason(outcome.reasons)}"
     return text
 
 

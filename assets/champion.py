@@ -79,3 +79,15 @@ def record_champion_change(context: OpExecutionContext, registry: DrafterRegistr
         passed=stale.passed, severity=AssetCheckSeverity.WARN, description=stale.description,
         metadata=stale.metadata, partition=key))
     return key
+
+
+def report_promotion_verified(context: OpExecutionContext, registry: DrafterRegistry,
+                              version: str, outcome: CheckOutcome) -> None:
+    """A verdict reached after the promotion of ``version`` (from the RL engine's counters)
+    as the result of ``serving_drafter``'s check ``promotion_verified`` on the partition of
+    the refresh that promoted it."""
+    key = step_key(int(registry.get_version(version).tags["rl_step"]))
+    context.log_event(AssetCheckEvaluation(
+        asset_key=AssetKey("serving_drafter"), check_name="promotion_verified",
+        passed=bool(outcome.passed), severity=AssetCheckSeverity.ERROR,
+        description=outcome.description, metadata=outcome.metadata, partition=key))

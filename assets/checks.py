@@ -22,5 +22,24 @@ def spec(asset: str, name: str, description: str, blocking: bool = False) -> Ass
 
 def result(name: str, outcome: CheckOutcome,
            severity: AssetCheckSeverity = AssetCheckSeverity.ERROR) -> AssetCheckResult:
-    return AssetCheckResult(check_name=name, passed=outcome.passed, severity=severity,
+    if not outcome.established:
+        raise ValueError(f"check {name} has no result yet ({outcome.description}): report it "
+                         "through established()")
+    return AssetCheckResult(check_name=name, passed=bool(outcome.passed), severity=severity,
                             description=outcome.description, metadata=outcome.metadata)
+
+
+def established(context, **checks: tuple[CheckOutcome, AssetCheckSeverity]
+                ) -> list[AssetCheckResult]:
+    """The results of ``checks`` (name: outcome, severity) that were established. A check
+    not established (a verification pending, nothing to verify) gets no result, so Dagster
+    shows it not evaluated (skipped) rather than green; the log says why."""
+    out, selected = [], {key.name for key in context.selected_asset_check_keys}
+    for name, (outcome, severity) in checks.items():
+        if name not in selected:  # a subset run (can_subset) that left the check out
+            continue
+        if outcome.established:
+            out.append(result(name, outcome, severity))
+        else:
+            context.log.info(f"check {name}: not evaluated: {outcome.description}")
+    return out

@@ -3,9 +3,12 @@
 Partition = the RL step (``rl_steps``), in the ``ingest_step`` job: it summarises the step's
 speculative counters (τ per drafter version, :mod:`pipeline.monitor.observed`), stores them
 for the drift sensor, and draws the loop's chart (τ observed over RL steps, offline τ at each
-refresh, promotions and rollbacks). Its check ``promotion_verified`` judges the drafter
-serving now on those counters where promotions are not verified on live servers (the
-``manifest`` and vLLM modes): below the floor, the promotion is rolled back.
+refresh, promotions and rollbacks). Where promotions are not verified on live servers (the
+``manifest`` and vLLM modes) it judges the drafter serving now on those counters: below the
+floor, the promotion is rolled back. A verdict, once reached, is the result of
+``serving_drafter``'s check ``promotion_verified`` on the partition of the refresh that
+promoted the drafter (one check, one meaning, wherever the verdict comes from); until then
+that check stays not evaluated.
 
 It runs outside the pool ``promotion``, so that ingesting an RL step never waits for a
 promotion: judging reads only. A rollback takes the promotion lock, as every change of
@@ -20,19 +23,16 @@ until every path records under the lock).
 import functools
 
 from dagster import (
-    AssetCheckSeverity,
     AssetExecutionContext,
     MaterializeResult,
     MetadataValue,
     asset,
 )
 
-from assets.champion import record_champion_change
-from assets.checks import result, spec
+from assets.champion import record_champion_change, report_promotion_verified
 from assets.loop_chart import publish_loop_chart
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
-from pipeline.checks import CheckOutcome
 from pipeline.monitor.stage import VERIFY_ACTOR
 from pipeline.release.mlflow_registry import model_name
 from resources.mlflow import MlflowResource
@@ -44,11 +44,9 @@ from resources.storage import StorageResource
 @asset(partitions_def=rl_steps, group_name="monitor", kinds={"sglang"},
        deps=["rollout_snapshot"], retry_policy=SERVICE_RETRY,
        description="τ per drafter version as the RL engine observed it in this RL step "
-                   "(the rollouts' speculative counters), and the loop's chart.",
-       check_specs=[spec("serving_acceptance", "promotion_verified",
-                         "where promotions are not verified on live servers: the serving "
-                         "drafter's observed τ is not below the floor (else it was rolled "
-                         "back)")])
+                   "(the rollouts' speculative counters), and the loop's chart; the verdict "
+                   "on a drafter promoted without live verification (serving_drafter's "
+                   "promotion_verified).")
 def serving_acceptance(context: AssetExecutionContext, storage: StorageResource,
                        mlflow: MlflowResource, serving: ServingResource,
                        refresh: RefreshPolicyResource) -> MaterializeResult:
@@ -58,7 +56,7 @@ def serving_acceptance(context: AssetExecutionContext, storage: StorageResource,
     store, step = storage.build(), step_of(context.partition_key)
     with fail_fast_on_permanent_errors():
         observed = observe_step(store, step)
-        outcome = _check(context, store, mlflow, serving, refresh)
+        _verify_serving(context, store, mlflow, serving, refresh)
     chart = store.url(publish_loop_chart(store, model_name(mlflow.target_family), step,
                                          context.instance))
     per_version = {f"tau_v{v.drafter_version}": round(v.tau, 4) for v in observed.versions
@@ -67,18 +65,17 @@ def serving_acceptance(context: AssetExecutionContext, storage: StorageResource,
         "rollouts": observed.rollouts, "with_counters": observed.with_counters,
         **per_version,
         "versions": MetadataValue.md(_table(observed)),
-        "chart": MetadataValue.path(chart)},
-        check_results=[result("promotion_verified", outcome, AssetCheckSeverity.ERROR)])
+        "chart": MetadataValue.path(chart)})
 
 
-def _check(context, store, mlflow: MlflowResource, serving: ServingResource,
-           refresh: RefreshPolicyResource) -> CheckOutcome:
+def _verify_serving(context, store, mlflow: MlflowResource, serving: ServingResource,
+                    refresh: RefreshPolicyResource) -> None:
+    """Judge the drafter serving now on the counters (when promotions are verified that
+    way), and report a verdict reached now as its ``promotion_verified`` result."""
     from pipeline.monitor import stage as monitor_stage
 
-    how = serving.verification()
-    if how != "reported":
-        why = "off" if how == "off" else "on the live servers, at promotion"
-        return CheckOutcome(True, f"promotions are verified {why} (serving_drafter's check)")
+    if serving.verification() != "reported":
+        return  # verified on the live servers at promotion, or not at all
 
     @functools.cache
     def connect():  # once, and only when a drafter serves
@@ -92,9 +89,14 @@ def _check(context, store, mlflow: MlflowResource, serving: ServingResource,
                                reason=f"post-promotion check: {v.reason}", store=store,
                                refresh=refresh)
 
-    return monitor_stage.outcome_of(monitor_stage.check_reported(
-        store, model_name(mlflow.target_family), connect, serving.verify_policy(),
-        on_rollback=rolled_back))
+    checked = monitor_stage.check_reported(store, model_name(mlflow.target_family), connect,
+                                           serving.verify_policy(), on_rollback=rolled_back)
+    outcome = monitor_stage.outcome_of(checked)
+    if outcome.established:
+        report_promotion_verified(context, connect()[0], checked.verification.version,
+                                  outcome)
+    else:
+        context.log.info(f"promotion_verified: not evaluated: {outcome.description}")
 
 
 def _table(observed) -> str:

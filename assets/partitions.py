@@ -25,6 +25,8 @@ from assets.groups import DATA_ASSETS
 
 REFRESH_STEP_TAG = "aerie/refresh_step"  # on every refresh run: the step it refreshes at
 TRIGGER_TAG = "aerie/refresh_trigger"  # on every refresh run: cadence | drift | schedule
+DECISION_TAG = "aerie/decision"  # on a refresh run once decided: promoted | refused |
+# already_champion | rolled_back (the run list shows what a green run decided)
 
 rl_steps = DynamicPartitionsDefinition(name="rl_steps")
 refresh_steps = DynamicPartitionsDefinition(name="refresh_steps")

@@ -13,24 +13,28 @@ the Dagster pool ``promotion`` (limit 1 on the embedded instance: ``aerie/cli.py
 """
 
 import json
+import math
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from dagster import (
     AssetCheckSeverity,
     AssetExecutionContext,
+    AssetSpec,
     Config,
     MaterializeResult,
     MetadataValue,
     asset,
+    multi_asset,
 )
 from pydantic import Field
 
 from assets.champion import PROMOTION_POOL, champion_metadata, staleness_now
-from assets.checks import result, spec
+from assets.checks import established, spec
 from assets.drafter import WINDOW_NOTE
 from assets.loop_chart import LOOP_CHART, publish_loop_chart
-from assets.partitions import refresh_steps, step_of
+from assets.partitions import DECISION_TAG, refresh_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from assets.summary import refresh_summary
 from pipeline.checks import CheckOutcome
@@ -99,24 +103,31 @@ def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
         "candidate_tau": round(r.tau, 3), "fingerprint": v.fingerprint or "", **links})
 
 
-@asset(partitions_def=refresh_steps, group_name="release", kinds={"sglang"},
-       deps=["registered_drafter"], retry_policy=SERVICE_RETRY, pool=PROMOTION_POOL,
-       description="Promote the refresh's drafter to serving iff the acceptance gate passes. "
-                   "Every change of champion is an event of this asset: the gate's here, the "
-                   "manual override's and the rollback's from their jobs (metadata action, "
-                   "champion, actor, reason). Runs in the pool 'promotion' (one at a time).",
-       check_specs=[spec("serving_drafter", "serving_staleness",
-                         "the serving drafter is at most stale_after_steps RL steps behind the "
-                         "newest ingested step, and its τ fell at most max_tau_drop_percent "
-                         "since its promotion (warning)"),
-                     spec("serving_drafter", "promotion_verified",
-                          "in the SGLang modes with server_urls: after a promotion, the live "
-                          "servers' τ on the refresh's held-out prompts is not below the floor "
-                          "(else the promotion was rolled back)")])
+@multi_asset(
+    name="serving_drafter", partitions_def=refresh_steps, retry_policy=SERVICE_RETRY,
+    pool=PROMOTION_POOL, can_subset=True,  # can_subset: a pending check reports no result
+    specs=[AssetSpec(
+        "serving_drafter", group_name="release", kinds={"sglang"}, deps=["registered_drafter"],
+        description="Promote the refresh's drafter to serving iff the acceptance gate "
+                    "passes. Every change of champion is an event of this asset: the gate's "
+                    "here, the manual override's and the rollback's from their jobs "
+                    "(metadata action, champion, actor, reason). Runs in the pool "
+                    "'promotion' (one at a time).")],
+    check_specs=[spec("serving_drafter", "serving_staleness",
+                      "the serving drafter is at most stale_after_steps RL steps behind the "
+                      "newest ingested step, and its τ fell at most max_tau_drop_percent "
+                      "since its promotion (warning)"),
+                 spec("serving_drafter", "promotion_verified",
+                      "the drafter this refresh promoted keeps its τ where it serves: on the "
+                      "live servers right after promotion (SGLang modes with server_urls), "
+                      "or in the speculative counters the RL engine reports over the next RL "
+                      "steps (reported by serving_acceptance). Not evaluated while pending or "
+                      "when nothing was promoted; fails when the drafter was broken (and "
+                      "rolled back)")])
 def serving_drafter(context: AssetExecutionContext, config: GateConfig,
                     storage: StorageResource, mlflow: MlflowResource,
                     serving: ServingResource, refresh: RefreshPolicyResource
-                    ) -> MaterializeResult:
+                    ) -> Iterator[MaterializeResult]:
     """Promote the refresh's drafter to serving iff the acceptance gate passes."""
     from pipeline.records import to_json
     from pipeline.release import serve as serve_stage
@@ -129,6 +140,7 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
     p = r.promotion
     context.log.info(f"step {step}: {p.action} ({'; '.join(p.reasons)})")
     p, verified = _verify(context, store, registry, serving, step, p)
+    context.instance.add_run_tags(context.run.run_id, {DECISION_TAG: p.action})
     stale = staleness_now(context.instance, store, registry.model_name, refresh)
     try:  # the picture must not fail a promotion that happened: said, not hidden
         chart = MetadataValue.path(store.url(_log_loop_chart(
@@ -137,13 +149,29 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
         context.log.warning(f"step {step}: the loop chart could not be drawn or logged: "
                             f"{type(e).__name__}: {e}")
         chart = f"not drawn: {type(e).__name__}: {e}"
-    return MaterializeResult(metadata={
+    yield MaterializeResult(asset_key="serving_drafter", metadata={
+        **_headline(r, p, registry),
         **champion_metadata(p, registry, actor=GATE_ACTOR, reason=f"refresh at step {step}"),
         "loop_chart": chart,
         "decision": MetadataValue.json(_rounded(json.loads(to_json(r.decision)))),
         "refresh_summary": MetadataValue.md(refresh_summary(context.instance, step))},
-        check_results=[result("serving_staleness", stale, AssetCheckSeverity.WARN),
-                       result("promotion_verified", verified)])
+        check_results=established(
+            context, serving_staleness=(stale, AssetCheckSeverity.WARN),
+            promotion_verified=(verified, AssetCheckSeverity.ERROR)))
+
+
+def _headline(r, p: PromotionResult, registry: DrafterRegistry) -> dict:
+    """What a reader needs first: the decision, the candidate against its baseline (τ
+    rounded, the gain), and the reason that decided."""
+    d, candidate = r.decision, r.promotion.version
+    baseline = (f"champion v{d.champion_version}" if d.baseline == "champion"
+                else "no drafter")
+    gain = f"{d.relative_gain:+.1%}" if math.isfinite(d.relative_gain) else "not comparable"
+    return {"action": p.action,
+            "candidate": drafter_name(candidate, registry.get_version(candidate).fingerprint),
+            "candidate_tau": round(d.candidate_tau, 3), "baseline": baseline,
+            "baseline_tau": round(d.baseline_tau, 3), "gain": gain,
+            "deciding_reason": d.reasons[0] if d.reasons else ""}
 
 
 def _log_loop_chart(store: Storage, registry: DrafterRegistry, step: int,

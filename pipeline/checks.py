@@ -33,9 +33,16 @@ MAX_TAU_DROP = 0.10  # relative fall of the serving drafter's τ since its promo
 
 @dataclass(frozen=True)
 class CheckOutcome:
-    passed: bool
+    """A check's answer. ``passed`` None: nothing established (a verification pending, or
+    nothing to verify); the assets report no result for it, so the check is not green."""
+
+    passed: bool | None
     description: str  # why, in words (shown in the UI)
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def established(self) -> bool:
+        return self.passed is not None
 
 
 def shard_integrity(storage: Storage, step: int) -> CheckOutcome:

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.storage import Storage
+from resources.home import CHECKOUT
 from tests.tiers import (
     assign_tiers,
     guard_unit,
@@ -27,15 +29,50 @@ from tests.tiers import (
     tier_of,
 )
 
+# what would point a test at the user's state instead of its own temporary home
+USER_STATE_ENV = ("AERIE_HOME", "DAGSTER_HOME", "AERIE_STORAGE_URL", "MLFLOW_TRACKING_URI",
+                  "MLFLOW_REGISTRY_URI", "AERIE_CACHE_DIR")
+USER_HOME = CHECKOUT / ".aerie"  # the embedded default's state, e.g. after `aerie demo`
+_USER_STATE = pytest.StashKey[dict]()
+
+
+def state_digest(home: Path) -> dict[str, tuple[int, int]]:
+    """(size, mtime in ns) of every file under ``home``: any write changes one of them."""
+    if not home.is_dir():
+        return {}
+    return {p.relative_to(home).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(home.rglob("*")) if p.is_file()}
+
 
 def pytest_configure(config):
-    """Under ``pytest -n N`` each worker's torch gets its share of the cores: N processes of
-    all-core thread pools would fight over them."""
+    """Every test runs against a temporary home, never the user's ``.aerie`` (checked at the
+    end of the session). Under ``pytest -n N`` each worker's torch gets its share of the
+    cores: N processes of all-core thread pools would fight over them."""
+    for var in USER_STATE_ENV:
+        os.environ.pop(var, None)
+    home = Path(tempfile.mkdtemp(prefix="aerie-tests-home-"))
+    (home / "dagster").mkdir()
+    os.environ["AERIE_HOME"], os.environ["DAGSTER_HOME"] = str(home), str(home / "dagster")
+    config.stash[_USER_STATE] = state_digest(USER_HOME)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session when any test wrote into the user's ``.aerie``."""
+    before = session.config.stash.get(_USER_STATE, None)
+    if before is None:
+        return
+    after = state_digest(USER_HOME)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if changed:
+        session.config.get_terminal_writer().line(
+            f"the tests changed {len(changed)} files of the user's state {USER_HOME}: "
+            f"{changed[:5]}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent under -p no:xdist

@@ -79,7 +79,7 @@ def after_promotion(storage: Storage, registry: DrafterRegistry, p: PromotionRes
     ``serving()`` gives the backend a rollback goes through), ``"reported"`` (later, from
     the counters the RL engine reports: :func:`check_reported`) or ``"off"``."""
     if p.action not in ("promoted", "already_champion"):
-        return AfterPromotion(p, CheckOutcome(True, f"{p.action}: no new drafter to verify"))
+        return AfterPromotion(p, CheckOutcome(None, f"{p.action}: no new drafter to verify"))
     verdict = registry.get_version(p.version).tags.get(VERDICT_TAG)
     if verdict is not None:  # a re-run: judged when it was promoted
         return AfterPromotion(p, CheckOutcome(verdict != BROKEN,
@@ -87,8 +87,8 @@ def after_promotion(storage: Storage, registry: DrafterRegistry, p: PromotionRes
     if verify != "live":
         how = "off (AERIE_SERVING_VERIFY)" if verify == "off" else (
             "from the acceptance the RL engine reports in the next RL steps "
-            "(serving_acceptance's promotion_verified)")
-        return AfterPromotion(p, CheckOutcome(True, f"v{p.version}: verification {how}"))
+            "(serving_acceptance reports this check's result)")
+        return AfterPromotion(p, CheckOutcome(None, f"v{p.version}: verification {how}"))
     checked = verify_promotion(storage, registry, serving(), step, p.version, urls, policy,
                                api_key=api_key)
     back = checked.rollback
@@ -101,10 +101,13 @@ def after_promotion(storage: Storage, registry: DrafterRegistry, p: PromotionRes
 
 def outcome_of(checked: Checked) -> CheckOutcome:
     """The ``promotion_verified`` outcome of a verdict: fails for a broken drafter, saying
-    whether it was rolled back (and to what) or why not."""
+    whether it was rolled back (and to what) or why not; not established (None) while no
+    verdict is reached (undecided, or nothing to judge)."""
     v = checked.verification
     if v is None:
-        return CheckOutcome(True, checked.note)
+        return CheckOutcome(None, checked.note)
+    if v.verdict == UNDECIDED:
+        return CheckOutcome(None, f"v{v.version} pending: {v.reason}", v.metadata())
     if checked.rollback is not None:
         to = checked.rollback.version
         return CheckOutcome(False, f"v{v.version} broken after promotion: {v.reason}; rolled "

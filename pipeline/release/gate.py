@@ -22,7 +22,10 @@ Invariants:
 - Reasons always explain: a refusal lists every failed check (not only the first); a
   promotion states the gain and what was compared. Each reason starts with the name of its
   check (``format:``, ``measurement:``, ``heldout:``, ``settings:``, ``gain:``;
-  ``sampler:``, ``confidence:``; ``champion:`` for ``already_champion``).
+  ``sampler:``, ``confidence:``; ``champion:`` for ``already_champion``). The deciding
+  reason comes first (:data:`REFUSAL_ORDER`, :data:`PROMOTION_ORDER`): a worse candidate is
+  refused first for being worse, not for the width of an interval; a promotion leads with
+  its gain. Screens that show one reason show the first.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ PROMOTE = "promote"
 REFUSE = "refuse"
 ALREADY_CHAMPION = "already_champion"
 VERDICTS = (PROMOTE, REFUSE, ALREADY_CHAMPION)
+# the order reasons are given in, by their check: what decides first
+REFUSAL_ORDER = ("format", "measurement", "heldout", "settings", "sampler", "gain",
+                 "confidence")
+PROMOTION_ORDER = ("gain", "confidence", "heldout", "format")
 
 
 @dataclass(frozen=True)
@@ -192,11 +199,20 @@ def decide(candidate: Candidate, champion: EvalSummary | None,
         failed.append(f"gain: candidate τ {cand.tau:.4f} {verdict} {name} τ {base_tau:.4f} "
                       f"({gain:+.2%}; at least {need:.2%} required)")
 
-    return Decision(promote=not failed, reasons=tuple(failed or passed), baseline=baseline,
+    reasons = _ordered(failed, REFUSAL_ORDER) if failed else _ordered(passed, PROMOTION_ORDER)
+    return Decision(promote=not failed, reasons=reasons, baseline=baseline,
                     candidate_tau=float(cand.tau), baseline_tau=float(base_tau),
                     relative_gain=float(gain),
                     champion_version=champion.drafter_version if champion else None,
                     policy=policy, gain_interval=interval)
+
+
+def _ordered(reasons: Sequence[str], order: Sequence[str]) -> tuple[str, ...]:
+    """``reasons`` by the rank of their check in ``order`` (ties keep their order)."""
+    def rank(reason: str) -> int:
+        check = reason.split(":", 1)[0]
+        return order.index(check) if check in order else len(order)
+    return tuple(sorted(reasons, key=rank))
 
 
 _KEYS = {"heldout": ("heldout_key", "held-out sets"),
@@ -237,6 +253,10 @@ def _confidence(cand: EvalSummary, base: EvalSummary | None, name: str, policy: 
     elif lo > 0:
         passed.append(f"confidence: the {level} interval of the gain over {name}, "
                       f"[{lo:+.2%}, {hi:+.2%}] over {prompts} prompts, lies above 0")
+    elif hi <= 0:
+        failed.append(f"confidence: the {level} interval of the gain over {name}, "
+                      f"[{lo:+.2%}, {hi:+.2%}] over {prompts} prompts, lies at or below 0: "
+                      "the candidate is not better")
     else:
         failed.append(f"confidence: the {level} interval of the gain over {name}, "
                       f"[{lo:+.2%}, {hi:+.2%}] over {prompts} prompts, reaches 0 or below: "

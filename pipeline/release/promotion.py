@@ -133,7 +133,8 @@ def promote(registry: DrafterRegistry, serving: ServingBackend, candidate_versio
         if dagster_run_id:
             tags["promoted_in_run"] = dagster_run_id
         manifest = _make_champion(registry, serving, candidate_version, tags,
-                                  reason=f"promote v{candidate_version}", decision=record)
+                                  reason=f"promoted v{candidate_version} by the gate: "
+                                  f"{decision.reasons[0]}", decision=record)
         return PromotionResult("promoted", registry.model_name, candidate_version, current,
                                manifest, decision.reasons)
 

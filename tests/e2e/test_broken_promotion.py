@@ -80,12 +80,11 @@ def _run(home, outputs, refresh_config: dict, plant=lambda records: records):
     return loop.instance, storage
 
 
-def _check(instance, asset: str):
-    """The newest ``promotion_verified`` evaluation of ``asset``."""
-    record = instance.event_log_storage.get_latest_asset_check_execution_by_key(
-        [AssetCheckKey(AssetKey(asset), "promotion_verified")])
-    (execution,) = record.values()
-    return execution.event.dagster_event.event_specific_data
+def _check(instance):
+    """The evaluations of ``serving_drafter``'s ``promotion_verified``, newest first."""
+    history = instance.event_log_storage.get_asset_check_execution_history(
+        AssetCheckKey(AssetKey("serving_drafter"), "promotion_verified"), limit=50)
+    return [h.evaluation for h in history if h.status.value in ("SUCCEEDED", "FAILED")]
 
 
 def _meta(instance, asset: str, partition: str) -> dict:
@@ -103,8 +102,9 @@ def test_manifest_mode_rolls_back_on_what_the_trainer_reports(world, tmp_path):
         actions = [r.asset_materialization.metadata["action"].value for r in
                    instance.fetch_materializations(AssetKey("serving_drafter"), limit=9).records]
         assert actions == ["rolled_back", "promoted"]  # newest first: the gate's, then ours
-        check = _check(instance, "serving_acceptance")
-        assert not check.passed and "v1 broken after promotion" in check.description
+        (check,) = _check(instance)  # reported by serving_acceptance, on v1's refresh
+        assert check.partition == "step-000001" and not check.passed
+        assert "v1 broken after promotion" in check.description
         assert check.metadata["verdict"].value == "broken"
         assert read_serving(storage, registry.model_name).target is None  # no drafter again
         assert registry.alias(CHAMPION) is None
@@ -130,7 +130,7 @@ def test_sglang_restart_mode_rolls_back_when_the_servers_do_not_speculate(world,
         registry = mlflow_from_environment()
         event = _meta(instance, "serving_drafter", "step-000001")
         assert event["action"] == "rolled_back" and event["champion"] == "none"
-        check = _check(instance, "serving_drafter")
+        (check,) = _check(instance)
         assert not check.passed and "do not speculate as served" in check.description
         assert read_serving(storage, registry.model_name).target is None
         assert registry.get_version("1").tags["post_promotion.source"] == "live"

@@ -17,6 +17,7 @@ from dagster import (
     AssetCheckKey,
     AssetCheckSeverity,
     AssetKey,
+    RunsFilter,
     instance_for_test,
     materialize,
 )
@@ -24,6 +25,7 @@ from dagster import (
 from aerie.demo import DEMO_INGEST_CONFIG
 from aerie.launch import LOCATION
 from assets.groups import DATA_ASSETS, REFRESH_ASSETS
+from assets.partitions import DECISION_TAG
 from pipeline.capture.window import WindowError
 from pipeline.evaluation.stage import read_report, tau_history
 from pipeline.layout import chart_key
@@ -87,6 +89,10 @@ def test_the_gate_decides_every_cycle_as_set_up(loop):
     assert ver(second["champion"]) == ver(worse["champion"]) == "1"  # serving left as it was
     champion = mlflow_from_environment().champion()
     assert champion is not None and champion.version == "1"
+    decided = {r.tags["dagster/partition"]: r.tags.get(DECISION_TAG)
+               for r in loop.instance.get_runs(RunsFilter(job_name="drafter_refresh"))}
+    assert decided == dict(zip(REFRESHES, ["promoted", "refused", "refused"], strict=True))
+    assert second["reasons"].startswith("- gain:")  # the deciding reason first
     serving = read_serving(loop.storage, champion.model)
     assert serving.target is not None and serving.target.registry_version == "1"
 
@@ -127,6 +133,17 @@ def test_checks_ran_on_every_stage_of_every_cycle(loop):
         assert evaluations, (asset, check)
         if check != "training_loss":  # the one-step worse cycle may not fall: a warning
             assert all(e.passed for e in evaluations), (asset, check)
+
+
+def test_a_promotion_never_verified_leaves_its_check_not_evaluated(loop):
+    """The loop's rollouts carry no speculative counters, so v1 is never judged: its
+    ``promotion_verified`` was planned in every refresh and never evaluated (not green)."""
+    history = loop.instance.event_log_storage.get_asset_check_execution_history(
+        AssetCheckKey(AssetKey("serving_drafter"), "promotion_verified"), limit=50)
+    assert len(history) == len(REFRESHES)
+    assert {h.status.value for h in history} == {"PLANNED"}  # no result ever came
+    assert all(loop.instance.get_run_by_id(h.run_id).is_success for h in history)  # so
+    # the UI shows it skipped: planned, in a run that finished without it
 
 
 def test_the_staleness_check_follows_the_serving_drafter(loop):
@@ -307,8 +324,6 @@ def _dismiss_welcome(driver) -> None:
 def test_ui_job_pages_list_the_runs(loop, webserver, looked_at):
     """Runs created by the sensors' ticks are listed on their job pages (the code location's
     runs), each refresh run by its id."""
-    from dagster import RunsFilter
-
     for job in ("ingest_step", "drafter_refresh"):
         runs = loop.instance.get_runs(RunsFilter(job_name=job))
         assert len(runs) == (6 if job == "ingest_step" else 3)
@@ -316,6 +331,16 @@ def test_ui_job_pages_list_the_runs(loop, webserver, looked_at):
         _dismiss_welcome(looked_at)
         for run in runs:
             _wait_text(looked_at, run.run_id[:8])
+
+
+def test_ui_runs_page_marks_the_refused_refreshes(loop, webserver, looked_at):
+    looked_at.get(f"{webserver}/locations/{LOCATION}/jobs/drafter_refresh/runs")
+    _dismiss_welcome(looked_at)
+    tag = "//*[contains(normalize-space(.), '{}') and not(*[contains(normalize-space(.), '{}')])]"
+    for decision, count in (("refused", 2), ("promoted", 1)):
+        text = f"{DECISION_TAG}: {decision}"
+        _wait_xpath(looked_at, tag.format(text, text))
+        assert len(looked_at.find_elements("xpath", tag.format(text, text))) == count
 
 
 def test_ui_serving_page_shows_the_last_decision(loop, webserver, looked_at):

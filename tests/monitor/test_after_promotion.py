@@ -44,7 +44,7 @@ def after(p=PROMOTED, registry=None, verify="live", checked=None, monkeypatch=No
 def test_only_a_new_champion_is_verified(action):
     p = PromotionResult(action, "m", "3", "2", None, ())
     out, _ = after(p)
-    assert (out.promotion, out.outcome.passed, out.verification) == (p, True, None)
+    assert (out.promotion, out.outcome.passed, out.verification) == (p, None, None)
     assert out.outcome.description == f"{action}: no new drafter to verify"
 
 
@@ -60,7 +60,8 @@ def test_a_rerun_reads_the_verdict_already_recorded(monkeypatch):
                                           ("reported", "RL engine reports")])
 def test_verification_elsewhere_or_off_probes_nothing(monkeypatch, verify, says):
     out, probes = after(verify=verify, monkeypatch=monkeypatch)
-    assert probes == [] and out.outcome.passed and says in out.outcome.description
+    assert probes == [] and says in out.outcome.description
+    assert out.outcome.passed is None  # pending or off: not evaluated, never green
 
 
 def test_a_healthy_live_verdict_keeps_the_promotion(monkeypatch):
@@ -87,4 +88,10 @@ def test_a_broken_verdict_not_rolled_back_says_why():
     outcome = stage.outcome_of(checked)
     assert not outcome.passed and outcome.description.endswith("not rolled back: v4 serves "
                                                                "by now")
-    assert stage.outcome_of(stage.Checked(None, note="nothing serves")).passed
+    assert stage.outcome_of(stage.Checked(None, note="nothing serves")).passed is None
+
+
+def test_an_undecided_verdict_is_pending_not_passed():
+    outcome = stage.outcome_of(stage.Checked(verdict("undecided")))
+    assert outcome.passed is None and outcome.description.startswith("v3 pending")
+    assert stage.outcome_of(stage.Checked(verdict("healthy"))).passed is True

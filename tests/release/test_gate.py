@@ -217,6 +217,23 @@ def test_a_gain_inside_the_noise_is_refused_and_a_steady_one_promoted():
     assert decide(Candidate(noisy, True), champion, None, unchecked).promote
 
 
+def test_the_deciding_reason_comes_first():
+    policy = GatePolicy(min_relative_gain=0.01, min_cycles=10)
+    champion = counted([2.0, 3.0, 1.5, 2.5, 2.0, 3.5, 1.5, 2.0], drafter_version="3")
+    worse = counted([1.0, 1.4, 0.75, 1.2, 1.0, 1.7, 0.7, 1.0])  # about half the champion's τ
+    decision = decide(Candidate(worse, True), champion, None, policy)
+    assert [r.split(":")[0] for r in decision.reasons] == ["gain", "confidence"]
+    assert "is worse than champion v3" in decision.reasons[0]
+    assert "not better" in decision.reasons[1] and "noise" not in decision.reasons[1]
+    better = counted([2.4, 3.6, 1.8, 3.0, 2.4, 4.2, 1.8, 2.4])
+    promoted = decide(Candidate(better, True), champion, None, policy)
+    assert promoted.promote
+    assert [r.split(":")[0] for r in promoted.reasons] == [
+        "gain", "confidence", "heldout", "format"]
+    unreadable = decide(Candidate(worse, False, ("no config.json",)), champion, None, policy)
+    assert unreadable.reasons[0].startswith("format: candidate failed")
+
+
 def test_reports_of_other_samplers_are_not_compared():
     policy = GatePolicy(min_relative_gain=0.01, min_cycles=10)
     champion = counted([2.0] * 8, sampler_key="T=1", drafter_version="3")
