@@ -1,6 +1,8 @@
 """Aerie's Dagster definitions: assets, checks, jobs, sensors and resources."""
 
-from dagster import Definitions
+import warnings
+
+from dagster import BetaWarning, Definitions
 
 from assets.drafter import drafter_checkpoint, vocab_mapping
 from assets.evaluation import acceptance_eval
@@ -20,7 +22,7 @@ from resources.capture import capture_from_env
 from resources.ingest import ingest_from_env
 from resources.mlflow import mlflow_from_env
 from resources.refresh import refresh_policy_from_env
-from resources.serving import serving_from_env
+from resources.serving import serving_from_env, serving_kind
 from resources.storage import storage_from_env
 from resources.trainer import trainer_from_env
 
@@ -28,15 +30,24 @@ FLOW = (rollout_snapshot, tokenized_rollouts, hidden_state_shards, vocab_mapping
         drafter_checkpoint, acceptance_eval, registered_drafter, serving_drafter,
         storage_retention, serving_acceptance)
 OWNERS = ["team:aerie"]
+# Dagster 1.13 rebuilds every sensor with its beta `owners` parameter, set or not (Aerie sets
+# none): a warning on every load that a newcomer reads as an error about their setup
+warnings.filterwarnings("ignore", message="Parameter `owners` of initializer "
+                        "`SensorDefinition.__init__` is currently in beta", category=BetaWarning)
+SERVING = serving_from_env()
+SERVED = ("serving_drafter", "serving_acceptance")  # kinds: the engine the deployment serves
 
 
 def _conventions(spec):
-    """Owner and flow position of every asset (the catalog filters and sorts by them)."""
+    """Owner and flow position of every asset (the catalog filters and sorts by them); the
+    serving assets' kind is the serving mode's engine (``manifest`` when a file hands the
+    drafter over)."""
     name = spec.key.path[-1]
     stage = f"{(DATA_ASSETS + REFRESH_ASSETS + MONITOR_ASSETS).index(name) + 1}"
-    return spec.replace_attributes(owners=OWNERS, tags={**spec.tags, "aerie/stage": stage,
-                                                        "aerie/partitioned_by": (
-        "refresh_step" if name in REFRESH_ASSETS else "rl_step")})
+    kinds = {serving_kind(SERVING.mode)} if name in SERVED else spec.kinds
+    return spec.replace_attributes(owners=OWNERS, kinds=kinds, tags={
+        **spec.tags, "aerie/stage": stage,
+        "aerie/partitioned_by": "refresh_step" if name in REFRESH_ASSETS else "rl_step"})
 
 
 defs = Definitions(
@@ -49,6 +60,6 @@ defs = Definitions(
     # overrides field by field
     resources={"storage": storage_from_env(), "capture": capture_from_env(),
                "trainer": trainer_from_env(), "mlflow": mlflow_from_env(),
-               "serving": serving_from_env(), "refresh": refresh_policy_from_env(),
+               "serving": SERVING, "refresh": refresh_policy_from_env(),
                "ingest": ingest_from_env()},
 )

@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -225,7 +226,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _print_where_to_look(outcomes) -> None:
-    from resources.mlflow import mlflow_home
+    from resources.mlflow import mlflow_resource_from_environment
     from resources.storage import storage_from_environment
 
     print("\nWhere to look:")
@@ -238,17 +239,61 @@ def _print_where_to_look(outcomes) -> None:
 
         print(f"  τ over RL steps               "
               f"{storage_from_environment().url(chart_key(step, 'tau'))}")
-    print(f"  mlflow ui --backend-store-uri sqlite:///{mlflow_home() / 'mlflow.db'}")
+    mlflow = mlflow_resource_from_environment()
+    print(f"  MLflow (aerie ui starts it)   "
+          f"{mlflow.experiment_link(mlflow.build().runs.experiment_id())}")
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
+    """``dagster dev`` on the embedded default's instance and, unless MLflow is a server of
+    its own (an http(s) tracking URI) or ``--no-mlflow``, ``mlflow server`` on its store at
+    the address the links in Dagster's metadata point to; both stop together."""
     from aerie.launch import workspace_file
 
     home = prepare_dagster_home()
-    exe = Path(sys.executable).with_name("dagster")
-    os.execv(str(exe), [str(exe), "dev", "-w", str(workspace_file(home)), "-h", "127.0.0.1",
-                        "-p", str(args.port)])
-    return 0  # unreachable
+    bin_dir = Path(sys.executable).parent
+    dagster = [str(bin_dir / "dagster"), "dev", "-w", str(workspace_file(home)),
+               "-h", "127.0.0.1", "-p", str(args.port)]
+    mlflow = None if args.no_mlflow else mlflow_ui_command(bin_dir / "mlflow")
+    children = []
+    try:
+        if mlflow is not None:
+            print(f"MLflow UI: {mlflow[1]}")
+            children.append(subprocess.Popen(mlflow[0]))
+        print(f"Dagster UI: http://127.0.0.1:{args.port}")
+        children.append(subprocess.Popen(dagster))
+        return children[-1].wait()
+    except KeyboardInterrupt:  # the terminal sent it to the children too
+        return 130
+    finally:
+        for child in reversed(children):
+            if child.poll() is None:
+                child.terminate()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def mlflow_ui_command(mlflow_exe: Path) -> tuple[list[str], str] | None:
+    """``(command, url)`` of ``mlflow server`` on the embedded default's tracking store,
+    listening where :meth:`MlflowResource.mlflow_ui` sends the links; None when the
+    tracking URI is an MLflow server already (it has its UI)."""
+    from urllib.parse import urlsplit
+
+    from resources.mlflow import mlflow_resource_from_environment
+
+    resource = mlflow_resource_from_environment()
+    tracking = resource.resolved_tracking_uri()
+    if urlsplit(tracking).scheme in ("http", "https"):
+        return None
+    url = urlsplit(resource.mlflow_ui())
+    command = [str(mlflow_exe), "server", "--backend-store-uri", tracking,
+               "--host", url.hostname or "127.0.0.1", "--port", str(url.port or 5000)]
+    artifacts = resource.resolved_artifact_location()
+    if artifacts:
+        command += ["--default-artifact-root", artifacts]
+    return command, resource.mlflow_ui()
 
 
 def _registry_and_storage():
@@ -376,8 +421,11 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--regenerate", action="store_true",
                       help="generate the demo world again even if it exists")
     demo.set_defaults(func=cmd_demo)
-    ui = sub.add_parser("ui", help="open the Dagster UI on the embedded default's instance")
+    ui = sub.add_parser("ui", help="open the Dagster UI on the embedded default's instance, "
+                                   "and the MLflow UI on its store")
     ui.add_argument("--port", type=int, default=3000)
+    ui.add_argument("--no-mlflow", action="store_true",
+                    help="do not start the MLflow UI (it runs elsewhere)")
     ui.set_defaults(func=cmd_ui)
     sub.add_parser("status", help="what serves now, since when, its τ and staleness, and the "
                                   "last refresh").set_defaults(func=cmd_status)

@@ -16,6 +16,7 @@ from dagster import (
 )
 from pydantic import Field
 
+from assets.charts import run_chart
 from assets.checks import result, spec
 from assets.partitions import refresh_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
@@ -171,8 +172,10 @@ def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
         "samples": res.samples, "tokens_trained": res.tokens_trained,
         "tokens_per_s": round(res.tokens_per_s, 1), "seconds": round(res.seconds, 3),
         "fingerprint": meta["fingerprint"], "logged_steps": len(r.curve),
-        "training_curve": MetadataValue.path(publish_chart(
-            store, step, "training_curve", training_curve(display_points(r.curve, 1000)))),
+        "training_curve": run_chart(mlflow, registry.runs, run.run_id, run.charts,
+                                    "training_curve",
+                                    publish_chart(store, step, "training_curve", training_curve(
+                                        display_points(r.curve, 1000)))),
         "training_curve_data": MetadataValue.path(f"{r.uri}/{CURVE_FILE}"),
         **({"mlflow_run": MetadataValue.url(mlflow.run_link(
             registry.runs.experiment_id(), run.run_id))} if run.run_id else {}),

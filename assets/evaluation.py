@@ -7,9 +7,12 @@ are measured with the policy of s on held-out prompts, next to no drafter. The c
 draft position, τ over refresh steps) are stored next to the report and linked.
 """
 
+import functools
+
 from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
+from assets.charts import logged_chart
 from assets.checks import result, spec
 from assets.drafter import WINDOW_NOTE
 from assets.partitions import refresh_steps, step_of
@@ -105,6 +108,15 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
     alpha_png = alpha_chart(alphas, f"step {step}: α per draft position")
     tau_png = tau_curve(evaluation_stage.tau_history(store, r.sampler_key),
                         f"τ of the candidate and champion at each refresh ({r.regime})")
+    @functools.cache
+    def candidate_run():  # the run that trained the candidate holds its charts
+        runs = mlflow.build().runs
+        return runs, runs.find_run(r.contestants["candidate"].fingerprint)
+
+    def chart(name: str, short: str, png: bytes) -> MetadataValue:
+        return logged_chart(mlflow, candidate_run, name, png,
+                            publish_chart(store, step, short, png), context.log.warning)
+
     return MaterializeResult(metadata={
         **{k: _readable(v) for k, v in s.items()},
         "champion": champion_name(store, mlflow, champion),
@@ -113,9 +125,9 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
         "sampler_key": r.sampler_key, "seed": r.seed,
         "window_steps": MetadataValue.json(list(r.heldout["window_steps"])),
         "heldout_key": r.heldout_key, "settings_key": r.settings_key,
-        "acceptance_per_position": MetadataValue.path(publish_chart(store, step, "alpha",
-                                                                    alpha_png)),
-        "tau_over_rl_steps": MetadataValue.path(publish_chart(store, step, "tau", tau_png)),
+        "acceptance_per_position": chart("acceptance_per_position", "alpha", alpha_png),
+        "tau_over_rl_steps": chart("offline_tau_over_rl_steps", "tau", tau_png),  # the
+        # run's tau_over_rl_steps.png is the loop chart (serving_drafter)
         "seconds": round(r.seconds, 2)},
         check_results=[result("acceptance_lossless", evaluation_sound(r))])
 

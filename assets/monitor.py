@@ -41,7 +41,7 @@ from resources.serving import ServingResource
 from resources.storage import StorageResource
 
 
-@asset(partitions_def=rl_steps, group_name="monitor", kinds={"sglang"},
+@asset(partitions_def=rl_steps, group_name="monitor",
        deps=["rollout_snapshot"], retry_policy=SERVICE_RETRY,
        description="τ per drafter version as the RL engine observed it in this RL step "
                    "(the rollouts' speculative counters), and the loop's chart; the verdict "

@@ -31,6 +31,7 @@ from dagster import (
 from pydantic import Field
 
 from assets.champion import PROMOTION_POOL, champion_metadata, staleness_now
+from assets.charts import logged_chart
 from assets.checks import established, spec
 from assets.drafter import WINDOW_NOTE
 from assets.loop_chart import LOOP_CHART, publish_loop_chart
@@ -107,7 +108,7 @@ def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
     name="serving_drafter", partitions_def=refresh_steps, retry_policy=SERVICE_RETRY,
     pool=PROMOTION_POOL, can_subset=True,  # can_subset: a pending check reports no result
     specs=[AssetSpec(
-        "serving_drafter", group_name="release", kinds={"sglang"}, deps=["registered_drafter"],
+        "serving_drafter", group_name="release", deps=["registered_drafter"],
         description="Promote the refresh's drafter to serving iff the acceptance gate "
                     "passes. Every change of champion is an event of this asset: the gate's "
                     "here, the manual override's and the rollback's from their jobs "
@@ -143,12 +144,16 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
     context.instance.add_run_tags(context.run.run_id, {DECISION_TAG: p.action})
     stale = staleness_now(context.instance, store, registry.model_name, refresh)
     try:  # the picture must not fail a promotion that happened: said, not hidden
-        chart = MetadataValue.path(store.url(_log_loop_chart(
-            store, registry, step, r.promotion.version, context.instance)))
-    except Exception as e:
-        context.log.warning(f"step {step}: the loop chart could not be drawn or logged: "
+        key = publish_loop_chart(store, registry.model_name, step, context.instance)
+    except Exception as e:  # noqa: BLE001
+        context.log.warning(f"step {step}: the loop chart could not be drawn: "
                             f"{type(e).__name__}: {e}")
         chart = f"not drawn: {type(e).__name__}: {e}"
+    else:  # on the run of the drafter this refresh decided on
+        version = r.promotion.version
+        chart = logged_chart(mlflow, lambda: (registry.runs, registry.get_version(
+            version).run_id if version else None), LOOP_CHART, store.read_bytes(key),
+            store.url(key), context.log.warning)
     yield MaterializeResult(asset_key="serving_drafter", metadata={
         **_headline(r, p, registry),
         **champion_metadata(p, registry, actor=GATE_ACTOR, reason=f"refresh at step {step}"),
@@ -172,20 +177,6 @@ def _headline(r, p: PromotionResult, registry: DrafterRegistry) -> dict:
             "candidate_tau": round(d.candidate_tau, 3), "baseline": baseline,
             "baseline_tau": round(d.baseline_tau, 3), "gain": gain,
             "deciding_reason": d.reasons[0] if d.reasons else ""}
-
-
-def _log_loop_chart(store: Storage, registry: DrafterRegistry, step: int,
-                    version: str | None, instance) -> str:
-    """The loop's chart (τ observed over RL steps, offline τ per refresh, promotions and
-    rollbacks) up to ``step``, stored and logged to the MLflow run of ``version``; its key."""
-    key = publish_loop_chart(store, registry.model_name, step, instance)
-    run_id = registry.get_version(version).run_id if version else None
-    if run_id:
-        with tempfile.TemporaryDirectory(prefix="aerie-chart-") as tmp:
-            path = Path(tmp) / f"{LOOP_CHART}.png"
-            path.write_bytes(store.read_bytes(key))
-            registry.runs.log_charts(run_id, [path])
-    return key
 
 
 def _verify(context, store: Storage, registry: DrafterRegistry, serving: ServingResource,

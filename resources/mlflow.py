@@ -19,7 +19,7 @@ environment already says otherwise, and exports ``s3_endpoint_url`` as
 import logging
 import os
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from dagster import ConfigurableResource
 from pydantic import Field
@@ -41,6 +41,9 @@ _ENV = {
     "lock_timeout_s": "AERIE_PROMOTION_LOCK_TIMEOUT_S",
 }
 log = logging.getLogger(__name__)
+# MLflow 3's UI opens every page in its GenAI view (traces, "Evaluation runs") unless the URL
+# asks for the model-training one; its toggle remembers the choice only per browser
+TRAINING_VIEW = "workflowType=machine_learning"
 _SECRETS = ("tracking_uri", "registry_uri", "lock_url")  # database URLs may hold a password
 
 
@@ -91,9 +94,20 @@ class MlflowResource(ConfigurableResource):
         host = tracking.netloc.rpartition("@")[2]  # never a user:password into a link
         return urlunsplit(tracking._replace(netloc=host)).rstrip("/")
 
+    def experiment_link(self, experiment_id: str) -> str:
+        """The MLflow UI page of the refresh experiment: its training runs."""
+        return f"{self.mlflow_ui()}/#/experiments/{experiment_id}?{TRAINING_VIEW}"
+
     def run_link(self, experiment_id: str, run_id: str) -> str:
         """The MLflow UI page of a run (the model-training view of its experiment)."""
-        return f"{self.mlflow_ui()}/#/experiments/{experiment_id}/runs/{run_id}"
+        return f"{self.mlflow_ui()}/#/experiments/{experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
+
+    def artifact_link(self, experiment_id: str, run_id: str, path: str) -> str:
+        """An artifact of a run (a chart) opened in the MLflow UI's run page, previewed: one
+        click from Dagster's metadata, and still right after the state moves (it names the
+        run, not a file). The server's own ``get-artifact`` would download it instead."""
+        return (f"{self.mlflow_ui()}/#/experiments/{experiment_id}/runs/{run_id}/artifactPath/"
+                f"{quote(path, safe='/')}?{TRAINING_VIEW}")
 
     def version_link(self, model: str, version: str) -> str:
         return f"{self.mlflow_ui()}/#/models/{model}/versions/{version}"
@@ -172,7 +186,12 @@ def mlflow_from_env() -> MlflowResource:
     return resource_from_env(MlflowResource, "", names=_ENV, secrets=_SECRETS)
 
 
-def mlflow_from_environment() -> DrafterRegistry:
-    """The same registry built outside Dagster (the CLI), values read from the environment."""
+def mlflow_resource_from_environment() -> MlflowResource:
+    """The resource outside Dagster (the CLI), values read from the environment."""
     return resource_from_env(MlflowResource, "", names=_ENV, secrets=_SECRETS,
-                             outside_dagster=True).build()
+                             outside_dagster=True)
+
+
+def mlflow_from_environment() -> DrafterRegistry:
+    """The same registry built outside Dagster (the CLI)."""
+    return mlflow_resource_from_environment().build()

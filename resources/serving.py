@@ -116,6 +116,12 @@ class ServingResource(ConfigurableResource):
         return LedgerBackend(ledger, settings, factory(settings), cache_dir=cache)
 
 
+def serving_kind(mode: str) -> str:
+    """The engine a serving mode hands drafters to (``sglang``, ``vllm``), or ``manifest``:
+    the kind the serving assets show in the UI."""
+    return mode.split("-", 1)[0]
+
+
 def serving_from_env() -> ServingResource:
     """Every field from ``AERIE_SERVING_<FIELD>`` where it is set (commands and URLs as JSON
     lists, URLs also comma-separated; the API key as an ``EnvVar``)."""

@@ -203,6 +203,10 @@ class TrainingRuns:
             logged.append(f"{CHARTS_ARTIFACT_PATH}/{path.name}")
         return logged
 
+    def charts(self, run_id: str) -> list[str]:
+        """The artifact paths of the charts logged to ``run_id``."""
+        return [a.path for a in self.client.list_artifacts(run_id, CHARTS_ARTIFACT_PATH)]
+
     def log_drafter(self, run_id: str, drafter_dir: str | Path) -> str:
         """Upload the exported drafter directory; returns its artifact URI (the source of a
         model version)."""

@@ -34,6 +34,7 @@ class MlflowTrainingRun:
         self.tags = dict(tags)
         self.chart = chart
         self.run_id: str | None = None
+        self.charts: list[str] = []  # artifact paths of the charts logged to the run
         self._logged: set[int] = set()
 
     def started(self, spec: TrainSpec) -> None:
@@ -63,7 +64,7 @@ class MlflowTrainingRun:
         fingerprint = spec.fingerprint()
         done = self.runs.find_run(fingerprint)
         if done is not None:
-            self.run_id = done
+            self.run_id, self.charts = done, self.runs.charts(done)
             return
         if self.run_id is None:  # committed by a process whose run was lost
             self.run_id = self.runs.find_unfinished_run(fingerprint) or self.runs.start_run(
@@ -77,7 +78,7 @@ class MlflowTrainingRun:
                 with tempfile.TemporaryDirectory(prefix="aerie-curve-") as tmp:
                     png = Path(tmp) / "training_curve.png"
                     png.write_bytes(self.chart(curve))
-                    self.runs.log_charts(self.run_id, [png])
+                    self.charts += self.runs.log_charts(self.run_id, [png])
             self.runs.log_drafter(self.run_id, drafter_dir())
         except BaseException:
             self.runs.finish_run(self.run_id, failed=True)

@@ -33,7 +33,7 @@ from pipeline.serving_now import read_serving
 from pipeline.storage import Storage
 from pipeline.training import stage as training_stage
 from pipeline.training.config import TrainConfig
-from resources.mlflow import mlflow_from_environment
+from resources.mlflow import TRAINING_VIEW, mlflow_from_environment
 from tests.conftest import free_port, local_server, ver
 from tests.e2e.loop import REFRESHES, Loop
 
@@ -175,12 +175,23 @@ def test_metadata_links_stored_charts_and_the_event_log_stays_small(loop):
     # the τ chart of the last refresh draws a point per refresh
     history = tau_history(loop.storage)
     assert sorted(history["candidate"]) == [1, 3, 5] and sorted(history["champion"]) == [3, 5]
-    for chart, name in (("acceptance_per_position", "alpha"), ("tau_over_rl_steps", "tau")):
-        assert evaluation[chart] == loop.storage.url(chart_key(5, name))
-        assert _png_size(loop.storage.local_path(chart_key(5, name))) == (600, 320)
+    registry = mlflow_from_environment()
+    candidate = registry.find_version(read_report(loop.storage, 5).contestants[
+        "candidate"].fingerprint)
+    run_page = f"{loop.mlflow_ui}/#/experiments/{registry.runs.experiment_id()}/runs/"
+    for chart, name, logged in (("acceptance_per_position", "alpha", "acceptance_per_position"),
+                                ("tau_over_rl_steps", "tau", "offline_tau_over_rl_steps")):
+        assert evaluation[chart] == (f"{run_page}{candidate.run_id}/artifactPath/charts/"
+                                     f"{logged}.png?{TRAINING_VIEW}")  # its training run
+        assert f"charts/{logged}.png" in registry.runs.charts(candidate.run_id)
+        assert _png_size(loop.storage.local_path(chart_key(5, name))) == (600, 320)  # stored
     curve = _meta(loop, "drafter_checkpoint", "step-000003")["training_curve"]
-    assert curve == loop.storage.url(chart_key(3, "training_curve"))
+    assert curve.startswith(run_page) and curve.endswith(
+        f"/artifactPath/charts/training_curve.png?{TRAINING_VIEW}")
     assert _png_size(loop.storage.local_path(chart_key(3, "training_curve")))[0] == 600
+    loop_chart = _meta(loop, "serving_drafter", "step-000005")["loop_chart"]
+    assert loop_chart == (f"{run_page}{candidate.run_id}/artifactPath/charts/"
+                          f"tau_over_rl_steps.png?{TRAINING_VIEW}")
     sizes = {}
     for asset in (*DATA_ASSETS, *REFRESH_ASSETS):
         records = loop.instance.fetch_materializations(AssetKey(asset), limit=100).records
@@ -333,7 +344,7 @@ def test_ui_job_pages_list_the_runs(loop, webserver, looked_at):
             _wait_text(looked_at, run.run_id[:8])
 
 
-def test_ui_runs_page_marks_the_refused_refreshes(loop, webserver, looked_at):
+def test_ui_runs_page_marks_the_refused_refreshes(loop, webserver, looked_at, tmp_path):
     looked_at.get(f"{webserver}/locations/{LOCATION}/jobs/drafter_refresh/runs")
     _dismiss_welcome(looked_at)
     tag = "//*[contains(normalize-space(.), '{}') and not(*[contains(normalize-space(.), '{}')])]"
@@ -341,6 +352,7 @@ def test_ui_runs_page_marks_the_refused_refreshes(loop, webserver, looked_at):
         text = f"{DECISION_TAG}: {decision}"
         _wait_xpath(looked_at, tag.format(text, text))
         assert len(looked_at.find_elements("xpath", tag.format(text, text))) == count
+    _save(looked_at, tmp_path, "runs_decisions.png")
 
 
 def test_ui_serving_page_shows_the_last_decision(loop, webserver, looked_at):
@@ -364,32 +376,79 @@ def test_ui_shows_the_asset_graph(loop, webserver, browser, tmp_path):
             assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
 
 
-def test_ui_links_the_stored_charts_of_a_materialization(loop, webserver, browser, tmp_path):
-    """The metadata panel shows the charts as links to PNGs in storage (no inline images), and
-    the linked files render as the 600 px charts."""
+@pytest.fixture(scope="module")
+def mlflow_ui(loop, tmp_path_factory):
+    """The MLflow UI over the loop's store, as ``aerie ui`` starts it; stopped by PID."""
+    from aerie.cli import mlflow_ui_command
+
+    command, url = mlflow_ui_command(Path(sys.executable).with_name("mlflow"))
+    assert url == loop.mlflow_ui
+    port = int(url.rsplit(":", 1)[1])
+    with local_server(command, tmp_path_factory.mktemp("mlflow") / "mlflow.log", [port],
+                      timeout=180, group=True, env=os.environ):
+        yield url
+
+
+def test_ui_opens_a_chart_in_one_click(loop, webserver, mlflow_ui, browser, tmp_path):
+    """The metadata panel links the charts (no inline images); one click on a link opens the
+    PNG the MLflow UI serves from the candidate's training run: the 600 px chart."""
     from selenium.webdriver.common.by import By
 
     browser.get(f"{webserver}/assets/acceptance_eval?partition=step-000005")
     _wait_text(browser, "acceptance_per_position")
     _dismiss_welcome(browser)
-    urls, links = {}, []
-    for label, name in (("acceptance_per_position", "alpha"), ("tau_over_rl_steps", "tau")):
-        urls[name] = loop.storage.url(chart_key(5, name))
-        _wait_text(browser, label)  # the metadata row and its link
-        links.append(_wait_contains(browser, chart_key(5, name)))
     _wait_text(browser, "window_steps")
-    assert not browser.find_elements(By.XPATH, "//a[normalize-space()='[Show Markdown]']")
+    link = _wait_xpath(browser, f"//a[starts-with(@href, '{mlflow_ui}/#/experiments/') and "
+                                "contains(@href, 'charts/acceptance_per_position.png')]")
     assert not [img for img in browser.find_elements(By.CSS_SELECTOR, "img")
                 if (img.get_attribute("src") or "").startswith("data:")]
-    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", links[0])
-    assert links[0].is_displayed()
-    shot = tmp_path / "acceptance_metadata.png"
-    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
-    for url in urls.values():  # follow the link: the stored chart renders
-        browser.get(url)
-        (img,) = browser.find_elements(By.CSS_SELECTOR, "img")
-        assert browser.execute_script(
-            "return arguments[0].complete && arguments[0].naturalWidth", img) == 600
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", link)
+    _save(browser, tmp_path, "acceptance_metadata.png")
+    dagster_tab, before = browser.current_window_handle, set(browser.window_handles)
+    link.click()  # Dagster opens URL metadata in a new tab
+    (opened,) = [h for h in browser.window_handles if h not in before]
+    browser.switch_to.window(opened)
+    try:  # MLflow's run page in the model-training view, the chart previewed
+        _wait_contains(browser, "charts/acceptance_per_position.png")
+        assert _image_width(browser, 600) == 600
+        _save(browser, tmp_path, "mlflow_chart.png")
+    finally:
+        browser.close()
+        browser.switch_to.window(dagster_tab)
+
+
+def test_ui_mlflow_opens_the_refresh_experiment_on_its_training_runs(loop, mlflow_ui,
+                                                                     browser, tmp_path):
+    """A fresh browser opening Aerie's link to the experiment lands on the model-training
+    view: the runs of the three refreshes, not MLflow 3's GenAI traces overview."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from resources.mlflow import mlflow_resource_from_environment
+
+    resource = mlflow_resource_from_environment()
+    link = resource.experiment_link(resource.build().runs.experiment_id())
+    assert link.startswith(mlflow_ui)
+    browser.get(link)
+    WebDriverWait(browser, 120).until(lambda d: d.title.startswith("Runs"))  # not Overview
+    for partition in REFRESHES:
+        _wait_contains(browser, f"drafter-{partition}")
+    _save(browser, tmp_path, "mlflow_experiment.png")
+
+
+def _image_width(driver, width: int, timeout: float = 120) -> int:
+    """``width`` once an image of that natural width has loaded on the page."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout).until(lambda d: d.execute_script(
+        "for (const i of document.images) { if (i.complete && i.naturalWidth === "
+        "arguments[0]) return arguments[0]; } return 0;", width))
+
+
+def _save(browser, tmp_path, name: str) -> None:
+    """A screenshot of the page, kept under $AERIE_UI_SCREENSHOTS when set."""
+    folder = Path(os.environ.get("AERIE_UI_SCREENSHOTS") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    assert browser.save_screenshot(str(folder / name)) and (folder / name).stat().st_size > 10_000
 
 
 def _wait_xpath(driver, xpath: str, timeout: float = 120):

@@ -50,3 +50,27 @@ def test_a_note_marks_its_refresh():
 def test_one_way_of_naming_a_drafter():
     assert drafter_name("3", "0123456789abcdef") == "v3 (01234567)"
     assert drafter_name(None, None) == drafter_name("none", "") == "none"
+
+
+def test_aerie_ui_starts_mlflow_where_the_links_point(monkeypatch, tmp_path):
+    for var in ("MLFLOW_TRACKING_URI", "AERIE_MLFLOW_UI_URL", "AERIE_MLFLOW_ARTIFACT_LOCATION"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AERIE_HOME", str(tmp_path))
+    command, url = cli.mlflow_ui_command(tmp_path / "mlflow")
+    assert url == "http://127.0.0.1:5000"
+    assert command[:4] == [str(tmp_path / "mlflow"), "server", "--backend-store-uri",
+                           f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"]
+    assert command[4:8] == ["--host", "127.0.0.1", "--port", "5000"]
+    monkeypatch.setenv("AERIE_MLFLOW_UI_URL", "http://127.0.0.1:5123")
+    assert cli.mlflow_ui_command(tmp_path / "mlflow")[0][4:8] == [
+        "--host", "127.0.0.1", "--port", "5123"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert cli.mlflow_ui_command(tmp_path / "mlflow") is None  # a server is its own UI
+
+
+def test_a_chart_link_names_the_run_and_the_artifact_not_a_path():
+    from resources.mlflow import MlflowResource
+
+    resource = MlflowResource(ui_url="http://127.0.0.1:5123/")
+    assert resource.artifact_link("7", "abc123", "charts/a b.png") == (
+        "http://127.0.0.1:5123/#/experiments/7/runs/abc123/artifactPath/charts/a%20b.png")

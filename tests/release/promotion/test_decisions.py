@@ -128,7 +128,7 @@ def test_every_decision_keeps_its_own_tags_and_a_promotion_never_turns_refused(
     assert better.action == "promoted"
     tags = registry.get_version(v2).tags
     assert (tags["gate.decision"], tags["gate.decision_id"]) == ("promoted", "2")
-    assert "beats" in json.loads(tags["gate.reasons"])[-1]
+    assert "beats" in json.loads(tags["gate.reasons"])[0]  # the deciding reason first
     assert {k: tags[k] for k in first if k.startswith("gate.1.")} == \
         {k: v for k, v in first.items() if k.startswith("gate.1.")}  # decision 1 as written
 
