@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -256,23 +257,42 @@ def cmd_ui(args: argparse.Namespace) -> int:
                "-h", "127.0.0.1", "-p", str(args.port)]
     mlflow = None if args.no_mlflow else mlflow_ui_command(bin_dir / "mlflow")
     children = []
+    quiet = {**os.environ, "PYTHONWARNINGS": FRAMEWORK_WARNINGS}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the children too
     try:
         if mlflow is not None:
             print(f"MLflow UI: {mlflow[1]}")
-            children.append(subprocess.Popen(mlflow[0]))
+            children.append(subprocess.Popen(mlflow[0], env=quiet, start_new_session=True))
         print(f"Dagster UI: http://127.0.0.1:{args.port}")
-        children.append(subprocess.Popen(dagster))
+        children.append(subprocess.Popen(dagster, env=quiet, start_new_session=True))
         return children[-1].wait()
-    except KeyboardInterrupt:  # the terminal sent it to the children too
+    except KeyboardInterrupt:
         return 130
-    finally:
+    finally:  # each child with what it started: Ctrl-C's signal, then SIGKILL after 30 s
         for child in reversed(children):
-            if child.poll() is None:
-                child.terminate()
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
+            _stop_group(child)
+
+
+def _stop_group(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGINT)
+        child.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(child.pid, signal.SIGKILL)  # what the child left behind, if anything
+    except ProcessLookupError:
+        pass
+    child.wait()
+
+
+# what `aerie ui` hides of its children's output: the frameworks' notices about their own
+# APIs (dagster dev's "superseded by dg dev", Starlette's deprecations inside MLflow), which
+# a newcomer reads as errors in their setup
+FRAMEWORK_WARNINGS = ("ignore::DeprecationWarning,ignore::FutureWarning,"
+                      "ignore:starlette.middleware.wsgi is deprecated")
 
 
 def mlflow_ui_command(mlflow_exe: Path) -> tuple[list[str], str] | None:
@@ -289,7 +309,8 @@ def mlflow_ui_command(mlflow_exe: Path) -> tuple[list[str], str] | None:
         return None
     url = urlsplit(resource.mlflow_ui())
     command = [str(mlflow_exe), "server", "--backend-store-uri", tracking,
-               "--host", url.hostname or "127.0.0.1", "--port", str(url.port or 5000)]
+               "--host", url.hostname or "127.0.0.1", "--port", str(url.port or 5000),
+               "--workers", "1"]  # one user: not a process per core
     artifacts = resource.resolved_artifact_location()
     if artifacts:
         command += ["--default-artifact-root", artifacts]
