@@ -57,7 +57,7 @@ def test_aerie_ui_starts_mlflow_where_the_links_point(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AERIE_HOME", str(tmp_path))
     command, url = cli.mlflow_ui_command(tmp_path / "mlflow")
-    assert url == "http://127.0.0.1:5000"
+    assert url == "http://127.0.0.1:5000" and command[8:10] == ["--workers", "1"]
     assert command[:4] == [str(tmp_path / "mlflow"), "server", "--backend-store-uri",
                            f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"]
     assert command[4:8] == ["--host", "127.0.0.1", "--port", "5000"]
@@ -73,4 +73,5 @@ def test_a_chart_link_names_the_run_and_the_artifact_not_a_path():
 
     resource = MlflowResource(ui_url="http://127.0.0.1:5123/")
     assert resource.artifact_link("7", "abc123", "charts/a b.png") == (
-        "http://127.0.0.1:5123/#/experiments/7/runs/abc123/artifactPath/charts/a%20b.png")
+        "http://127.0.0.1:5123/#/experiments/7/runs/abc123/artifactPath/charts/a%20b.png"
+        "?workflowType=machine_learning")  # MLflow 3's model-training view, not GenAI
