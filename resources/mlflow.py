@@ -86,8 +86,12 @@ class MlflowResource(ConfigurableResource):
                                                      "links on MLflow runs")
 
     def mlflow_ui(self) -> str:
-        if self.ui_url:
-            return self.ui_url.rstrip("/")
+        """Where links send users: ``ui_url``; unset, ``AERIE_MLFLOW_UI_URL`` as it is now
+        (like the embedded home, read when used, not when the definitions were loaded), else
+        see the field."""
+        configured = self.ui_url or os.environ.get(_ENV["ui_url"])
+        if configured:
+            return configured.rstrip("/")
         tracking = urlsplit(self.resolved_tracking_uri())
         if tracking.scheme not in ("http", "https"):
             return "http://127.0.0.1:5000"

@@ -19,7 +19,7 @@ from pipeline.release.ledger import ServingLedger
 from pipeline.release.lineage import FINGERPRINT
 from pipeline.serving_now import ServingTarget
 from pipeline.training.curve import CURVE_FILE, read_curve
-from resources.mlflow import MlflowResource
+from resources.mlflow import TRAINING_VIEW, MlflowResource
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
 from resources.trainer import TrainerResource
@@ -116,7 +116,7 @@ def test_the_mlflow_run_lasts_as_long_as_the_training(storage, tmp_path):
         "mlflow.note.content"]  # the run's description links back
     charts = [a.path for a in registry.client.list_artifacts(info.run_id, "charts")]
     assert charts == ["charts/training_curve.png"]
-    assert meta["mlflow_run"].endswith(f"/runs/{info.run_id}")
+    assert meta["mlflow_run"].endswith(f"/runs/{info.run_id}?{TRAINING_VIEW}")
     experiment = registry.client.get_experiment(info.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
