@@ -90,6 +90,12 @@ class DrafterRunConfig(Config):
         return TrainConfig(**fields)
 
 
+def details_table(rows: dict) -> str:
+    """What a reader rarely needs, folded into one two-column table."""
+    return "\n".join(["| | |", "|---|---|",
+                      *(f"| {k} | {'–' if v is None else v} |" for k, v in rows.items())])
+
+
 def _md_table(rows: list[dict]) -> MetadataValue:
     lines = ["| depth | loss | accuracy | accept length | count |", "|---|---|---|---|---|"]
     lines += [f"| {r['depth']} | {r['loss']:.4f} | {r['accuracy']:.4f} | "
@@ -154,31 +160,31 @@ def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
     context.log.info(f"{r.uri}: {res.steps} steps, loss {res.final['loss']:.4f}, simulated "
                      f"acceptance {res.final['sim_accept_length']:.3f}"
                      + (" (already committed)" if r.reused else ""))
-    return MaterializeResult(metadata={
-        "uri": MetadataValue.path(r.uri), "reused": r.reused,
-        "window_steps": MetadataValue.json(meta["window_steps"]),
-        "vocab_cache_key": meta["vocab_cache_key"], "coverage": meta["coverage"],
-        "draft_vocab_size": meta["draft_vocab_size"],
-        "aux_layer_ids": MetadataValue.json(meta["aux_layer_ids"]),
+    curve = run_chart(mlflow, registry.runs, run.run_id, run.charts, "training_curve",
+                      publish_chart(store, step, "training_curve",
+                                    training_curve(display_points(r.curve, 1000))))
+    details = {
+        "stored at": r.uri, "reused (committed before)": r.reused,
+        "vocab cache key": meta["vocab_cache_key"], "vocab coverage": round(meta["coverage"], 4),
+        "draft vocab size": meta["draft_vocab_size"], "aux layer ids": meta["aux_layer_ids"],
+        "warm start": res.warm_start["reason"], "epochs": round(res.epochs, 3),
+        "resumed from step": res.resumed_from_step, "world size": res.world_size,
+        "ZeRO stage": res.zero_stage, "dtype": res.dtype, "logged steps": len(r.curve),
+        "training curve data": f"{r.uri}/{CURVE_FILE}"}
+    return MaterializeResult(metadata={  # the numbers that matter first, rounded
+        "final_loss": round(res.final["loss"], 4), "first_loss": round(res.first["loss"], 4),
+        "sim_accept_length": round(res.final["sim_accept_length"], 3),
         "warm_start": res.warm_start["mode"],
         "warm_start_source": res.warm_start["source"] or "none",
-        "warm_start_reason": res.warm_start["reason"],
-        "per_depth": _md_table(depth_table(res.final)),
-        "loss": res.final["loss"], "sim_accept_length": res.final["sim_accept_length"],
-        "first_loss": res.first["loss"], "steps": res.steps, "epochs": round(res.epochs, 3),
-        "resumed_from_step": res.resumed_from_step if res.resumed_from_step is not None
-        else -1,
-        "world_size": res.world_size, "zero_stage": res.zero_stage, "dtype": res.dtype,
-        "samples": res.samples, "tokens_trained": res.tokens_trained,
-        "tokens_per_s": round(res.tokens_per_s, 1), "seconds": round(res.seconds, 3),
-        "fingerprint": meta["fingerprint"], "logged_steps": len(r.curve),
-        "training_curve": run_chart(mlflow, registry.runs, run.run_id, run.charts,
-                                    "training_curve",
-                                    publish_chart(store, step, "training_curve", training_curve(
-                                        display_points(r.curve, 1000)))),
-        "training_curve_data": MetadataValue.path(f"{r.uri}/{CURVE_FILE}"),
+        "steps": res.steps, "samples": res.samples, "tokens_trained": res.tokens_trained,
+        "tokens_per_s": round(res.tokens_per_s, 1), "seconds": round(res.seconds, 2),
+        "training_curve": curve,
         **({"mlflow_run": MetadataValue.url(mlflow.run_link(
             registry.runs.experiment_id(), run.run_id))} if run.run_id else {}),
+        "per_depth": _md_table(depth_table(res.final)),
+        "window_steps": MetadataValue.json(meta["window_steps"]),
+        "fingerprint": meta["fingerprint"],
+        "details": MetadataValue.md(details_table(details)),
     }, check_results=[_loss_check(res, r.curve)])
 
 

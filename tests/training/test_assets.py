@@ -47,6 +47,12 @@ def run(instance, storage, tmp_path, step: int, assets, family: str = "demo", **
         run_config={"ops": {a.key.path[-1]: config[a.key.path[-1]] for a in assets}})
 
 
+def details(meta: dict) -> dict[str, str]:
+    """The rows of a ``details`` table: name -> value as shown."""
+    rows = [line.strip("| ").split(" | ") for line in meta["details"].splitlines()[2:]]
+    return {name: value for name, value in rows}
+
+
 def metadata(result, name: str) -> dict:
     (event,) = [e for e in result.get_asset_materialization_events()
                 if e.asset_key == AssetKey(name)]
@@ -74,18 +80,22 @@ def test_two_refreshes_train_publish_and_warm_start_with_lineage(storage, tmp_pa
     assert d2["warm_start"] == "scratch" and d2["warm_start_source"] == "none"
     assert d3["warm_start"] == "warm"
     assert "drafters/step=000002" in d3["warm_start_source"]
-    assert d3["uri"] == storage.url(drafter_prefix(3)) and d3["window_steps"] == [2, 3]
-    assert d3["vocab_cache_key"] == v3["cache_key"] and d3["coverage"] == v3["coverage"]
+    more = details(d3)  # the rest of the record, folded into one table
+    assert more["stored at"] == storage.url(drafter_prefix(3)) and d3["window_steps"] == [2, 3]
+    assert more["vocab cache key"] == v3["cache_key"]
+    assert float(more["vocab coverage"]) == round(v3["coverage"], 4)
     assert d3["steps"] == 6 and d3["tokens_per_s"] > 0 and d3["seconds"] > 0
-    assert d3["zero_stage"] == 0 and d3["world_size"] == 1 and d3["dtype"] == "fp32"
+    assert (more["ZeRO stage"], more["world size"], more["dtype"]) == ("0", "1", "fp32")
     assert "| 2 |" in d3["per_depth"] and "accept length" in d3["per_depth"]
+    assert list(d3)[:3] == ["final_loss", "first_loss", "sim_accept_length"]  # leads
+    assert all(len(str(d3[k]).split(".")[-1]) <= 4 for k in ("final_loss", "first_loss"))
     manifest = read_manifest(storage, drafter_prefix(3))
     assert not verify_manifest(storage, drafter_prefix(3), manifest)
     assert {f.path for f in manifest.files} == {"config.json", "model.safetensors", CURVE_FILE}
     assert [e["step"] for e in read_curve(storage, drafter_prefix(3), manifest)] == list(
         range(1, 7))  # every step, not the manifest's display points
-    assert d3["logged_steps"] == 6
-    assert d3["training_curve_data"] == f"{d3['uri']}/{CURVE_FILE}"
+    assert more["logged steps"] == "6"
+    assert more["training curve data"] == f"{more['stored at']}/{CURVE_FILE}"
     assert manifest.meta["warm_start"]["mode"] == "warm"
     assert set(manifest.meta["shard_manifest_sha256"]) == {"2", "3"}
     local = storage.local_path(drafter_prefix(3))
