@@ -352,6 +352,10 @@ def test_ui_runs_page_marks_the_refused_refreshes(loop, webserver, looked_at, tm
         text = f"{DECISION_TAG}: {decision}"
         _wait_xpath(looked_at, tag.format(text, text))
         assert len(looked_at.find_elements("xpath", tag.format(text, text))) == count
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(looked_at, 30).until(lambda d: not d.find_elements(
+        "xpath", "//*[normalize-space()='Join the Dagster community']"))  # faded out
     _save(looked_at, tmp_path, "runs_decisions.png")
 
 
