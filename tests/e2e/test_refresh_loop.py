@@ -327,9 +327,13 @@ def looked_at(browser, tmp_path_factory, request):
 
 def _dismiss_welcome(driver) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
 
     for button in driver.find_elements(By.XPATH, "//button[normalize-space()='Skip']"):
         button.click()  # Dagster's first-visit community dialog
+    WebDriverWait(driver, 30).until(lambda d: not d.find_elements(
+        By.XPATH, "//*[normalize-space()='Join the Dagster community']"))  # faded out: it
+    # would take the clicks meant for the page
 
 
 def test_ui_job_pages_list_the_runs(loop, webserver, looked_at):
@@ -352,10 +356,6 @@ def test_ui_runs_page_marks_the_refused_refreshes(loop, webserver, looked_at, tm
         text = f"{DECISION_TAG}: {decision}"
         _wait_xpath(looked_at, tag.format(text, text))
         assert len(looked_at.find_elements("xpath", tag.format(text, text))) == count
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    WebDriverWait(looked_at, 30).until(lambda d: not d.find_elements(
-        "xpath", "//*[normalize-space()='Join the Dagster community']"))  # faded out
     _save(looked_at, tmp_path, "runs_decisions.png")
 
 
