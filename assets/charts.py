@@ -4,9 +4,8 @@ Each chart is stored beside its step's data (``evals/…/charts/``, for the CLI 
 and logged to the MLflow run of the drafter it is about; the metadata links the MLflow copy
 through the MLflow UI (``aerie ui`` starts it on the embedded store): the link opens the
 run's page with the PNG previewed, and still does after the state moves (it names a run,
-not a path). Where
-no MLflow run holds the chart (tracking failed, no drafter yet), the entry is the stored
-copy's URL, and the log says why.
+not a path). Where no MLflow run holds the chart (tracking failed, no drafter yet), the
+entry is the stored copy's URL, and the log says why.
 """
 
 from __future__ import annotations

@@ -14,9 +14,7 @@ the Dagster pool ``promotion`` (limit 1 on the embedded instance: ``aerie/cli.py
 
 import json
 import math
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 from dagster import (
     AssetCheckSeverity,
@@ -78,15 +76,12 @@ class GateConfig(Config):
 def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
                        mlflow: MlflowResource) -> MaterializeResult:
     """The refresh's drafter as an MLflow model version (lineage tags, alias challenger)."""
-    from pipeline.evaluation.charts import alpha_chart
     from pipeline.release import register as register_stage
 
     step = step_of(context.partition_key)
     registry = mlflow.build()
-    with fail_fast_on_permanent_errors(), \
-            tempfile.TemporaryDirectory(prefix="aerie-register-") as tmp:
+    with fail_fast_on_permanent_errors():  # the evaluation's charts: logged by acceptance_eval
         r = register_stage.run(storage.build(), registry, step, context.run.run_id,
-                               chart_dir=Path(tmp), chart=alpha_chart,
                                run_tags={"dagster.run_url": mlflow.dagster_run_link(
                                    context.run.run_id)})
     v = r.registration.version

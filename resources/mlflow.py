@@ -86,35 +86,35 @@ class MlflowResource(ConfigurableResource):
                                                      "links on MLflow runs")
 
     def mlflow_ui(self) -> str:
-        """Where links send users: ``ui_url``; unset, ``AERIE_MLFLOW_UI_URL`` as it is now
-        (like the embedded home, read when used, not when the definitions were loaded), else
-        see the field."""
-        configured = self.ui_url or os.environ.get(_ENV["ui_url"])
-        if configured:
-            return configured.rstrip("/")
+        if self.ui_url:
+            return self.ui_url.rstrip("/")
         tracking = urlsplit(self.resolved_tracking_uri())
         if tracking.scheme not in ("http", "https"):
             return "http://127.0.0.1:5000"
         host = tracking.netloc.rpartition("@")[2]  # never a user:password into a link
         return urlunsplit(tracking._replace(netloc=host)).rstrip("/")
 
+    def _page(self, route: str) -> str:
+        """A page of the MLflow UI, in its model-training view."""
+        return f"{self.mlflow_ui()}/#/{route}?{TRAINING_VIEW}"
+
     def experiment_link(self, experiment_id: str) -> str:
         """The MLflow UI page of the refresh experiment: its training runs."""
-        return f"{self.mlflow_ui()}/#/experiments/{experiment_id}?{TRAINING_VIEW}"
+        return self._page(f"experiments/{experiment_id}")
 
     def run_link(self, experiment_id: str, run_id: str) -> str:
-        """The MLflow UI page of a run (the model-training view of its experiment)."""
-        return f"{self.mlflow_ui()}/#/experiments/{experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
+        """The MLflow UI page of a run."""
+        return self._page(f"experiments/{experiment_id}/runs/{run_id}")
 
     def artifact_link(self, experiment_id: str, run_id: str, path: str) -> str:
         """An artifact of a run (a chart) opened in the MLflow UI's run page, previewed: one
         click from Dagster's metadata, and still right after the state moves (it names the
         run, not a file). The server's own ``get-artifact`` would download it instead."""
-        return (f"{self.mlflow_ui()}/#/experiments/{experiment_id}/runs/{run_id}/artifactPath/"
-                f"{quote(path, safe='/')}?{TRAINING_VIEW}")
+        return self._page(f"experiments/{experiment_id}/runs/{run_id}/artifactPath/"
+                          f"{quote(path, safe='/')}")
 
     def version_link(self, model: str, version: str) -> str:
-        return f"{self.mlflow_ui()}/#/models/{model}/versions/{version}"
+        return self._page(f"models/{model}/versions/{version}")
 
     @staticmethod
     def user() -> str:

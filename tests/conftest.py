@@ -31,7 +31,7 @@ from tests.tiers import (
 
 # what would point a test at the user's state instead of its own temporary home
 USER_STATE_ENV = ("AERIE_HOME", "DAGSTER_HOME", "AERIE_STORAGE_URL", "MLFLOW_TRACKING_URI",
-                  "MLFLOW_REGISTRY_URI", "AERIE_CACHE_DIR")
+                  "MLFLOW_REGISTRY_URI", "AERIE_CACHE_DIR", "AERIE_MLFLOW_UI_URL")
 USER_HOME = CHECKOUT / ".aerie"  # the embedded default's state, e.g. after `aerie demo`
 _USER_STATE = pytest.StashKey[dict]()
 
@@ -53,6 +53,9 @@ def pytest_configure(config):
     home = Path(tempfile.mkdtemp(prefix="aerie-tests-home-"))
     (home / "dagster").mkdir()
     os.environ["AERIE_HOME"], os.environ["DAGSTER_HOME"] = str(home), str(home / "dagster")
+    # where MLflow links point (the UI tests start MLflow there): a free port, not the 5000 a
+    # user's own MLflow may hold; set before anything loads the definitions, which read it
+    os.environ["AERIE_MLFLOW_UI_URL"] = f"http://127.0.0.1:{free_port()}"
     config.stash[_USER_STATE] = state_digest(USER_HOME)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:

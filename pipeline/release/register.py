@@ -10,11 +10,10 @@ fingerprint), or registration refuses: numbers are never attached to another dra
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
-from pipeline.evaluation.stage import NO_DRAFTER, AcceptanceReport, read_report
+from pipeline.evaluation.stage import AcceptanceReport, read_report
 from pipeline.layout import drafter_prefix
 from pipeline.manifest import read_manifest
 from pipeline.release.lineage import lineage_from_manifest
@@ -36,9 +35,7 @@ class Registered:
 
 
 def run(storage: Storage, registry: DrafterRegistry, step: int, dagster_run_id: str,
-        *, chart_dir: Path,
-        chart: Callable[[Mapping[str, Sequence[float]], str], bytes] | None = None,
-        run_tags: Mapping[str, str] | None = None) -> Registered:
+        *, run_tags: Mapping[str, str] | None = None) -> Registered:
     """Log and register the drafter of ``step`` with its lineage and evaluation."""
     prefix = drafter_prefix(step)
     manifest = read_manifest(storage, prefix)
@@ -57,17 +54,11 @@ def run(storage: Storage, registry: DrafterRegistry, step: int, dagster_run_id: 
         heldout_key=report.heldout_key, settings_key=report.settings_key,
         settings=report.settings, eval_fingerprint=report.fingerprint,
         regime=report.regime, sampler_key=report.sampler_key)
-    charts = []
-    if chart is not None:
-        png = chart({n: c.acceptance.alpha for n, c in report.contestants.items()
-                     if n != NO_DRAFTER}, f"step {step}: α per draft position")
-        charts.append(chart_dir / "acceptance_per_position.png")
-        charts[-1].write_bytes(png)
     local = fetch(storage, prefix, kind=DRAFTER_KIND, label="drafter")  # verified copy
     registration = registry.publish(
         drafter_dir=local, lineage=lineage, params=manifest.meta.get("config"),
         history=read_curve(storage, prefix, manifest), metrics=_eval_metrics(report),
-        charts=charts, run_name=f"drafter-step-{step:06d}", run_tags=run_tags)
+        run_name=f"drafter-step-{step:06d}", run_tags=run_tags)
     return Registered(registration, stats.tau)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import free_port
 from tests.e2e.loop import Loop, home_env, run_loop
 
 
@@ -13,16 +12,13 @@ from tests.e2e.loop import Loop, home_env, run_loop
 def finished_loop(tmp_path_factory) -> Loop:
     """Never written to after it is built: tests that change state work on a copy."""
     home = tmp_path_factory.mktemp("loop") / "home"
-    mlflow_ui = f"http://127.0.0.1:{free_port()}"  # where its chart links point
-    with home_env(home, AERIE_MLFLOW_UI_URL=mlflow_ui):
-        loop = run_loop(home)
-    loop.mlflow_ui = mlflow_ui
-    return loop
+    with home_env(home):
+        return run_loop(home)
 
 
 @pytest.fixture(scope="module")
 def loop(finished_loop):
-    with home_env(finished_loop.home, AERIE_MLFLOW_UI_URL=finished_loop.mlflow_ui):
+    with home_env(finished_loop.home):
         yield finished_loop
 
 

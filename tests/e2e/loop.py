@@ -51,7 +51,6 @@ class Loop:
     storage: Storage
     refreshed: list[str] = field(default_factory=list)
     sensor_ticks: list[str] = field(default_factory=list)  # "run" / "skip" per tick
-    mlflow_ui: str = ""  # where the chart links of its metadata point (AERIE_MLFLOW_UI_URL)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@ import pytest
 
 from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation import stage as evaluation_stage
-from pipeline.evaluation.charts import alpha_chart
 from pipeline.evaluation.config import EvalConfig
 from pipeline.layout import drafter_prefix
 from pipeline.manifest import entry_for, read_manifest, write_manifest
@@ -73,14 +72,13 @@ def test_a_worse_candidate_is_registered_but_refused(world, registry, tmp_path):
     prefix = as_refresh(storage, 2, publish_drafter(storage, target, 2, seed=5, tmp=tmp_path),
                         "f" * 64)
     report = evaluation_stage.run(storage, 2, prefix, None, CONFIG)
-    reg = register_stage.run(storage, registry, 2, "run-1", chart_dir=tmp_path,
-                           chart=lambda a, t: alpha_chart(a, t))
+    reg = register_stage.run(storage, registry, 2, "run-1")
     v = reg.registration.version
     assert v.fingerprint == "f" * 64 and "challenger" in v.aliases
     assert json.loads(v.tags["rl_step_window"]) == list(STEPS)
     assert v.tags["heldout_key"] == report.heldout_key
     assert float(v.tags["tau"]) == pytest.approx(report.contestants["candidate"].tau)
-    again = register_stage.run(storage, registry, 2, "run-2", chart_dir=tmp_path)
+    again = register_stage.run(storage, registry, 2, "run-2")
     assert again.registration.version.version == v.version  # idempotent
 
     serving = LedgerBackend(ServingLedger(storage, registry.model_name),
@@ -97,7 +95,7 @@ def test_a_worse_candidate_is_registered_but_refused(world, registry, tmp_path):
     nxt = as_refresh(storage, 1, publish_drafter(storage, target, 1, seed=6, tmp=tmp_path),
                      "e" * 64)
     evaluation_stage.run(storage, 1, nxt, serving_drafter_key(storage, registry.model_name), CONFIG)
-    register_stage.run(storage, registry, 1, "run-3", chart_dir=tmp_path)
+    register_stage.run(storage, registry, 1, "run-3")
     r3 = serve_stage.run(storage, registry, serving, 1, STRICT)
     assert r3.decision.baseline == "champion" and r3.decision.champion_version == v.version
     assert not r3.decision.promote and r3.promotion.action == "refused"
@@ -112,4 +110,4 @@ def test_registration_refuses_a_report_of_another_drafter(world, registry, tmp_p
     evaluation_stage.run(storage, 2, prefix, None, CONFIG)
     as_refresh(storage, 2, publish_drafter(storage, target, 2, seed=8, tmp=tmp_path), "b" * 64)
     with pytest.raises(ReleaseError, match="re-run acceptance_eval"):
-        register_stage.run(storage, registry, 2, "run", chart_dir=tmp_path)
+        register_stage.run(storage, registry, 2, "run")
