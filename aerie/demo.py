@@ -223,25 +223,31 @@ def refresh_outcomes(instance: DagsterInstance, partitions: list[str]) -> list[R
     return [o for o in found if o is not None]
 
 
-def _events(instance: DagsterInstance, asset: str, partition: str, limit: int = 20):
+def asset_events(instance: DagsterInstance, asset: str, partition: str, limit: int = 20):
+    """``(run id, metadata)`` of the newest events of ``asset`` on ``partition``, newest first:
+    materializations and observations (``serving_drafter`` observes a decision that left the
+    champion where it was)."""
     from dagster import AssetRecordsFilter
 
-    return [(r.run_id, {k: v.value for k, v in r.asset_materialization.metadata.items()})
-            for r in instance.fetch_materializations(AssetRecordsFilter(
-                asset_key=AssetKey(asset), asset_partitions=[partition]), limit=limit).records]
+    where = AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=[partition])
+    records = sorted([*instance.fetch_materializations(where, limit=limit).records,
+                      *instance.fetch_observations(where, limit=limit).records],
+                     key=lambda r: r.storage_id, reverse=True)[:limit]
+    return [(r.run_id, {k: v.value for k, v in r.asset_event.metadata.items()})
+            for r in records]
 
 
 def gate_outcome(instance: DagsterInstance, partition: str, run_id: str | None = None
                  ) -> RefreshOutcome | None:
     """The gate's newest decision on ``partition`` (in run ``run_id``, if given), or None
     when no refresh of it reached the gate."""
-    gate = [(r, m) for r, m in _events(instance, "serving_drafter", partition)
+    gate = [(r, m) for r, m in asset_events(instance, "serving_drafter", partition)
             if m.get("actor") == GATE_ACTOR and run_id in (None, r)]
     if not gate:
         return None
     run, serving = gate[0]
-    registered = _of_run(_events(instance, "registered_drafter", partition), run)
-    evaluation = _of_run(_events(instance, "acceptance_eval", partition), run)
+    registered = _of_run(asset_events(instance, "registered_drafter", partition), run)
+    evaluation = _of_run(asset_events(instance, "acceptance_eval", partition), run)
     return RefreshOutcome(
         partition=partition, window=list(registered["window_steps"]),
         version=str(registered["version"]), fingerprint=str(registered["fingerprint"]),

@@ -5,10 +5,16 @@ run (params, per-step metrics, evaluation, charts, the SGLang directory) and reg
 version with lineage tags and alias ``challenger``; ``serving_drafter`` asks the gate
 (:func:`pipeline.release.gate.decide`) and promotes only when it says so; a re-run whose
 candidate is the drafter serving now succeeds as ``already_champion`` and changes nothing
-(serving record, alias and the champion's tags as they were). The manual override and the
-rollback are separate jobs (``jobs/release.py``); they record their change of champion as a
-``serving_drafter`` materialization too (:func:`assets.champion.record_champion_change`), so
-the newest ``serving_drafter`` event always names the champion. Every promotion path runs in
+(serving record, alias and the champion's tags as they were).
+
+``serving_drafter`` is materialized only when the champion moved (promoted, or promoted and
+rolled back by the check after it); a decision that leaves it where it was (refused,
+already_champion) is an observation of the partition with the same metadata. So the
+partitions view shows a refused refresh as not materialized, apart from the green ones that
+changed what serves. The manual override and the rollback are separate jobs
+(``jobs/release.py``); they record their change of champion as a ``serving_drafter``
+materialization too (:func:`assets.champion.record_champion_change`), so the newest
+``serving_drafter`` materialization always names the champion. Every promotion path runs in
 the Dagster pool ``promotion`` (limit 1 on the embedded instance: ``aerie/cli.py``).
 """
 
@@ -19,6 +25,7 @@ from collections.abc import Iterator
 from dagster import (
     AssetCheckSeverity,
     AssetExecutionContext,
+    AssetObservation,
     AssetSpec,
     Config,
     MaterializeResult,
@@ -103,12 +110,13 @@ def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
     name="serving_drafter", partitions_def=refresh_steps, retry_policy=SERVICE_RETRY,
     pool=PROMOTION_POOL, can_subset=True,  # can_subset: a pending check reports no result
     specs=[AssetSpec(
-        "serving_drafter", group_name="release", deps=["registered_drafter"],
+        "serving_drafter", group_name="release", deps=["registered_drafter"], skippable=True,
         description="Promote the refresh's drafter to serving iff the acceptance gate "
-                    "passes. Every change of champion is an event of this asset: the gate's "
-                    "here, the manual override's and the rollback's from their jobs "
-                    "(metadata action, champion, actor, reason). Runs in the pool "
-                    "'promotion' (one at a time).")],
+                    "passes. Every change of champion is a materialization of this asset: "
+                    "the gate's here, the manual override's and the rollback's from their "
+                    "jobs (metadata action, champion, actor, reason); a refusal is an "
+                    "observation, so a refused refresh's partition stays unmaterialized. "
+                    "Runs in the pool 'promotion' (one at a time).")],
     check_specs=[spec("serving_drafter", "serving_staleness",
                       "the serving drafter is at most stale_after_steps RL steps behind the "
                       "newest ingested step, and its τ fell at most max_tau_drop_percent "
@@ -149,15 +157,21 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
         chart = logged_chart(mlflow, lambda: (registry.runs, registry.get_version(
             version).run_id if version else None), LOOP_CHART, store.read_bytes(key),
             store.url(key), context.log.warning)
-    yield MaterializeResult(asset_key="serving_drafter", metadata={
+    metadata = {
         **_headline(r, p, registry),
         **champion_metadata(p, registry, actor=GATE_ACTOR, reason=f"refresh at step {step}"),
         "loop_chart": chart,
         "decision": MetadataValue.json(_rounded(json.loads(to_json(r.decision)))),
-        "refresh_summary": MetadataValue.md(refresh_summary(context.instance, step))},
-        check_results=established(
-            context, serving_staleness=(stale, AssetCheckSeverity.WARN),
-            promotion_verified=(verified, AssetCheckSeverity.ERROR)))
+        "refresh_summary": MetadataValue.md(refresh_summary(context.instance, step))}
+    checks = established(context, serving_staleness=(stale, AssetCheckSeverity.WARN),
+                         promotion_verified=(verified, AssetCheckSeverity.ERROR))
+    if p.moved:
+        yield MaterializeResult(asset_key="serving_drafter", metadata=metadata,
+                                check_results=checks)
+    else:  # the champion stayed: what serves did not change, the decision is observed
+        yield AssetObservation("serving_drafter", partition=context.partition_key,
+                               metadata=metadata)
+        yield from checks
 
 
 def _headline(r, p: PromotionResult, registry: DrafterRegistry) -> dict:

@@ -37,7 +37,7 @@ _WINDOW_READERS = {"vocab_mapping", "drafter_checkpoint"}  # read a window's sha
 _STEP_WRITERS = {"hidden_state_shards"}
 
 
-@asset(partitions_def=refresh_steps, group_name="release", deps=["serving_drafter"],
+@asset(partitions_def=refresh_steps, group_name="release", deps=["registered_drafter"],
        retry_policy=SERVICE_RETRY,  # storage may be S3; a pass is idempotent
        description="Storage retention after the refresh: shards and training work dirs of RL "
                    "steps older than the last retain_steps (refresh resource, "

@@ -23,7 +23,7 @@ from dagster import (
     materialize,
 )
 
-from aerie.demo import DEMO_INGEST_CONFIG
+from aerie.demo import DEMO_INGEST_CONFIG, asset_events
 from aerie.launch import LOCATION
 from assets.groups import DATA_ASSETS, REFRESH_ASSETS
 from assets.partitions import DECISION_TAG
@@ -42,11 +42,11 @@ pytestmark = pytest.mark.e2e
 
 
 def _meta(loop: Loop, asset: str, partition: str) -> dict:
-    for r in loop.instance.fetch_materializations(AssetKey(asset), limit=100).records:
-        m = r.asset_materialization
-        if m.partition == partition:
-            return {k: v.value for k, v in m.metadata.items()}
-    raise AssertionError(f"no materialization of {asset} for {partition}")
+    """The metadata of the newest event (materialization or observation) of ``asset`` on
+    ``partition``."""
+    events = asset_events(loop.instance, asset, partition)
+    assert events, f"no event of {asset} for {partition}"
+    return events[0][1]
 
 
 def test_sensor_ticks_drive_exactly_three_refreshes(loop):
@@ -54,8 +54,12 @@ def test_sensor_ticks_drive_exactly_three_refreshes(loop):
     assert loop.sensor_ticks == ["skip", "run"] * 3
     # the refresh assets have a partition per refresh, none missing in between
     assert loop.instance.get_dynamic_partitions("refresh_steps") == REFRESHES
-    assert loop.instance.get_materialized_partitions(AssetKey("serving_drafter")) == set(
-        REFRESHES)
+    # the partitions view: what serves changed at the first refresh only; the two refused
+    # refreshes are observed decisions, their partitions not materialized
+    assert loop.instance.get_materialized_partitions(AssetKey("serving_drafter")) == {
+        REFRESHES[0]}
+    observed = loop.instance.fetch_observations(AssetKey("serving_drafter"), limit=9).records
+    assert sorted(r.partition_key for r in observed) == REFRESHES[1:]
     assert len(loop.instance.get_dynamic_partitions("rl_steps")) == 6
 
 
@@ -354,11 +358,21 @@ def test_ui_runs_page_marks_the_refused_refreshes(loop, webserver, looked_at, tm
     _save(looked_at, tmp_path, "runs_decisions.png")
 
 
-def test_ui_serving_page_shows_the_last_decision(loop, webserver, looked_at):
-    looked_at.get(f"{webserver}/assets/serving_drafter?partition={REFRESHES[-1]}")
-    _wait_text(looked_at, "action")
+def test_ui_partitions_view_marks_the_refused_refreshes(loop, webserver, looked_at, tmp_path):
+    """The partitions view of ``serving_drafter`` shows the promoting refresh materialized and
+    the two refused ones not (what serves did not change); a refused partition's events hold
+    its decision, and the asset's page leads with the champion's promotion."""
+    looked_at.get(f"{webserver}/assets/serving_drafter?view=partitions")
+    _wait_text(looked_at, "Materialized (1)")
+    _wait_text(looked_at, "Missing (2)")
+    _save(looked_at, tmp_path, "partitions_view.png")
+    looked_at.get(f"{webserver}/assets/serving_drafter?view=events&partition={REFRESHES[-1]}")
     _wait_text(looked_at, "refused")  # the third refresh, built to be worse
-    _wait_xpath(looked_at, "//li[contains(., 'is worse than champion v1')]")  # its reason
+    _wait_xpath(looked_at, "//*[contains(text(), 'is worse than champion v1')]")  # its reason
+    _save(looked_at, tmp_path, "partition_events_refused.png")
+    looked_at.get(f"{webserver}/assets/serving_drafter")
+    _wait_text(looked_at, "action")
+    _wait_text(looked_at, "promoted")  # the newest materialization: the champion's
 
 
 def test_ui_shows_the_asset_graph(loop, webserver, browser, tmp_path):

@@ -82,11 +82,15 @@ def write_report(storage, drafter: tuple[str, str], *, with_champion: bool) -> N
 
 
 def serve(instance, resources) -> dict:
+    """The gate's event: a materialization when the champion moved, else an observation
+    (the partition stays unmaterialized); ``"event"`` says which."""
     result = materialize([serving_drafter], instance=instance, resources=resources,
                          partition_key=PARTITION)
     assert result.success
-    (m,) = result.asset_materializations_for_node("serving_drafter")
-    return {k: v.value for k, v in m.metadata.items()}
+    events = {"materialization": result.asset_materializations_for_node("serving_drafter"),
+              "observation": result.asset_observations_for_node("serving_drafter")}
+    ((kind, (event,)),) = [(k, e) for k, e in events.items() if e]
+    return {"event": kind, **{k: v.value for k, v in event.metadata.items()}}
 
 
 @pytest.mark.parametrize("rerun", ["same-report", "re-evaluated-against-itself"])
@@ -96,6 +100,7 @@ def test_a_rerun_of_the_served_drafter_changes_nothing_and_says_so(world, rerun)
     first = serve(instance, resources)
     assert (first["action"], ver(first["champion"]), ver(first["previous_champion"])) == (
         "promoted", "1", "none")
+    assert first["event"] == "materialization"  # what serves changed
     champion_tags = registry.get_version("1").tags
     ledger = serving_history(storage, registry.model_name)
     assert champion_tags["gate.decision"] == "promoted" and len(ledger) == 1
@@ -104,6 +109,7 @@ def test_a_rerun_of_the_served_drafter_changes_nothing_and_says_so(world, rerun)
         write_report(storage, drafter, with_champion=True)
     again = serve(instance, resources)
     assert (again["action"], again["promoted"]) == ("already_champion", False)
+    assert again["event"] == "observation"  # nothing changed: the partition stays as it was
     assert (ver(again["champion"]), ver(again["previous_champion"])) == ("1", "1")
     assert "the drafter serving now" in again["reasons"]
     assert again["serving_sequence"] == ledger[-1].sequence
