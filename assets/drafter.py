@@ -20,6 +20,7 @@ from assets.charts import run_chart
 from assets.checks import result, spec
 from assets.partitions import refresh_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from assets.versions import CODE_VERSIONS
 from pipeline.checks import MIN_VOCAB_COVERAGE, training_loss, vocab_coverage
 from pipeline.training.config import TrainConfig
 from pipeline.vocab.config import DEFAULT_DRAFT_VOCAB_SIZE
@@ -104,7 +105,8 @@ def _md_table(rows: list[dict]) -> MetadataValue:
 
 
 @asset(partitions_def=refresh_steps, group_name="drafter", kinds={"pytorch", "safetensors"},
-       deps=["hidden_state_shards"], retry_policy=SERVICE_RETRY,
+       code_version=CODE_VERSIONS["vocab_mapping"], deps=["hidden_state_shards"],
+       retry_policy=SERVICE_RETRY,
        description="Draft vocab (d2t / t2d) of the training window, counted under the loss "
                    "mask; cached by content. " + WINDOW_NOTE,
        check_specs=[spec("vocab_mapping", "vocab_coverage",
@@ -133,7 +135,8 @@ def vocab_mapping(context: AssetExecutionContext, config: VocabRunConfig,
 
 
 @asset(partitions_def=refresh_steps, group_name="drafter", kinds={"pytorch", "deepspeed"},
-       deps=["vocab_mapping"], retry_policy=SERVICE_RETRY,
+       code_version=CODE_VERSIONS["drafter_checkpoint"], deps=["vocab_mapping"],
+       retry_policy=SERVICE_RETRY,
        description="EAGLE-3 drafter trained on the window (DeepSpeed, resumable), in SGLang's "
                    "format, warm-started from the drafter serving now; the training curve is "
                    "stored with the refresh's charts. " + WINDOW_NOTE,

@@ -17,6 +17,7 @@ from assets.checks import result, spec
 from assets.drafter import WINDOW_NOTE
 from assets.partitions import refresh_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from assets.versions import CODE_VERSIONS
 from pipeline.checks import evaluation_sound
 from pipeline.evaluation.config import Device, Dtype, EvalConfig
 from pipeline.layout import drafter_prefix
@@ -77,7 +78,8 @@ class EvalRunConfig(Config):
 
 
 @asset(partitions_def=refresh_steps, group_name="drafter", kinds={"pytorch"},
-       deps=["drafter_checkpoint"], retry_policy=SERVICE_RETRY,
+       code_version=CODE_VERSIONS["acceptance_eval"], deps=["drafter_checkpoint"],
+       retry_policy=SERVICE_RETRY,
        description="τ and α of the candidate, the serving champion and no drafter on held-out "
                    "prompts of the window; charts linked from the metadata. " + WINDOW_NOTE,
        check_specs=[spec("acceptance_eval", "acceptance_lossless",

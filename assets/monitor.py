@@ -23,6 +23,8 @@ until every path records under the lock).
 import functools
 
 from dagster import (
+    AllPartitionMapping,
+    AssetDep,
     AssetExecutionContext,
     MaterializeResult,
     MetadataValue,
@@ -30,11 +32,14 @@ from dagster import (
 )
 
 from assets.champion import record_champion_change, report_promotion_verified
-from assets.loop_chart import publish_loop_chart
+from assets.charts import logged_chart
+from assets.loop_chart import LOOP_CHART, publish_loop_chart
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from assets.versions import CODE_VERSIONS
 from pipeline.monitor.stage import VERIFY_ACTOR
 from pipeline.release.mlflow_registry import model_name
+from pipeline.serving_now import read_serving
 from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
 from resources.serving import ServingResource
@@ -42,7 +47,10 @@ from resources.storage import StorageResource
 
 
 @asset(partitions_def=rl_steps, group_name="monitor",
-       deps=["rollout_snapshot"], retry_policy=SERVICE_RETRY,
+       code_version=CODE_VERSIONS["serving_acceptance"],
+       deps=["rollout_snapshot", AssetDep("serving_drafter",
+                                          partition_mapping=AllPartitionMapping())],
+       retry_policy=SERVICE_RETRY,
        description="τ per drafter version as the RL engine observed it in this RL step "
                    "(the rollouts' speculative counters), and the loop's chart; the verdict "
                    "on a drafter promoted without live verification (serving_drafter's "
@@ -57,15 +65,26 @@ def serving_acceptance(context: AssetExecutionContext, storage: StorageResource,
     with fail_fast_on_permanent_errors():
         observed = observe_step(store, step)
         _verify_serving(context, store, mlflow, serving, refresh)
-    chart = store.url(publish_loop_chart(store, model_name(mlflow.target_family), step,
-                                         context.instance))
+    name = model_name(mlflow.target_family)
+    key = publish_loop_chart(store, name, step, context.instance)
+    chart = logged_chart(mlflow, lambda: _serving_run(mlflow, store, name), LOOP_CHART,
+                         store.read_bytes(key), store.url(key), context.log.warning)
     per_version = {f"tau_v{v.drafter_version}": round(v.tau, 4) for v in observed.versions
                    if v.tau is not None}
     return MaterializeResult(metadata={
         "rollouts": observed.rollouts, "with_counters": observed.with_counters,
         **per_version,
         "versions": MetadataValue.md(_table(observed)),
-        "chart": MetadataValue.path(chart)})
+        "chart": chart})
+
+
+def _serving_run(mlflow: MlflowResource, store, name: str):
+    """``(runs, run id)`` of the drafter serving now: the run its chart is logged to (None
+    when no drafter serves)."""
+    registry, serving = mlflow.build(), read_serving(store, name)
+    target = serving.target if serving is not None else None
+    return registry.runs, (registry.get_version(target.registry_version).run_id
+                           if target is not None else None)
 
 
 def _verify_serving(context, store, mlflow: MlflowResource, serving: ServingResource,

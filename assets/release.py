@@ -43,6 +43,7 @@ from assets.loop_chart import LOOP_CHART, publish_loop_chart
 from assets.partitions import DECISION_TAG, refresh_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from assets.summary import refresh_summary
+from assets.versions import CODE_VERSIONS
 from pipeline.checks import CheckOutcome
 from pipeline.release.gate import GatePolicy
 from pipeline.release.lineage import parse_tag
@@ -77,7 +78,8 @@ class GateConfig(Config):
 
 
 @asset(partitions_def=refresh_steps, group_name="release", kinds={"mlflow"},
-       deps=["acceptance_eval"], retry_policy=SERVICE_RETRY,
+       code_version=CODE_VERSIONS["registered_drafter"], deps=["acceptance_eval"],
+       retry_policy=SERVICE_RETRY,
        description="The refresh's drafter as an MLflow model version (lineage tags, alias "
                    "challenger). " + WINDOW_NOTE)
 def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
@@ -111,6 +113,7 @@ def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
     pool=PROMOTION_POOL, can_subset=True,  # can_subset: a pending check reports no result
     specs=[AssetSpec(
         "serving_drafter", group_name="release", deps=["registered_drafter"], skippable=True,
+        code_version=CODE_VERSIONS["serving_drafter"],
         description="Promote the refresh's drafter to serving iff the acceptance gate "
                     "passes. Every change of champion is a materialization of this asset: "
                     "the gate's here, the manual override's and the rollback's from their "

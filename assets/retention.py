@@ -27,6 +27,7 @@ from dagster import (
 
 from assets.partitions import refresh_steps, step_key, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from assets.versions import CODE_VERSIONS
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
 from resources.trainer import TrainerResource
@@ -38,6 +39,7 @@ _STEP_WRITERS = {"hidden_state_shards"}
 
 
 @asset(partitions_def=refresh_steps, group_name="release", deps=["registered_drafter"],
+       code_version=CODE_VERSIONS["storage_retention"],
        retry_policy=SERVICE_RETRY,  # storage may be S3; a pass is idempotent
        description="Storage retention after the refresh: shards and training work dirs of RL "
                    "steps older than the last retain_steps (refresh resource, "

@@ -7,6 +7,7 @@ from pydantic import Field
 from assets.checks import result, spec
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from assets.versions import CODE_VERSIONS
 from pipeline.capture.config import ExtractConfig
 from pipeline.capture.provenance import Encoding
 from pipeline.checks import shard_integrity
@@ -50,7 +51,8 @@ class ShardsConfig(Config):
 
 
 @asset(partitions_def=rl_steps, group_name="data", kinds={"parquet", "pytorch"},
-       deps=["tokenized_rollouts"], retry_policy=SERVICE_RETRY,
+       code_version=CODE_VERSIONS["hidden_state_shards"], deps=["tokenized_rollouts"],
+       retry_policy=SERVICE_RETRY,
        check_specs=[spec("hidden_state_shards", "shard_integrity",
                          "every shard re-hashed matches its manifest (size, sha256)",
                          blocking=True)])

@@ -13,6 +13,7 @@ from dagster import (
 
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from assets.versions import CODE_VERSIONS
 from resources.storage import StorageResource
 
 MAX_QUARANTINE_RATIO = 0.05
@@ -20,6 +21,7 @@ MAX_QUARANTINE_RATIO = 0.05
 
 @asset(
     partitions_def=rl_steps,
+    code_version=CODE_VERSIONS["rollout_snapshot"],
     group_name="data",
     kinds={"parquet"},
     retry_policy=SERVICE_RETRY,

@@ -6,6 +6,7 @@ from pydantic import Field
 
 from assets.partitions import rl_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
+from assets.versions import CODE_VERSIONS
 from pipeline.tokenize.config import TokenizeConfig
 from resources.storage import StorageResource
 
@@ -45,7 +46,8 @@ def _table(counts: dict[str, int], what: str) -> MetadataValue:
 
 
 @asset(partitions_def=rl_steps, group_name="data", kinds={"parquet"},
-       deps=["rollout_snapshot"], retry_policy=SERVICE_RETRY)
+       code_version=CODE_VERSIONS["tokenized_rollouts"], deps=["rollout_snapshot"],
+       retry_policy=SERVICE_RETRY)
 def tokenized_rollouts(context: AssetExecutionContext, config: TokenizeRunConfig,
                        storage: StorageResource) -> MaterializeResult:
     """Chat-template tokenization with loss masks; exact engine ids win and are cross-checked."""

@@ -290,7 +290,8 @@ def assets_page() -> str:
         key = spec.key.to_user_string()
         kinds = ", ".join(sorted(spec.kinds)) or "–"
         out.append(f"\n### {key} {{#{key}}}\n\n"
-                   f"Group `{spec.group_name}`; {partitions_of(spec)}; kinds: {kinds}.\n\n"
+                   f"Group `{spec.group_name}`; {partitions_of(spec)}; kinds: {kinds}; "
+                   f"code version `{spec.code_version}`.\n\n"
                    f"{(spec.description or '').strip()}\n")
         if checks.get(key):
             out.append("\n| check | blocking | description |\n|---|---|---|\n")

@@ -64,14 +64,13 @@ from pipeline.capture.config import DEFAULT_ROW_GROUP_BYTES
 from pipeline.capture.fp8 import FP8_LAYOUT, fp8_columns, fp8_decode, fp8_encode, value_bytes
 from pipeline.capture.provenance import ENCODING, ENCODINGS, check_provenance
 from pipeline.contracts import Manifest
+from pipeline.formats import FP8_SCHEMA_VERSION, SHARD_SCHEMA_VERSION
 from pipeline.layout import shards_prefix
 from pipeline.manifest import read_manifest
 from pipeline.parquet import ParquetFileError, open_parquet
 from pipeline.storage import Storage, WrittenObject
 
 SHARDS_KIND = "hidden_state_shards"
-SHARD_SCHEMA_VERSION = 1  # bf16 states; shards of this layout stay v1
-FP8_SCHEMA_VERSION = 2  # states may be float8 e4m3 with a per-token scale (``encoding``)
 READABLE_VERSIONS = (SHARD_SCHEMA_VERSION, FP8_SCHEMA_VERSION)
 SHARD_DTYPE = ENCODING  # what readers hand states out as, whatever the encoding
 SHARD_LAYOUT = "aux_hidden, final_hidden: little-endian bf16 bits of a row-major (T, W) tensor"

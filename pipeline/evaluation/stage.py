@@ -59,6 +59,7 @@ from pipeline.evaluation.reference import (
 )
 from pipeline.evaluation.regime import resolve_sampler, sampler_key
 from pipeline.evaluation.target import TargetRunner
+from pipeline.formats import REPORT_SCHEMA_VERSION
 from pipeline.layout import EVALS, eval_prefix, policy_prefix, steps_of
 from pipeline.manifest import entry_for, read_manifest, withdraw_manifest, write_manifest
 from pipeline.records import from_dict, from_json, to_dict, to_json
@@ -71,7 +72,6 @@ from pipeline.verified import committed, fetch, read_verified
 log = logging.getLogger(__name__)
 
 EVAL_KIND = "acceptance_eval"
-REPORT_SCHEMA_VERSION = 3  # 2: the cache-free reference sample; 3: sampler, intervals
 REPORT_FILE = "report.json"
 NO_DRAFTER = "no_drafter"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -123,7 +123,11 @@ def model_card(model: str, family: str) -> str:
             f"`python -m sglang.launch_server --speculative-algorithm EAGLE3 "
             f"--speculative-draft-model-path <dir>`. Tags hold the lineage (RL-step window, "
             f"policy, shards, vocab mapping, aux layers), τ and α, the Dagster run, and every "
-            f"gate decision (gate.<n>.*). Model: {model}.")
+            f"gate decision (gate.<n>.*). Change the champion with `aerie promote VERSION "
+            f"--reason WHY` or `aerie rollback` (the Dagster jobs promote_drafter_manually and "
+            f"rollback_drafter), not by moving the alias by hand: they move the serving record, "
+            f"the alias and the tags together and record who and why; while the alias "
+            f"disagrees with the serving record, promotion and rollback refuse. Model: {model}.")
 
 
 def describe_version(model: str, tags: Mapping[str, str],

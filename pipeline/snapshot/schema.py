@@ -31,9 +31,9 @@ from typing import Any
 
 import pyarrow as pa
 
+from pipeline.formats import ROLLOUT_SCHEMA_VERSION
 from pipeline.snapshot.render import int_text, quote, safe_repr, type_name
 
-ROLLOUT_SCHEMA_VERSION = 2  # 2: speculative counters
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 FIDELITIES = frozenset({"exact", "retokenized"})
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from pipeline.formats import TOKENIZED_SCHEMA_VERSION
+
 TOKENIZED_KIND = "tokenized_rollouts"
-TOKENIZED_SCHEMA_VERSION = 1
 TOKENIZED_SCHEMA = pa.schema(
     [
         pa.field("sample_id", pa.string(), nullable=False),  # the rollout_id

@@ -38,11 +38,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.formats import CHECKPOINT_SCHEMA_VERSION
 from pipeline.training.engine_state import EngineState, UnsupportedStateError
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_SCHEMA_VERSION = 1
 MARKER = "_COMPLETE"
 _NAME = re.compile(r"^step-(\d{8})$")
 

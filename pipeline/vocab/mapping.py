@@ -39,9 +39,9 @@ from safetensors.torch import save as st_save
 
 from pipeline.contracts import Manifest
 from pipeline.eagle3.model import check_vocab_mapping
+from pipeline.formats import VOCAB_SCHEMA_VERSION
 from pipeline.vocab.config import DEFAULT_DRAFT_VOCAB_SIZE
 
-VOCAB_SCHEMA_VERSION = 1
 _FLUSH_TOKENS = 1 << 22  # buffered masked ids per bincount
 
 

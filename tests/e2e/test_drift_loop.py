@@ -5,6 +5,8 @@ sensor asks for a refresh at once, before the fixed cadence would, and only once
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from dagster import AssetKey
 
@@ -58,7 +60,11 @@ def test_every_step_has_its_serving_acceptance_and_the_chart(drift):
         meta = _meta(drift, "serving_acceptance", f"step-{step:06d}")
         assert meta["rollouts"] == 32
         assert meta["with_counters"] == (8 if step >= 6 else 0)
-        assert meta["chart"].endswith("tau_over_rl_steps.png")
+        if meta["with_counters"]:  # a drafter serves: the chart is on its MLflow run's page
+            assert meta["chart"].startswith(os.environ["AERIE_MLFLOW_UI_URL"] + "/#/")
+            assert "/artifactPath/charts/tau_over_rl_steps.png" in meta["chart"]
+        else:  # none serves yet: the stored copy
+            assert meta["chart"].endswith("tau_over_rl_steps.png")
     assert _meta(drift, "serving_acceptance", "step-000006")["tau_v1"] > 1.0
     png = drift.storage.read_bytes("observed/step=000010/tau_over_rl_steps.png")
     assert png.startswith(b"\x89PNG")

@@ -122,6 +122,30 @@ def test_every_asset_has_an_owner_a_stage_and_every_trigger_a_description():
         "ingest_dumps"))
 
 
+def test_every_asset_has_the_code_version_of_what_it_writes():
+    """The catalog marks an asset whose output format changed: each code version names the
+    schema versions of that asset's output (``assets/versions.py``)."""
+    from pipeline.capture.shards import SHARD_SCHEMA_VERSION
+    from pipeline.evaluation.stage import REPORT_SCHEMA_VERSION
+
+    specs = {spec.key.path[-1]: spec for spec in defs.resolve_all_asset_specs()}
+    assert {name: bool(spec.code_version) for name, spec in specs.items()} == {
+        name: True for name in (*DATA_ASSETS, *REFRESH_ASSETS, *MONITOR_ASSETS)}
+    assert specs["hidden_state_shards"].code_version.startswith(
+        f"shards-{SHARD_SCHEMA_VERSION}.")  # the stage's own constant, not a copy
+    assert specs["acceptance_eval"].code_version == f"report-{REPORT_SCHEMA_VERSION}"
+
+
+def test_the_graph_closes_the_loop():
+    """Observed acceptance reads whichever drafter serves: an edge from every refresh's
+    ``serving_drafter``; retention follows the registration, whatever the gate decides."""
+    graph = defs.get_repository_def().asset_graph
+    parents = {k.to_user_string() for k in graph.get(AssetKey("serving_acceptance")).parent_keys}
+    assert parents == {"rollout_snapshot", "serving_drafter"}
+    assert {k.to_user_string() for k in graph.get(AssetKey("storage_retention")).parent_keys
+            } == {"registered_drafter"}
+
+
 @pytest.mark.integration
 def test_the_embedded_workspace_loads_from_any_directory(tmp_path, monkeypatch):
     """``aerie ui`` serves ``$DAGSTER_HOME/workspace.yaml``: the code location ``aerie`` from

@@ -74,6 +74,7 @@ def test_publish_logs_a_run_and_registers_a_tagged_version(registry, drafter_dir
                          f"held-out prompts. Gate: not decided yet.")
     card = registry.client.get_registered_model(registry.model_name).description
     assert "--speculative-draft-model-path" in card and "`champion`" in card
+    assert "`aerie promote VERSION --reason WHY`" in card and "`aerie rollback`" in card
 
     run = registry.client.get_run(reg.run_id)
     assert run.data.params["window"] == "[8,9,10]" and run.info.status == "FINISHED"
