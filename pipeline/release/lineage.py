@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 MAX_TAG_VALUE = 5000
+TAG_DIGITS = 4  # tau, alpha and coverage in tags: shown rounded; the run holds every digit
 
 FINGERPRINT = "fingerprint"
 DRAFTER_URI = "drafter_uri"
@@ -97,12 +98,17 @@ def lineage_from_manifest(meta: Mapping[str, Any], *, drafter_uri: str, policy_u
         "shard_manifest_sha256": meta.get("shard_manifest_sha256"),
         "aux_layer_ids": meta.get("aux_layer_ids"),
         "vocab_mapping_key": meta.get("vocab_cache_key"),
-        "coverage": meta.get("coverage"),
-        "tau": float(tau),
-        "alpha": [float(a) for a in alpha],
+        "coverage": _rounded(meta.get("coverage")),
+        "tau": round(float(tau), TAG_DIGITS),
+        "alpha": [round(float(a), TAG_DIGITS) for a in alpha],
         "dagster_run_id": dagster_run_id,
         **extra,
     })
+
+
+def _rounded(value: Any) -> Any:
+    """A float to :data:`TAG_DIGITS` places (what a tag shows); anything else unchanged."""
+    return round(value, TAG_DIGITS) if isinstance(value, float) else value
 
 
 def _jsonable(value: Any) -> Any:

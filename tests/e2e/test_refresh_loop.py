@@ -375,6 +375,20 @@ def test_ui_partitions_view_marks_the_refused_refreshes(loop, webserver, looked_
     _wait_text(looked_at, "promoted")  # the newest materialization: the champion's
 
 
+def test_ui_shows_promotion_verified_not_evaluated(loop, webserver, looked_at, tmp_path):
+    """v1 was never judged (no speculative counters in the loop's rollouts): the checks tab
+    shows ``promotion_verified`` skipped, not passed, beside the evaluated staleness check."""
+    looked_at.get(f"{webserver}/assets/serving_drafter?view=checks")
+    # the list entry of one check: holds its name and a status, not the other check's name
+    entry = ("//*[.//*[normalize-space()='{0}'] and .//*[normalize-space()='{1}'] and "
+             "not(.//*[normalize-space()='{2}'])]")
+    _wait_xpath(looked_at, entry.format("promotion_verified", "Skipped", "serving_staleness"))
+    _wait_xpath(looked_at, entry.format("serving_staleness", "Succeeded", "promotion_verified"))
+    assert not looked_at.find_elements("xpath", entry.format(
+        "promotion_verified", "Succeeded", "serving_staleness"))
+    _save(looked_at, tmp_path, "checks_not_evaluated.png")
+
+
 def test_ui_shows_the_asset_graph(loop, webserver, browser, tmp_path):
     for group, assets in GROUPS.items():
         browser.get(f"{webserver}/locations/{LOCATION}/asset-groups/{group}")

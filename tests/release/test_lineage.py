@@ -47,12 +47,13 @@ def test_too_long_values_are_refused_not_truncated():
 def test_lineage_from_a_drafter_manifest():
     meta = {"step": 12, "fingerprint": "abc", "window_steps": [10, 11, 12],
             "shard_manifest_sha256": {"10": "a", "11": "b", "12": "c"},
-            "vocab_cache_key": "v", "coverage": 0.97, "policy_sha256": "p",
+            "vocab_cache_key": "v", "coverage": 0.971234567, "policy_sha256": "p",
             "aux_layer_ids": [1, 3, 4]}
     tags = lineage_from_manifest(meta, drafter_uri="s3://b/drafters/step=000012",
-                                 policy_uri="s3://b/policies/step=000012", tau=3.1,
-                                 alpha=(0.9, 0.7), dagster_run_id="r1", heldout_key="h")
-    assert tags["vocab_mapping_key"] == "v" and tags["alpha"] == "[0.9,0.7]"
+                                 policy_uri="s3://b/policies/step=000012", tau=3.123456789,
+                                 alpha=(0.9, 0.654321), dagster_run_id="r1", heldout_key="h")
+    assert tags["vocab_mapping_key"] == "v" and tags["alpha"] == "[0.9,0.6543]"
+    assert (tags["tau"], tags["coverage"]) == ("3.1235", "0.9712")  # shown rounded
     assert tags["heldout_key"] == "h" and tags["rl_step"] == "12"
     with pytest.raises(LineageError, match="policy_sha256"):
         lineage_from_manifest({**meta, "policy_sha256": None}, drafter_uri="u",

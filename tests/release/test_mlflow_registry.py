@@ -55,7 +55,7 @@ def publish(registry: DrafterRegistry, drafter_dir, fingerprint: str, **kw):
 
 @on_every_registry
 def test_publish_logs_a_run_and_registers_a_tagged_version(registry, drafter_dir, chart,
-                                                           tmp_path):
+                                                           tmp_path, monkeypatch):
     f = fp()
     reg = registry.publish(
         drafter_dir=drafter_dir, lineage=lineage(f, "file:///s/drafters/step=000010"),
@@ -75,6 +75,12 @@ def test_publish_logs_a_run_and_registers_a_tagged_version(registry, drafter_dir
     card = registry.client.get_registered_model(registry.model_name).description
     assert "--speculative-draft-model-path" in card and "`champion`" in card
     assert "`aerie promote VERSION --reason WHY`" in card and "`aerie rollback`" in card
+    # what an MLflow user fetches for a version: the SGLang directory, byte for byte
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry.client.tracking_uri)
+    fetched = Path(download_artifacts(artifact_uri=f"models:/{registry.model_name}/1",
+                                      dst_path=str(tmp_path / "fetched")))
+    assert {p.name: p.read_bytes() for p in fetched.iterdir()} == {
+        p.name: p.read_bytes() for p in Path(drafter_dir).iterdir()}
 
     run = registry.client.get_run(reg.run_id)
     assert run.data.params["window"] == "[8,9,10]" and run.info.status == "FINISHED"
