@@ -7,9 +7,10 @@ version with lineage tags and alias ``challenger``; ``serving_drafter`` asks the
 candidate is the drafter serving now succeeds as ``already_champion`` and changes nothing
 (serving record, alias and the champion's tags as they were).
 
-``serving_drafter`` is materialized only when the champion moved (promoted, or promoted and
-rolled back by the check after it); a decision that leaves it where it was (refused,
-already_champion) is an observation of the partition with the same metadata. So the
+``serving_drafter`` is materialized only when the refresh changed what serves (promoted); a
+decision that leaves serving where it was (refused, already_champion, or promoted and
+rolled back by the live check right after) is an observation of the partition with the
+same metadata. So the
 partitions view shows a refused refresh as not materialized, apart from the green ones that
 changed what serves. The manual override and the rollback are separate jobs
 (``jobs/release.py``); they record their change of champion as a ``serving_drafter``
@@ -117,8 +118,9 @@ def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
         description="Promote the refresh's drafter to serving iff the acceptance gate "
                     "passes. Every change of champion is a materialization of this asset: "
                     "the gate's here, the manual override's and the rollback's from their "
-                    "jobs (metadata action, champion, actor, reason); a refusal is an "
-                    "observation, so a refused refresh's partition stays unmaterialized. "
+                    "jobs (metadata action, champion, actor, reason); a refusal (or "
+                    "a promotion rolled back at once) is an observation, so that refresh's "
+                    "partition stays unmaterialized. "
                     "Runs in the pool 'promotion' (one at a time).")],
     check_specs=[spec("serving_drafter", "serving_staleness",
                       "the serving drafter is at most stale_after_steps RL steps behind the "
@@ -168,10 +170,10 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
         "refresh_summary": MetadataValue.md(refresh_summary(context.instance, step))}
     checks = established(context, serving_staleness=(stale, AssetCheckSeverity.WARN),
                          promotion_verified=(verified, AssetCheckSeverity.ERROR))
-    if p.moved:
+    if p.action == "promoted":  # what serves changed
         yield MaterializeResult(asset_key="serving_drafter", metadata=metadata,
                                 check_results=checks)
-    else:  # the champion stayed: what serves did not change, the decision is observed
+    else:  # serving is where it was (a rollback too): the decision is observed
         yield AssetObservation("serving_drafter", partition=context.partition_key,
                                metadata=metadata)
         yield from checks

@@ -21,7 +21,7 @@ import pytest
 from dagster import AssetCheckKey, AssetKey, DagsterInstance
 
 from aerie import cli
-from aerie.demo import RefreshLoop, reported_records
+from aerie.demo import RefreshLoop, asset_events, reported_records
 from pipeline.demo.config import DemoConfig
 from pipeline.demo.world import StepOutput, generate_world
 from pipeline.monitor.stage import VERDICT_TAG, VERIFY_ACTOR
@@ -88,10 +88,10 @@ def _check(instance):
 
 
 def _meta(instance, asset: str, partition: str) -> dict:
-    for r in instance.fetch_materializations(AssetKey(asset), limit=100).records:
-        if r.asset_materialization.partition == partition:
-            return {k: v.value for k, v in r.asset_materialization.metadata.items()}
-    raise AssertionError(f"no {asset} event for {partition}")
+    """The newest event (materialization or observation) of ``asset`` on ``partition``."""
+    events = asset_events(instance, asset, partition)
+    assert events, f"no {asset} event for {partition}"
+    return events[0][1]
 
 
 def test_manifest_mode_rolls_back_on_what_the_trainer_reports(world, tmp_path):
@@ -130,6 +130,8 @@ def test_sglang_restart_mode_rolls_back_when_the_servers_do_not_speculate(world,
         registry = mlflow_from_environment()
         event = _meta(instance, "serving_drafter", "step-000001")
         assert event["action"] == "rolled_back" and event["champion"] == "none"
+        # serving is where it was before the refresh: its partition is not materialized
+        assert not instance.get_materialized_partitions(AssetKey("serving_drafter"))
         (check,) = _check(instance)
         assert not check.passed and "do not speculate as served" in check.description
         assert read_serving(storage, registry.model_name).target is None
