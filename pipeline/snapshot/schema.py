@@ -37,6 +37,7 @@ from pipeline.snapshot.render import int_text, quote, safe_repr, type_name
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 FIDELITIES = frozenset({"exact", "retokenized"})
 
+NO_DRAFTER_VERSION = "none"  # drafter_version of a rollout the engine generated without a drafter
 _MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 # What the rollout engine reported about its speculative decoding of one rollout:
 SPECULATIVE_FIELDS = (
@@ -171,6 +172,7 @@ def validate_record(raw: Mapping[str, Any], *, vocab_size: int, step: int | None
                 raise RecordError(name, "missing although token_fidelity is 'exact'")
     _check_response_present(rec)
     rec["speculative"] = _speculative(record.get("speculative"))
+    _check_counters_fit_response(rec)
     return rec
 
 
@@ -359,8 +361,10 @@ def _reward(value: Any) -> float | None:
 def _speculative(value: Any) -> dict[str, Any] | None:
     """The engine's speculative counters of one rollout: ``drafter_version`` and
     ``verify_ct`` always, with ``completion_tokens`` or ``accepted_tokens`` (or both);
-    ``draft_tokens`` optional. Each verify pass emits at least one token after the prefill
-    token, so ``completion_tokens`` is at least ``verify_ct + 1`` once there was a pass."""
+    ``draft_tokens`` optional. Checked against their definitions: every token after the
+    prefill token is emitted by a verify pass, each pass emits at least one, and an accepted
+    draft token is one of those emitted; so without a pass (``verify_ct`` 0, always for
+    drafter ``none``) nothing was drafted, accepted or emitted past the prefill token."""
     if value is None:
         return None
     raw = _read_mapping("speculative", value)
@@ -388,7 +392,41 @@ def _speculative(value: Any) -> dict[str, Any] | None:
     if accepted is not None and drafted is not None and accepted > drafted:
         raise RecordError("speculative.accepted_tokens",
                           f"{accepted} accepted of {drafted} drafted")
+    if out["drafter_version"] == NO_DRAFTER_VERSION and verify:
+        raise RecordError("speculative.verify_ct",
+                          f"{verify} verify passes with drafter_version 'none' (no drafter "
+                          f"verifies nothing)")
+    if verify == 0:
+        for name in ("accepted_tokens", "draft_tokens"):
+            if out[name]:
+                raise RecordError(f"speculative.{name}",
+                                  f"{out[name]} without a verify pass (verify_ct 0)")
+        if completion is not None and completion > 1:
+            raise RecordError("speculative.completion_tokens",
+                              f"{completion} tokens without a verify pass (verify_ct 0: the "
+                              f"prefill token at most)")
+    if accepted is not None and completion is not None and accepted > completion - 1:
+        raise RecordError("speculative.accepted_tokens",
+                          f"{accepted} accepted of {completion - 1} emitted after the prefill "
+                          f"token (completion_tokens {completion})")
     return out
+
+
+def _check_counters_fit_response(rec: dict[str, Any]) -> None:
+    """The tokens the counters say verify passes emitted are tokens of the response: no more
+    than it holds after its first (prefill) token."""
+    spec, response = rec["speculative"], rec["response_token_ids"]
+    if spec is None or response is None or not spec["verify_ct"]:
+        return
+    completion = spec["completion_tokens"]
+    emitted = (completion - 1 if completion is not None
+               else spec["accepted_tokens"] + spec["verify_ct"])
+    if emitted > len(response) - 1:
+        field = "completion_tokens" if completion is not None else "accepted_tokens"
+        raise RecordError(f"speculative.{field}",
+                          f"{emitted} tokens emitted by {spec['verify_ct']} verify passes, "
+                          f"but the response holds {len(response)} (the prefill token "
+                          f"included)")
 
 
 def _version_text(value: Any) -> str:

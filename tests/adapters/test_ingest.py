@@ -127,8 +127,10 @@ def _slime_sample(tok, i: int, tool: bool) -> dict:
             "tokens": prompt + response, "response": "...", "response_length": len(response),
             "loss_mask": mask, "reward": float(i), "weight_versions": ["4", "5"],
             "status": "completed", "rollout_log_probs": [-0.5] * len(response),
-            "spec_info": {"spec_accept_token_num": 3, "spec_draft_token_num": 6,
-                          "spec_verify_ct": 2, "completion_token_num": len(response)},
+            # one verify pass after the prefill token, its drafts all accepted
+            "spec_info": {"spec_accept_token_num": len(response) - 2,
+                          "spec_draft_token_num": len(response),
+                          "spec_verify_ct": 1, "completion_token_num": len(response)},
             "metadata": {}}
 
 
@@ -162,8 +164,8 @@ def test_slime_files_load_as_plain_data_and_anything_else_is_refused(world, tmp_
         assert rec["generated_by_policy_version"] == 3
         assert rec["finish_reason"] == "stop"
         assert rec["speculative"] == {
-            "drafter_version": "7" if sample["metadata"] else "unknown", "verify_ct": 2,
-            "completion_tokens": None, "accepted_tokens": 3, "draft_tokens": 6}
+            "drafter_version": "7" if sample["metadata"] else "unknown", "verify_ct": 1,
+            "completion_tokens": None, "accepted_tokens": n - 2, "draft_tokens": n}
     assert 0 in records[1]["response_loss_mask"]
 
 

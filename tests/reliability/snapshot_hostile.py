@@ -6,7 +6,8 @@ Classes covered: keys that are not text, unknown keys of mixed types, lone surro
 invalid UTF-8 bytes, integers beyond int64 and floats beyond float64, cycles, nesting
 thousands deep, mappings and values that raise while read, wrong types, missing fields,
 invisible responses and ids, huge values, numpy values (accepted when they keep the
-contract), and records that are not mappings at all.
+contract), speculative counters (accepted when built from their definitions, refused when
+they break one), and records that are not mappings at all.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+from hypothesis import assume
 from hypothesis import strategies as st
 
-from .snapshot_reference import BLANKS, STEP, VOCAB
+from .snapshot_reference import BLANKS, STEP, VOCAB, counters_keep_their_meaning
 
 REFUSE, ACCEPT = "refuse", "accept"
 
@@ -325,6 +327,38 @@ def _other_containers(rec, draw):
     return rec | {"reward": Fraction(1, 4) if how == "fraction-reward" else 10**18}
 
 
+def _counters_keeping_their_meaning(rec, draw):
+    """Counters built from their definitions: every token after the prefill one emitted by a
+    verify pass, each pass one token plus the drafts it accepted, within the response."""
+    response = rec.get("response_token_ids")
+    budget = len(response) - 1 if response is not None else 40  # what passes may emit
+    verify = draw(st.integers(0, budget))
+    if verify == 0:
+        return rec | {"speculative": {"drafter_version": draw(st.sampled_from(["3", "none"])),
+                                      "verify_ct": 0,
+                                      "completion_tokens": draw(st.integers(0, 1))}}
+    emitted = draw(st.integers(verify, budget))
+    spec = {"drafter_version": draw(st.sampled_from(["3", "unknown"])), "verify_ct": verify}
+    reported = draw(st.sampled_from(["completion", "accepted", "both"]))
+    if reported != "accepted":
+        spec["completion_tokens"] = emitted + 1
+    if reported != "completion":
+        spec["accepted_tokens"] = emitted - verify
+        if draw(st.booleans()):
+            spec["draft_tokens"] = emitted - verify + draw(st.integers(0, 20))
+    return rec | {"speculative": spec}
+
+
+def _counters_contradicting_their_meaning(rec, draw):
+    """Any counts, up to 10^18, that break a definition (the reference says which)."""
+    count = st.one_of(st.none(), st.integers(0, 10**18), st.integers(0, 50))
+    spec = {"drafter_version": draw(st.sampled_from(["3", "none", "unknown"])),
+            "verify_ct": draw(st.one_of(st.integers(0, 10**18), st.integers(0, 50)))}
+    spec |= {n: draw(count) for n in ("completion_tokens", "accepted_tokens", "draft_tokens")}
+    assume(not counters_keep_their_meaning(spec, rec.get("response_token_ids")))
+    return rec | {"speculative": spec}
+
+
 # name -> (mutation, verdict)
 MUTATIONS: dict[str, tuple[Callable[[dict, Any], Any], str]] = {
     "foreign keys": (_foreign_keys, REFUSE),
@@ -350,7 +384,9 @@ MUTATIONS: dict[str, tuple[Callable[[dict, Any], Any], str]] = {
     "numpy breaking the contract": (_numpy_bad, REFUSE),
     "not a mapping": (_not_a_mapping, REFUSE),
     "contradiction": (_contradiction, REFUSE),
+    "counters contradicting their meaning": (_counters_contradicting_their_meaning, REFUSE),
     "numpy keeping the contract": (_numpy_good, ACCEPT),
+    "counters keeping their meaning": (_counters_keeping_their_meaning, ACCEPT),
     "other containers": (_other_containers, ACCEPT),
     "unchanged": (lambda rec, draw: rec, ACCEPT),
 }

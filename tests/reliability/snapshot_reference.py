@@ -108,15 +108,31 @@ def contract_violations(rec: dict[str, Any], *, step: int = STEP,
               and messages[-1].get("role") == "assistant"
               and visible(messages[-1].get("content") or "")):
         bad.append("no visible response")
-    if rec["speculative"] is not None and not _speculative_ok(rec["speculative"]):
+    spec = rec["speculative"]
+    if spec is not None and not counters_keep_their_meaning(
+            spec, response if isinstance(response, list) else None):
         bad.append("speculative")
     return bad
+
+
+def counters_keep_their_meaning(spec: Any, response: list | None) -> bool:
+    """The counters are well formed and what their passes emitted fits in ``response``
+    (after its first, prefill, token; not checked without response ids)."""
+    if not _speculative_ok(spec):
+        return False
+    if response is None or not spec["verify_ct"]:
+        return True
+    emitted = (spec["completion_tokens"] - 1 if spec["completion_tokens"] is not None
+               else spec["accepted_tokens"] + spec["verify_ct"])
+    return emitted <= len(response) - 1
 
 
 def _speculative_ok(spec: Any) -> bool:
     """The engine's counters: a visible drafter version, counts that are non-negative ints
     (verify passes always; emitted tokens by one count or the other), at least one token per
-    verify pass after the prefill token, no more accepted drafts than proposed ones."""
+    verify pass after the prefill token, no more accepted drafts than proposed ones nor than
+    emitted tokens, and without a pass (never one for drafter ``none``) nothing drafted,
+    accepted or emitted but the prefill token."""
     names = ("verify_ct", "completion_tokens", "accepted_tokens", "draft_tokens")
     if not (isinstance(spec, dict) and set(spec) == {"drafter_version", *names}):
         return False
@@ -127,9 +143,14 @@ def _speculative_ok(spec: Any) -> bool:
     if not all(c is None or (type(c) is int and c >= 0) for c in counts):
         return False
     verify, completion, accepted, drafted = counts
+    if verify == 0:  # no pass: nothing drafted, accepted or emitted past the prefill token
+        return ((completion is not None or accepted is not None) and not accepted
+                and not drafted and (completion is None or completion <= 1))
     return ((completion is not None or accepted is not None)
-            and (completion is None or verify == 0 or completion >= verify + 1)
-            and (accepted is None or drafted is None or accepted <= drafted))
+            and version != "none"  # no drafter, no verify pass
+            and (completion is None or completion >= verify + 1)
+            and (accepted is None or drafted is None or accepted <= drafted)
+            and (accepted is None or completion is None or accepted <= completion - 1))
 
 
 def names_file(error: BaseException, prefixes: list[str]) -> bool:

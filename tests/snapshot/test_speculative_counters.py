@@ -18,8 +18,12 @@ from tests.snapshot.conftest import VOCAB, edit_manifest, good_record, rewrite_p
 SGLANG = {"drafter_version": "3", "verify_ct": 10, "completion_tokens": 25}
 
 
-def _check(spec):
-    return validate_record({**good_record(0), "speculative": spec}, vocab_size=VOCAB,
+RESPONSE = [4 + i % 40 for i in range(30)]  # room for SGLANG's 25 completion tokens
+
+
+def _check(spec, response=RESPONSE):
+    return validate_record({**good_record(0), "response_token_ids": response,
+                            "speculative": spec}, vocab_size=VOCAB,
                            defaults={"policy_uri": "policies/step=000003"})
 
 
@@ -43,6 +47,17 @@ def test_counters_are_kept_with_the_unreported_ones_null():
     ({**SGLANG, "spec_verify_ct": 1}, "speculative", "unknown key"),
     ({**SGLANG, "drafter_version": " "}, "speculative.drafter_version", "empty"),
     ("3", "speculative", "expected a mapping"),
+    # counters that contradict their definitions
+    ({**SGLANG, "accepted_tokens": 25}, "speculative.accepted_tokens",
+     "25 accepted of 24 emitted after the prefill token"),
+    ({"drafter_version": "3", "verify_ct": 0, "accepted_tokens": 7},
+     "speculative.accepted_tokens", "7 without a verify pass"),
+    ({"drafter_version": "3", "verify_ct": 0, "accepted_tokens": 0, "draft_tokens": 9},
+     "speculative.draft_tokens", "9 without a verify pass"),
+    ({**SGLANG, "verify_ct": 0}, "speculative.completion_tokens",
+     "25 tokens without a verify pass"),
+    ({**SGLANG, "drafter_version": "none"}, "speculative.verify_ct",
+     "10 verify passes with drafter_version 'none'"),
 ])
 def test_bad_counters_name_the_field(spec, field, words):
     with pytest.raises(RecordError) as err:
@@ -50,11 +65,36 @@ def test_bad_counters_name_the_field(spec, field, words):
     assert err.value.field == field and words in err.value.reason, err.value
 
 
+@pytest.mark.parametrize("spec, field", [
+    ({**SGLANG, "completion_tokens": 31}, "speculative.completion_tokens"),
+    ({"drafter_version": "3", "verify_ct": 10, "accepted_tokens": 20},
+     "speculative.accepted_tokens"),
+    ({"drafter_version": "3", "verify_ct": 2, "completion_tokens": 10 ** 17},
+     "speculative.completion_tokens"),
+])
+def test_counters_claiming_more_tokens_than_the_response_holds_are_refused(spec, field):
+    """What verify passes emitted is part of the response: a rollout cannot claim more."""
+    with pytest.raises(RecordError) as err:
+        _check(spec)
+    assert err.value.field == field and "but the response holds 30" in err.value.reason
+    assert _check({**SGLANG, "completion_tokens": 30})  # every response token counted
+    assert _check({"drafter_version": "3", "verify_ct": 10, "accepted_tokens": 19})
+
+
+def test_counters_without_response_ids_are_checked_against_their_definitions_only():
+    retokenized = {**good_record(0), "token_fidelity": "retokenized",
+                   "response_token_ids": None, "speculative": SGLANG}
+    assert validate_record(retokenized, vocab_size=VOCAB,
+                           defaults={"policy_uri": "policies/step=000003"})["speculative"]
+
+
 def test_counters_reach_the_validated_snapshot_and_bad_ones_are_quarantined(tmp_path,
                                                                            policy_dir):
     storage = Storage(str(tmp_path / "store"))
-    records = [{**good_record(0), "speculative": SGLANG}, good_record(1),
-               {**good_record(2), "speculative": {**SGLANG, "verify_ct": 99}}]
+    records = [{**good_record(0), "response_token_ids": RESPONSE, "speculative": SGLANG},
+               good_record(1),
+               {**good_record(2), "response_token_ids": RESPONSE,
+                "speculative": {**SGLANG, "verify_ct": 99}}]
     summary = SnapshotWriter(storage).write_step(3, records, policy_dir, 3)
     assert (summary.accepted, summary.quarantined) == (2, 1)
     assert summary.reasons == {"speculative.completion_tokens: 25 tokens from 99 verify "
