@@ -62,10 +62,10 @@ def serving_acceptance(context: AssetExecutionContext, storage: StorageResource,
     from pipeline.monitor.observed import observe_step
 
     store, step = storage.build(), step_of(context.partition_key)
-    with fail_fast_on_permanent_errors():
-        observed = observe_step(store, step)
-        _verify_serving(context, store, mlflow, serving, refresh)
     name = model_name(mlflow.target_family)
+    with fail_fast_on_permanent_errors():
+        observed = observe_step(store, step, name)
+        _verify_serving(context, store, mlflow, serving, refresh)
     key = publish_loop_chart(store, name, step, context.instance)
     chart = logged_chart(mlflow, lambda: _serving_run(mlflow, store, name), LOOP_CHART,
                          store.read_bytes(key), store.url(key), context.log.warning)
@@ -73,6 +73,7 @@ def serving_acceptance(context: AssetExecutionContext, storage: StorageResource,
                    if v.tau is not None}
     return MaterializeResult(metadata={
         "rollouts": observed.rollouts, "with_counters": observed.with_counters,
+        "impossible_counters": sum(v.impossible for v in observed.versions),
         **per_version,
         "versions": MetadataValue.md(_table(observed)),
         "chart": chart})
@@ -121,9 +122,9 @@ def _verify_serving(context, store, mlflow: MlflowResource, serving: ServingReso
 def _table(observed) -> str:
     rows = [f"| v{v.drafter_version} | {v.rollouts} | {v.verify_ct} | "
             f"{'-' if v.tau is None else f'{v.tau:.3f}'} | "
-            f"{'-' if v.tau_low is None else f'[{v.tau_low:.3f}, {v.tau_high:.3f}]'} |"
-            for v in observed.versions]
+            f"{'-' if v.tau_low is None else f'[{v.tau_low:.3f}, {v.tau_high:.3f}]'} | "
+            f"{v.impossible} |" for v in observed.versions]
     if not rows:
         return f"none of the {observed.rollouts} rollouts carries speculative counters"
-    return ("| drafter | rollouts | verify passes | τ | 95% interval |\n|---|---|---|---|---|\n"
-            + "\n".join(rows))
+    return ("| drafter | rollouts | verify passes | τ | 95% interval | left out (impossible) |"
+            "\n|---|---|---|---|---|---|\n" + "\n".join(rows))

@@ -6,7 +6,10 @@ by draft-verify passes ÷ passes, both summed over the rollouts before dividing.
 passes are its ``verify_ct``; what they emitted is ``completion_tokens - 1`` where the engine
 counts completion tokens (the prefill token is no pass's), else ``accepted_tokens +
 verify_ct`` (each pass adds its bonus token). The interval is the evaluation's bootstrap over
-rollouts (:func:`pipeline.evaluation.confidence.tau_interval`).
+rollouts (:func:`pipeline.evaluation.confidence.tau_interval`). A rollout claiming more
+tokens per pass than its drafter's served draft depth allows is left out and counted
+(``impossible``): the record contract checks the counters against the response, and this
+bounds what it cannot see (a record without response ids).
 
 Stored per step as ``observed/step=NNNNNN/acceptance.json`` (:func:`observe_step`), which the
 drift trigger, the promotion check in ``manifest`` mode and the chart read back.
@@ -39,6 +42,7 @@ class VersionAcceptance:
     tau_low: float | None  # the 95% bootstrap interval over rollouts
     tau_high: float | None
     per_rollout: tuple[tuple[int, int], ...] = ()  # (emitted, verify passes) per rollout
+    impossible: int = 0  # rollouts left out: more tokens per pass than the drafter can emit
 
 
 @dataclass(frozen=True)
@@ -64,35 +68,61 @@ def rollout_counts(spec: Mapping[str, Any]) -> tuple[int, int]:
     return int(spec["accepted_tokens"]) + verify, verify
 
 
-def summarise(step: int, counters: Iterable[Mapping[str, Any] | None]) -> StepAcceptance:
+def summarise(step: int, counters: Iterable[Mapping[str, Any] | None],
+              pass_limits: Mapping[str, int] | None = None) -> StepAcceptance:
     """:class:`StepAcceptance` of the ``speculative`` values of one step's rollouts (None:
-    a rollout without counters)."""
+    a rollout without counters). ``pass_limits``: the most tokens one verify pass of a
+    version can emit (its drafter's draft depth + 1, :func:`pass_limits`); a rollout
+    claiming more per pass is left out of τ and counted as ``impossible``, so no single
+    rollout moves a version's τ past what its drafter could produce."""
     from pipeline.evaluation.confidence import tau_interval
 
+    limits = pass_limits or {}
     per_version: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    impossible: dict[str, int] = defaultdict(int)
     rollouts = 0
     for spec in counters:
         rollouts += 1
-        if spec is not None:
-            per_version[spec["drafter_version"]].append(rollout_counts(spec))
+        if spec is None:
+            continue
+        version, (emitted, verify) = spec["drafter_version"], rollout_counts(spec)
+        if version in limits and emitted > verify * limits[version]:
+            impossible[version] += 1
+        else:
+            per_version[version].append((emitted, verify))
     versions = []
-    for version, counts in sorted(per_version.items()):
+    for version in sorted(per_version.keys() | impossible.keys()):
+        counts = per_version[version]
         emitted, verify = sum(c[0] for c in counts), sum(c[1] for c in counts)
         low, high = tau_interval(counts) if verify else (math.nan, math.nan)
         versions.append(VersionAcceptance(
             version, len(counts), verify, emitted, emitted / verify if verify else None,
-            _finite(low), _finite(high), tuple(counts)))
-    return StepAcceptance(step, rollouts, sum(len(c) for c in per_version.values()),
-                          tuple(versions))
+            _finite(low), _finite(high), tuple(counts), impossible[version]))
+    with_counters = sum(len(c) for c in per_version.values()) + sum(impossible.values())
+    return StepAcceptance(step, rollouts, with_counters, tuple(versions))
 
 
-def observe_step(storage: Storage, step: int) -> StepAcceptance:
+def pass_limits(storage: Storage, name: str) -> dict[str, int]:
+    """The most tokens one verify pass can emit, per registry version ``name`` ever served:
+    the deepest draft it was served with (``num_steps``) plus the pass's own token."""
+    from pipeline.serving_now import serving_history
+
+    limits: dict[str, int] = {}
+    for manifest in serving_history(storage, name):
+        if manifest.target is not None:
+            version = manifest.target.registry_version
+            limits[version] = max(limits.get(version, 0), manifest.settings.num_steps + 1)
+    return limits
+
+
+def observe_step(storage: Storage, step: int, name: str | None = None) -> StepAcceptance:
     """Summarise step ``step``'s validated snapshot and store the result (a re-run rewrites
-    it with the same numbers)."""
+    it with the same numbers); ``name``: the registered model whose serving history bounds
+    each version's tokens per pass."""
     from pipeline.snapshot.stage import read_accepted
 
     column = read_accepted(storage, step).column("speculative").to_pylist()
-    observed = summarise(step, column)
+    observed = summarise(step, column, pass_limits(storage, name) if name else None)
     storage.write_bytes(observed_key(step), to_json(observed).encode())
     return observed
 
