@@ -32,6 +32,17 @@ FIELDS = ("temperature", "top_p", "top_k", "min_p")
 GREEDY_BELOW = 1e-6  # SGLang rewrites a smaller temperature to greedy
 
 
+MAX_TOP_K = 2**31 - 1  # the engines' int32; any vocabulary is smaller
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message, an absurd integer by its digit count."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) \
+            and abs(int(value)) > 10**30:
+        return f"an integer of {int(abs(int(value)).bit_length() * math.log10(2)) + 1} digits"
+    return repr(value)[:80]
+
+
 class SamplingError(ValueError):
     """Sampling settings violate the contract; ``field`` names the offending one."""
 
@@ -52,18 +63,24 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-                    or not math.isfinite(value):
-                raise SamplingError(name, f"expected a finite number, got {value!r}")
-            object.__setattr__(self, name, float(value))
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise SamplingError(name, f"expected a finite number, got {_shown(value)}")
+            try:
+                number = float(value)
+            except OverflowError:  # an integer or fraction beyond float64
+                raise SamplingError(name, f"{_shown(value)} is beyond the float64 range"
+                                    ) from None
+            if not math.isfinite(number):
+                raise SamplingError(name, f"expected a finite number, got {_shown(value)}")
+            object.__setattr__(self, name, number)
         top_k = self.top_k
         if top_k is None or (isinstance(top_k, numbers.Integral)
                              and not isinstance(top_k, bool) and top_k == 0):
             top_k = -1
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) \
-                or not (top_k == -1 or top_k >= 1):
-            raise SamplingError("top_k", f"expected an integer >= 1, or -1 (every token), "
-                                         f"got {self.top_k!r}")
+                or not (top_k == -1 or 1 <= top_k <= MAX_TOP_K):
+            raise SamplingError("top_k", f"expected an integer in [1, {MAX_TOP_K}], or -1 "
+                                         f"(every token), got {_shown(self.top_k)}")
         object.__setattr__(self, "top_k", int(top_k))
         if self.temperature < 0:
             raise SamplingError("temperature", f"must be >= 0 (0 is greedy), got "

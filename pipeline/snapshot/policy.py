@@ -20,6 +20,7 @@ from pipeline.contracts import FileEntry, Manifest
 from pipeline.layout import policy_prefix
 from pipeline.manifest import entry_for, write_manifest
 from pipeline.snapshot.reader import checked_manifest, meta_int, meta_str
+from pipeline.snapshot.sieve import StepArgumentError
 from pipeline.storage import Storage
 
 POLICY_KIND = "policy_checkpoint"
@@ -72,23 +73,60 @@ def tokenizer_fingerprint(files: dict[str, bytes]) -> str:
 
 
 def publish_policy(storage: Storage, step: int, policy_dir: Path) -> PolicyRef:
-    """Copy ``policy_dir`` into storage for ``step`` and commit it with a manifest."""
+    """Copy ``policy_dir`` into storage for ``step`` and commit it with a manifest. Its
+    ``config.json`` and ``tokenizer_config.json`` are read and checked first: a file that is
+    not a JSON object, or a ``vocab_size`` out of range, is a :class:`StepArgumentError`
+    naming the file before anything is uploaded."""
     policy_dir = Path(policy_dir)
     if not (policy_dir / "config.json").is_file():
         raise FileNotFoundError(f"{policy_dir}: not an HF checkpoint (no config.json)")
-    prefix = policy_prefix(step)
-    written = storage.upload_dir(policy_dir, prefix, keep=is_policy_file)
-    entries = tuple(entry_for(prefix, w) for w in written)
     small = {name: (policy_dir / name).read_bytes()
              for name in ("config.json", "tokenizer_config.json", _TOKENIZER_FILE,
                           _TEMPLATE_FILE)
              if (policy_dir / name).is_file()}
-    ref = _ref(storage, prefix, entries, small)
+    vocab_size = _vocab_size(policy_dir, small)
+    prefix = policy_prefix(step)
+    written = storage.upload_dir(policy_dir, prefix, keep=is_policy_file)
+    entries = tuple(entry_for(prefix, w) for w in written)
+    ref = PolicyRef(key=prefix, uri=storage.url(prefix), sha256=content_hash(entries),
+                    vocab_size=vocab_size, tokenizer_fingerprint=tokenizer_fingerprint(small))
     write_manifest(storage, prefix, Manifest(
         kind=POLICY_KIND, kind_version=1, files=entries,
         meta={"step": step, "sha256": ref.sha256, "vocab_size": ref.vocab_size,
               "tokenizer_fingerprint": ref.tokenizer_fingerprint}))
     return ref
+
+
+def _vocab_size(policy_dir: Path, small: dict[str, bytes]) -> int:
+    """``config.json``'s ``vocab_size``, once both config files read as JSON objects and the
+    chat template as UTF-8."""
+    configs = {name: _json_object(policy_dir / name, small[name])
+               for name in ("config.json", "tokenizer_config.json") if name in small}
+    if _TEMPLATE_FILE in small:
+        try:
+            small[_TEMPLATE_FILE].decode()
+        except UnicodeDecodeError as e:
+            raise StepArgumentError(f"{policy_dir / _TEMPLATE_FILE}: not UTF-8 ({e})",
+                                    url=str(policy_dir / _TEMPLATE_FILE)) from None
+    vocab_size = configs["config.json"].get("vocab_size")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) \
+            or not 0 < vocab_size < _MAX_VOCAB:
+        raise StepArgumentError(
+            f"{policy_dir / 'config.json'}: vocab_size {str(vocab_size)[:40]} is not an int "
+            "in [1, 2**31)", url=str(policy_dir / "config.json"), field="vocab_size")
+    return vocab_size
+
+
+def _json_object(path: Path, data: bytes) -> dict:
+    try:
+        value = json.loads(data)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer too long
+        raise StepArgumentError(f"{path}: not JSON ({type(e).__name__}: {str(e)[:120]})",
+                                url=str(path)) from None
+    if not isinstance(value, dict):
+        raise StepArgumentError(f"{path}: expected a JSON object, got {type(value).__name__}",
+                                url=str(path))
+    return value
 
 
 def load_policy_ref(storage: Storage, step: int) -> PolicyRef:
@@ -108,16 +146,3 @@ def load_policy_ref(storage: Storage, step: int) -> PolicyRef:
         vocab_size=meta_int(storage, prefix, manifest, "vocab_size", minimum=1,
                             maximum=_MAX_VOCAB),
         tokenizer_fingerprint=meta_str(storage, prefix, manifest, "tokenizer_fingerprint"))
-
-
-def _ref(storage: Storage, prefix: str, entries: tuple[FileEntry, ...],
-         small: dict[str, bytes]) -> PolicyRef:
-    uri = storage.url(prefix)
-    config = json.loads(small["config.json"])
-    vocab_size = config.get("vocab_size")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) \
-            or not 0 < vocab_size < 2**31:
-        raise ValueError(f"{uri}/config.json: vocab_size {vocab_size!r} is not an int in "
-                         "[1, 2**31)")
-    return PolicyRef(key=prefix, uri=uri, sha256=content_hash(entries), vocab_size=vocab_size,
-                     tokenizer_fingerprint=tokenizer_fingerprint(small))

@@ -24,12 +24,12 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import regex
 
 from pipeline.formats import ROLLOUT_SCHEMA_VERSION
 from pipeline.snapshot.render import int_text, quote, safe_repr, type_name
@@ -106,18 +106,17 @@ class RecordError(ValueError):
 # Characters that are blank on screen although unicodedata does not file them under Cc, Cf,
 # Zs, Zl or Zp: the Hangul fillers, the braille blank, and the default-ignorable marks
 # (combining grapheme joiner, Khmer inherent vowels, Mongolian and other variation selectors).
-BLANK_FILLERS = frozenset(
-    "\u115f\u1160\u3164\uffa0\u2800\u034f\u17b4\u17b5\u180b\u180c\u180d\u180f"
-    + "".join(map(chr, range(0xFE00, 0xFE10)))
-    + "".join(map(chr, range(0xE0100, 0xE01F0))))
-_INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
+# What shows nothing, by Unicode property (the UCD the ``regex`` package carries, newer than
+# the interpreter's): default-ignorable code points (zero-width characters, variation
+# selectors, the Hangul fillers, tag characters), unassigned code points, controls, format
+# characters and separators; plus the braille blank, a symbol drawn as an empty cell.
+_INVISIBLE = regex.compile(
+    r"[\p{Default_Ignorable_Code_Point}\p{Cn}\p{Cc}\p{Cf}\p{Z}\p{Cs}\N{BRAILLE PATTERN BLANK}]")
 
 
 def has_visible_content(text: str) -> bool:
-    """Whether ``text`` shows anything: not only control, format (zero-width), separator
-    characters and blank fillers."""
-    return any(ch not in BLANK_FILLERS and unicodedata.category(ch) not in _INVISIBLE_CATEGORIES
-               for ch in text)
+    """Whether ``text`` shows anything: a character that is none of :data:`_INVISIBLE`."""
+    return _INVISIBLE.sub("", text) != ""
 
 
 def validate_record(raw: Mapping[str, Any], *, vocab_size: int, step: int | None = None,

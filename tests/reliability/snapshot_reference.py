@@ -37,9 +37,21 @@ BLANKS = {"\u3164", "\u115f", "\u1160", "\uffa0", "\u2800"}
 MAX_QUOTE = 260  # what a field, a reason or a quoted id may take in the quarantine
 
 
+# Default_Ignorable_Code_Point, as Unicode 16's DerivedCoreProperties.txt lists it
+IGNORABLE = ((0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160),
+             (0x17B4, 0x17B5), (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E),
+             (0x2060, 0x206F), (0x3164, 0x3164), (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF),
+             (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A),
+             (0xE0000, 0xE0FFF))
+
+
 def visible(text: str) -> bool:
+    """Some character is neither default-ignorable, a control, format or separator
+    character, nor a blank (a character this interpreter's Unicode data does not know yet
+    may be either: it is not held against the record)."""
     return any(unicodedata.category(c) not in {"Cc", "Cf", "Zs", "Zl", "Zp"}
-               and c not in BLANKS for c in text)
+               and c not in BLANKS
+               and not any(lo <= ord(c) <= hi for lo, hi in IGNORABLE) for c in text)
 
 
 def _utf8(text: Any) -> bool:

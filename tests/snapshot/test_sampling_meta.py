@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.layout import raw_prefix
 from pipeline.sampling import GREEDY, SamplingError, SamplingParams
@@ -49,6 +53,42 @@ def test_bad_settings_fail_the_step_before_anything_is_written(storage, policy_d
     assert storage.list(raw_prefix(3)) == []
 
 
+BEYOND_FLOAT64 = st.one_of(
+    st.integers(min_value=2 * 10**308, max_value=10**6000),
+    st.integers(min_value=-(10**6000), max_value=-2 * 10**308),
+    st.fractions(min_value=Fraction(10**400)), st.sampled_from([float("inf"), float("nan")]))
+EDGES = {"temperature": BEYOND_FLOAT64, "top_p": BEYOND_FLOAT64, "min_p": BEYOND_FLOAT64,
+         "top_k": st.one_of(st.integers(min_value=2**31), st.integers(max_value=-2))}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(data=st.data(), field=st.sampled_from(sorted(EDGES)))
+def test_numbers_at_the_edges_are_refused_by_name(data, field):
+    """A float setting beyond float64 or not finite, a top_k beyond the engines' int32 or
+    below -1: a SamplingError naming the setting (the writer and the stage turn it into
+    their named errors), never an OverflowError."""
+    value = data.draw(EDGES[field])
+    settings_ = {"temperature": 1.0, field: value}
+    with pytest.raises(SamplingError) as raised:
+        SamplingParams.from_mapping(settings_)
+    assert raised.value.field == field and len(str(raised.value)) < 200
+
+
+def test_huge_settings_fail_the_writer_and_the_stage_by_name(storage, policy_dir):
+    with pytest.raises(StepArgumentError) as raised:
+        SnapshotWriter(storage).write_step(3, [good_record(0)], policy_dir, 3,
+                                           sampling={"temperature": 10**400})
+    assert raised.value.field == "sampling.temperature"
+    SnapshotWriter(storage).write_step(3, [good_record(0)], policy_dir, 3,
+                                       sampling={"temperature": 1.0})
+    edit_manifest(storage, raw_prefix(3),
+                  lambda m: {**m, "meta": {**m["meta"], "sampling": {"temperature": 1.0,
+                                                                     "top_k": 10**400}}})
+    with pytest.raises(SnapshotError) as raised:
+        snapshot_stage.run(storage, 3)
+    assert raised.value.field == "meta.sampling.top_k"
+
+
 def test_a_tampered_manifest_setting_is_named_by_the_stage(storage, policy_dir):
     SnapshotWriter(storage).write_step(3, [good_record(0)], policy_dir, 3,
                                        sampling={"temperature": 1.0})
@@ -91,3 +131,4 @@ def test_evaluation_takes_the_newest_recorded_sampler_and_the_run_configs_overri
     assert resolve_sampler(storage, 0, EvalConfig())[0] == GREEDY
     with pytest.raises(SamplingError, match="sampling.top_p"):
         EvalConfig(top_p=2.0)
+

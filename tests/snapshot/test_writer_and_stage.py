@@ -9,12 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.contracts import Manifest
-from pipeline.layout import raw_prefix, snapshot_prefix
+from pipeline.layout import policy_prefix, raw_prefix, snapshot_prefix
 from pipeline.manifest import entry_for, read_manifest, write_manifest
 from pipeline.parquet import ParquetFileError, read_table, write_table
 from pipeline.snapshot import stage as snapshot_stage
 from pipeline.snapshot.policy import publish_policy
-from pipeline.snapshot.sieve import QUARANTINE_SCHEMA, SnapshotError
+from pipeline.snapshot.sieve import QUARANTINE_SCHEMA, SnapshotError, StepArgumentError
 from pipeline.snapshot.stage import completed_steps, read_accepted
 from pipeline.snapshot.writer import SnapshotWriter
 from pipeline.storage import Storage
@@ -158,3 +158,19 @@ def test_records_in_equals_accepted_plus_quarantined(tmp_path_factory, plan):
     assert validated.accepted + validated.quarantined == len(records)
     q = pq.read_table(tmp / "snapshots/step=000003/quarantine.parquet", schema=QUARANTINE_SCHEMA)
     assert q.num_rows == len(records) - expected_good
+
+
+@pytest.mark.parametrize("name, content", [
+    ("config.json", b"[1, 2]"), ("config.json", b"7"), ("config.json", b"{not json"),
+    ("config.json", b'{"vocab_size": 1' + b"0" * 5000 + b"}"),
+    ("config.json", b'{"vocab_size": 4294967296}'), ("config.json", b"\xff\xfe{}"),
+    ("tokenizer_config.json", b'"a string"'), ("tokenizer_config.json", b"null"),
+    ("chat_template.jinja", b"{{ \xff }}"),
+])
+def test_a_malformed_policy_config_is_named_before_anything_is_uploaded(storage, policy_dir,
+                                                                       name, content):
+    (policy_dir / name).write_bytes(content)
+    with pytest.raises(StepArgumentError) as raised:
+        SnapshotWriter(storage).write_step(3, [good_record(0)], policy_dir, 3)
+    assert raised.value.url == str(policy_dir / name) and name in str(raised.value)
+    assert storage.list(policy_prefix(3)) == storage.list(raw_prefix(3)) == []  # no upload
