@@ -8,7 +8,10 @@ engine (:func:`pipeline.evaluation.engine.evaluate`, the one the offline evaluat
 SGLang contract server use) decodes the rollout's prompt with the step's policy and the
 drafter serving now (the serving record), at the rollouts' sampler, and the counts become the
 record's ``speculative`` field. Speculative sampling is lossless in distribution, so those
-counts are those of a sample of the same distribution the rollout was drawn from.
+counts are those of a sample of the same distribution the rollout was drawn from. As an
+engine's counters describe the response they came with, the sample is cut at the rollout's
+own length, as a ``max_new_tokens`` of that length would stop it: the passes that emitted
+its first tokens, the last one cut short (:func:`capped_counts`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def with_counters(records: Sequence[Mapping[str, Any]], policy_dir: Path, storag
     from transformers.utils import logging as hf_logging
 
     from pipeline.eagle3.export import load_drafter
-    from pipeline.evaluation.engine import evaluate
+    from pipeline.evaluation.engine import CycleTrace, evaluate
     from pipeline.evaluation.stage import stop_token_ids
 
     out = [dict(r) for r in records]
@@ -56,11 +59,28 @@ def with_counters(records: Sequence[Mapping[str, Any]], policy_dir: Path, storag
     local = materialize_drafter(storage, serving.target.drafter_uri, cache_dir,
                                 fingerprint=serving.target.fingerprint)
     drafter = load_drafter(local, target.get_input_embeddings().weight.detach())
+    trace: list[CycleTrace] = []
     run = evaluate(target, drafter, [out[i]["prompt_token_ids"] for i in chosen],
                    serving.settings, max_new_tokens=max_new_tokens,
                    eos_token_id=stop_token_ids(target),
-                   sampler=SamplingParams.from_mapping(sampling), seed=seed)
-    for i, tokens, (_, cycles) in zip(chosen, run.outputs, run.per_prompt, strict=True):
+                   sampler=SamplingParams.from_mapping(sampling), seed=seed, trace=trace)
+    for n, (i, tokens) in enumerate(zip(chosen, run.outputs, strict=True)):
+        passes = [len(c.emitted) for c in trace if c.prompt_index == n]
+        verify, completion = capped_counts(passes, len(tokens),
+                                           len(out[i]["response_token_ids"]))
         out[i]["speculative"] = {"drafter_version": serving.target.registry_version,
-                                 "verify_ct": cycles, "completion_tokens": len(tokens)}
+                                 "verify_ct": verify, "completion_tokens": completion}
     return out
+
+
+def capped_counts(passes: Sequence[int], generated: int, limit: int) -> tuple[int, int]:
+    """``(verify passes, completion tokens)`` of a decode whose passes emitted ``passes``
+    tokens each (after the prefill token; ``generated`` tokens in all, the prefill one
+    first, an end token possibly cutting the last pass), stopped at ``limit`` tokens."""
+    completion = min(generated, limit)
+    verify, emitted = 0, 0
+    for count in passes:
+        if emitted >= completion - 1:
+            break
+        verify, emitted = verify + 1, emitted + count
+    return verify, completion
