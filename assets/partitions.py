@@ -43,8 +43,25 @@ def complete_partitions(instance, assets: Iterable[AssetKey | str]) -> set[str]:
 
 
 def ingested_steps(instance) -> list[int]:
-    """RL steps whose whole data path (snapshot, tokens, shards) is materialized."""
-    return sorted(step_of(k) for k in complete_partitions(instance, DATA_ASSETS))
+    """RL steps whose whole data path (snapshot, tokens, shards) is materialized (a key not
+    of the form ``step-NNNNNN`` is no RL step: :func:`odd_partition_keys` reports it)."""
+    found = (parse_step(k) for k in complete_partitions(instance, DATA_ASSETS))
+    return sorted(s for s in found if s is not None)
+
+
+def odd_partition_keys(instance) -> list[str]:
+    """Keys of ``rl_steps`` and ``refresh_steps`` that are not ``step-NNNNNN`` (a typo in the
+    UI, a script's key): Aerie never made them, the sensors skip them and say so."""
+    return sorted({k for p in (rl_steps, refresh_steps)
+                   for k in instance.get_dynamic_partitions(p.name) if parse_step(k) is None})
+
+
+def odd_keys_note(odd: list[str], shown: int = 5) -> str:
+    """One line naming (at most ``shown``, shortened) the odd partition keys skipped."""
+    names = ", ".join(repr(k[:40]) for k in odd[:shown])
+    more = f" and {len(odd) - shown} more" if len(odd) > shown else ""
+    return (f"skipped {len(odd)} partition keys not of the form step-NNNNNN (not made by "
+            f"Aerie; delete them in the UI when unwanted): {names}{more}")
 
 
 def ensure_partition(instance, partitions_def: DynamicPartitionsDefinition, key: str) -> None:
@@ -53,11 +70,27 @@ def ensure_partition(instance, partitions_def: DynamicPartitionsDefinition, key:
         instance.add_dynamic_partitions(partitions_def.name, [key])
 
 
-def step_of(key: str) -> int:
+def parse_step(key: str) -> int | None:
+    """The RL step of partition key ``step-NNNNNN`` exactly as :func:`step_key` writes it;
+    None for any other key."""
     prefix, _, digits = key.partition("-")
-    if prefix != "step" or not digits.isdigit():
-        raise ValueError(f"partition key {key!r} is not of the form step-NNNNNN")
-    return int(digits)
+    if prefix != "step" or not (digits.isascii() and digits.isdigit()):
+        return None
+    return int(digits) if step_key(int(digits)) == key else None
+
+
+def parse_step_tag(value: str | None) -> int | None:
+    """An RL step written in a run tag (``aerie/refresh_step``); None when it is not one."""
+    return int(value) if value and value.isascii() and value.isdigit() else None
+
+
+def step_of(key: str) -> int:
+    """The RL step of an asset's own partition key; a :class:`ValueError` naming the key for
+    any other (a run on a key Aerie never made)."""
+    step = parse_step(key)
+    if step is None:
+        raise ValueError(f"partition key {key[:80]!r} is not of the form step-NNNNNN")
+    return step
 
 
 def refresh_triggers(instance) -> dict[int, str]:
@@ -65,5 +98,5 @@ def refresh_triggers(instance) -> dict[int, str]:
     from dagster import RunsFilter
 
     runs = instance.get_runs(filters=RunsFilter(job_name="drafter_refresh"))
-    return {int(r.tags[REFRESH_STEP_TAG]): r.tags.get(TRIGGER_TAG, "manual")
-            for r in reversed(runs) if REFRESH_STEP_TAG in r.tags}
+    tagged = ((parse_step_tag(r.tags.get(REFRESH_STEP_TAG)), r) for r in reversed(runs))
+    return {step: r.tags.get(TRIGGER_TAG, "manual") for step, r in tagged if step is not None}

@@ -25,7 +25,7 @@ from dagster import (
     asset,
 )
 
-from assets.partitions import refresh_steps, step_key, step_of
+from assets.partitions import parse_step, refresh_steps, step_key, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from assets.versions import CODE_VERSIONS
 from resources.refresh import RefreshPolicyResource
@@ -100,9 +100,12 @@ def in_flight_steps(instance: DagsterInstance, own_run_id: str, default_window: 
         if run.run_id == own_run_id or key is None:
             continue
         assets = {k.to_user_string() for k in (run.asset_selection or ())}
+        step = parse_step(key)
+        if step is None:  # a run on a key Aerie never made reads no step of its own
+            continue
         if run.job_name == "drafter_refresh" or assets & _WINDOW_READERS:
-            step, window = step_of(key), window_of(run, default_window)
+            window = window_of(run, default_window)
             steps.update(range(max(0, step - window + 1), step + 1))
         if run.job_name == "ingest_step" or assets & _STEP_WRITERS:
-            steps.add(step_of(key))
+            steps.add(step)
     return steps

@@ -42,6 +42,9 @@ from assets.partitions import (
     TRIGGER_TAG,
     ensure_partition,
     ingested_steps,
+    odd_keys_note,
+    odd_partition_keys,
+    parse_step_tag,
     refresh_steps,
     step_key,
 )
@@ -56,13 +59,26 @@ IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunSt
              DagsterRunStatus.STARTED]
 
 
-def due_refresh(ingested: list[int], last: int, every: int) -> int | None:
-    """The step to refresh at, or None: the newest ingested step once the block of ``every``
-    steps after the last refresh (``last``; -1 for none) is complete."""
-    if not ingested or every < 1:
+def due_refresh(ingested: list[int], last: int, every: int, window: int = 1) -> int | None:
+    """The step to refresh at, or None: once the block of ``every`` steps after the last
+    refresh (``last``; -1 for none) is passed, the newest ingested step whose whole window
+    (its last ``window`` steps) is ingested. A step that finishes ingesting after a later
+    one holds the refresh back until it is in, so no refresh is asked for a window that
+    cannot train and no block is skipped."""
+    if every < 1:
         return None
-    newest = max(ingested)
-    return newest if (newest + 1) // every > (last + 1) // every else None
+    boundary = (last + 1) // every
+    due = [s for s in ingested if (s + 1) // every > boundary]
+    return newest_complete(due, set(ingested), window)
+
+
+def newest_complete(candidates: list[int], ingested: set[int], window: int) -> int | None:
+    """The newest of ``candidates`` whose window (the ``window`` steps ending at it, from
+    step 0 on) is all in ``ingested``; None when none is."""
+    for step in sorted(candidates, reverse=True):
+        if all(s in ingested for s in range(max(0, step - max(window, 1) + 1), step + 1)):
+            return step
+    return None
 
 
 DRIFT_VERSION_TAG = "aerie/drifted_version"  # the serving version a drift refresh replaces
@@ -75,9 +91,10 @@ def drift_fired(instance) -> dict[str, int]:
                                                 tags={TRIGGER_TAG: "drift"}))
     fired: dict[str, int] = {}
     for run in runs:
-        version, step = run.tags.get(DRIFT_VERSION_TAG), run.tags.get(REFRESH_STEP_TAG)
+        version = run.tags.get(DRIFT_VERSION_TAG)
+        step = parse_step_tag(run.tags.get(REFRESH_STEP_TAG))
         if version is not None and step is not None:
-            fired[version] = max(fired.get(version, -1), int(step))
+            fired[version] = max(fired.get(version, -1), step)
     return fired
 
 
@@ -101,8 +118,9 @@ def requesting(request: RunRequest, cursor: str) -> SensorResult:
 
 def requested_steps(instance) -> set[int]:
     """Steps a refresh run was launched for, whatever became of it."""
-    return {int(v) for _, values in instance.get_run_tags(tag_keys=[REFRESH_STEP_TAG])
-            for v in values}
+    found = (parse_step_tag(v) for _, values in
+             instance.get_run_tags(tag_keys=[REFRESH_STEP_TAG]) for v in values)
+    return {s for s in found if s is not None}  # a tag Aerie did not write is no step
 
 
 def refresh_in_flight(instance) -> bool:
@@ -121,9 +139,14 @@ def refresh_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResou
     """Requests one drafter refresh per completed block of N ingested steps."""
     last = max(json.loads(context.cursor)["last"] if context.cursor else -1,
                max(requested_steps(context.instance), default=-1))
-    step = due_refresh(ingested_steps(context.instance), last, refresh.every)
+    step = due_refresh(ingested_steps(context.instance), last, refresh.every, refresh.window)
+    odd = odd_partition_keys(context.instance)
+    if odd:
+        context.log.warning(odd_keys_note(odd))
     if step is None:
-        return SkipReason(f"no new block of {refresh.every} ingested steps since step {last}")
+        note = f"; {odd_keys_note(odd)}" if odd else ""
+        return SkipReason(f"no new block of {refresh.every} ingested steps since step "
+                          f"{last}{note}")
     if refresh.max_interval > refresh.every and step - last < refresh.max_interval:
         from pipeline.monitor.drift import healthy, serving_reading
 
@@ -146,14 +169,15 @@ def drafter_refresh_schedule(context: ScheduleEvaluationContext,
     """The alternative trigger: hourly, refresh the newest ingested step unless a refresh
     run was already launched for it."""
     steps = ingested_steps(context.instance)
-    if not steps:
-        return SkipReason("no ingested RL step yet")
-    if steps[-1] in requested_steps(context.instance):
-        return SkipReason(f"a refresh run for step {steps[-1]} was already launched")
+    step = newest_complete(steps, set(steps), refresh.window)
+    if step is None:
+        return SkipReason("no ingested RL step with its whole window ingested yet")
+    if step in requested_steps(context.instance):
+        return SkipReason(f"a refresh run for step {step} was already launched")
     if refresh_in_flight(context.instance):
         return SkipReason("a drafter refresh is still queued or running")
-    ensure_partition(context.instance, refresh_steps, step_key(steps[-1]))
-    return refresh_request(steps[-1], refresh.window, trigger="schedule")
+    ensure_partition(context.instance, refresh_steps, step_key(step))
+    return refresh_request(step, refresh.window, trigger="schedule")
 
 
 @sensor(job=drafter_refresh, minimum_interval_seconds=60,
@@ -190,10 +214,14 @@ def drift_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResourc
     after = json.dumps({"version": version, "armed": verdict.armed})
     if not verdict.trigger:
         return SensorResult(skip_reason=verdict.reason, cursor=after)
-    if newest in requested:
-        return SensorResult(skip_reason=f"{verdict.reason}; a refresh at step {newest} was "
+    at = newest_complete(steps, set(steps), refresh.window)  # a window that can train
+    if at is None:  # fire on a later tick, still armed
+        return SkipReason(f"{verdict.reason}; waiting: no ingested step has its whole "
+                          "window ingested yet")
+    if at in requested:
+        return SensorResult(skip_reason=f"{verdict.reason}; a refresh at step {at} was "
                                         f"launched already", cursor=after)
     if refresh_in_flight(context.instance):  # fire on a later tick, still armed
         return SkipReason(f"{verdict.reason}; waiting: a drafter refresh is still running")
-    return requesting(refresh_request(newest, refresh.window, "drift",
+    return requesting(refresh_request(at, refresh.window, "drift",
                                       {DRIFT_VERSION_TAG: version}), after)

@@ -42,7 +42,14 @@ from dagster import (
 )
 
 from assets.groups import DATA_ASSETS, MONITOR_ASSETS
-from assets.partitions import ingested_steps, rl_steps, step_key, step_of
+from assets.partitions import (
+    ingested_steps,
+    odd_keys_note,
+    odd_partition_keys,
+    parse_step,
+    rl_steps,
+    step_key,
+)
 from pipeline.layout import ROLLOUTS, committed_steps, odd_entries
 from resources.run_config import run_config_from_env
 from resources.storage import StorageResource
@@ -74,8 +81,9 @@ def plan_ingest(completed: Iterable[int], runs: Mapping[int, DagsterRunStatus],
 
 def ingest_runs(instance) -> dict[int, DagsterRunStatus]:
     """The status of the newest ``ingest_step`` run of every partition (one query)."""
-    return {step_of(r.partition): r.status for r in instance.get_run_partition_data(
-        RunsFilter(job_name=ingest_step.name))}
+    found = ((parse_step(r.partition), r.status) for r in instance.get_run_partition_data(
+        RunsFilter(job_name=ingest_step.name)))
+    return {step: status for step, status in found if step is not None}
 
 
 def skipped_note(odd: list[str]) -> str:
@@ -105,11 +113,15 @@ def snapshot_sensor(context: SensorEvaluationContext, storage: StorageResource):
     odd = odd_entries(keys, ROLLOUTS)
     if odd:
         context.log.warning(skipped_note(odd))
+    odd_keys = odd_partition_keys(context.instance)
+    if odd_keys:
+        context.log.warning(odd_keys_note(odd_keys))
     steps, pending = plan_ingest(completed, ingest_runs(context.instance),
                                  ingested_steps(context.instance), _pending(context.cursor))
     cursor = json.dumps({"pending": pending})
     if not steps:
-        note = f"; {skipped_note(odd)}" if odd else ""
+        note = "".join(f"; {n}" for n in ([skipped_note(odd)] if odd else [])
+                       + ([odd_keys_note(odd_keys)] if odd_keys else []))
         return SensorResult(skip_reason=SkipReason(
             f"all {len(completed)} completed snapshot steps are ingested or being "
             f"ingested{note}"), cursor=cursor)

@@ -49,6 +49,39 @@ def test_due_refresh(ingested, last, every, due):
     assert due_refresh(ingested, last, every) == due
 
 
+def test_every_block_is_refreshed_once_whatever_order_its_steps_finish_in():
+    """Steps finish ingesting in any order: each tick asks for a refresh only when its whole
+    window is in, and over a run every block boundary is passed by exactly one refresh."""
+    import random
+
+    rng = random.Random(0)
+    for case in range(300):
+        every, window, total = rng.randint(1, 5), rng.randint(1, 6), rng.randint(1, 30)
+        order = list(range(total))
+        for i in range(total):  # each step finishes up to 3 places out of order
+            j = min(total - 1, i + rng.randint(0, 3))
+            order[i], order[j] = order[j], order[i]
+        ingested, last, refreshes = [], -1, []
+        for step in order:
+            ingested.append(step)
+            due = due_refresh(sorted(ingested), last, every, window)
+            if due is not None:
+                window_steps = range(max(0, due - window + 1), due + 1)
+                assert all(s in ingested for s in window_steps), (case, due, ingested)
+                refreshes.append(due)
+                last = due
+        blocks = [(s + 1) // every for s in refreshes]
+        assert blocks == sorted(set(blocks)), case  # never twice for one block
+        if total >= every:  # once everything is in, the newest block has its refresh
+            assert refreshes and (refreshes[-1] + 1) // every == total // every, case
+
+
+def test_a_boundary_step_ingested_late_holds_the_refresh_back():
+    assert due_refresh([0, 1, 2, 4], -1, 4, window=4) is None  # step 3 is not in yet
+    assert due_refresh([0, 1, 2, 3, 4], -1, 4, window=4) == 4
+    assert due_refresh([0, 1, 2, 4, 5, 6, 7, 8], -1, 4, window=2) == 8  # 7..8 complete
+
+
 def tick(instance, cursor, policy=None):
     return refresh_sensor(build_sensor_context(
         instance=instance, cursor=cursor, resources=trigger_resources(policy)))
