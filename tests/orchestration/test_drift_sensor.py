@@ -108,9 +108,10 @@ def _drive(instance, taus: dict[int, float], policy, series, keep_cursor_until: 
     """Tick the drift sensor after each step of ``taus``, launching what it requests; from
     step ``keep_cursor_until`` on its cursor is lost at every tick. Also checks that a tick
     without the cursor never requests what the one with it did not."""
-    requested, cursor = [], None
+    requested, cursor, done = [], None, -1
     for step, tau in taus.items():
-        ingest(instance, step)
+        ingest(instance, *range(done + 1, step + 1))  # every step so far, read or not
+        done = step
         series.append(_step(step, tau))
         if step >= keep_cursor_until:
             cursor = None
