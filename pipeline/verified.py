@@ -18,6 +18,7 @@ cache keeps at most ``max_bytes``: least recently used entries are removed first
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20
 _DONE = ".done.json"  # <entry>.done.json, written after the entry is in place
+_STATS = ".files.json"  # <entry>.files.json: what each file's stat was once verified
 _STALE_TMP_S = 24 * 3600  # a temporary directory of another host is stale after a day
 DEFAULT_CACHE_BYTES = 64 << 30
 
@@ -159,6 +161,7 @@ class DatasetCache:
                 _done(dest).unlink(missing_ok=True)
                 shutil.rmtree(dest, ignore_errors=True)
             os.replace(tmp, dest)
+            _stats(dest).write_text(json.dumps(_identities(dest, files)))
             _done(dest).write_text(to_json(manifest))  # last: the entry is complete
         except OSError:
             if not self._intact(dest, files):  # not a concurrent twin that finished first
@@ -196,23 +199,41 @@ class DatasetCache:
             freed = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
             _done(entry).unlink(missing_ok=True)  # first: a half-removed entry is not intact
             shutil.rmtree(entry, ignore_errors=True)
+            _stats(entry).unlink(missing_ok=True)
             held -= freed
             log.info("cache %s: evicted %s (%d bytes)", self.root, entry.name, freed)
 
     @staticmethod
     def _intact(dest: Path, files: Iterable[FileEntry]) -> bool:
-        """A complete entry whose files still have their sizes (hashed when it was filled)."""
+        """A complete entry whose files are untouched since they were verified: each one's
+        size, inode, modification and change times as recorded when the entry was filled.
+        Any write to a file (a same-size edit included, even with its modification time put
+        back) changes its change time, so the entry is fetched and verified again."""
         if not _done(dest).is_file():
             return False
-        for entry in files:
-            local = dest / entry.path
-            if not local.is_file() or local.stat().st_size != entry.bytes:
-                return False
-        return True
+        files = list(files)
+        try:
+            recorded = json.loads(_stats(dest).read_text())
+            return recorded == _identities(dest, files)
+        except (OSError, ValueError):  # no record (an older cache), a file gone: refetch
+            return False
+
+
+def _identities(dest: Path, files: Iterable[FileEntry]) -> dict[str, list[int]]:
+    """Each file's ``[size, inode, mtime_ns, ctime_ns]``, not following links."""
+    out = {}
+    for entry in files:
+        info = os.stat(dest / entry.path, follow_symlinks=False)
+        out[entry.path] = [info.st_size, info.st_ino, info.st_mtime_ns, info.st_ctime_ns]
+    return out
 
 
 def _done(entry: Path) -> Path:
     return entry.with_name(entry.name + _DONE)
+
+
+def _stats(entry: Path) -> Path:
+    return entry.with_name(entry.name + _STATS)
 
 
 def _entry(storage: Storage, prefix: str, manifest: Manifest, path: str) -> FileEntry:

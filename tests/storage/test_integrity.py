@@ -4,6 +4,7 @@ uploaded directory, crashed writers swept, and verified, bounded, content-named 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +61,53 @@ def test_links_leaving_the_directory_are_refused_before_anything_is_copied(tmp_p
         storage.upload_dir(src, "q")
 
 
+@pytest.mark.parametrize("swap", ["file", "directory"])
+def test_a_file_swapped_for_a_link_after_the_check_is_refused_not_read(tmp_path, monkeypatch,
+                                                                     swap):
+    """The race: everything checks out, then (between the check and the copy) a file, or
+    the directory holding it, becomes a link to an outside file. Reproduced exactly by
+    swapping right after the check."""
+    import pipeline.storage as storage_module
+
+    storage = Storage((tmp_path / "s").as_uri())
+    src = tmp_path / "policy"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "weights.bin").write_bytes(b"mine")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "weights.bin").write_bytes(b"SECRET")
+    checked = storage_module._regular_files
+
+    def check_then_swap(local_dir):
+        files = checked(local_dir)
+        if swap == "file":
+            (src / "sub" / "weights.bin").unlink()
+            (src / "sub" / "weights.bin").symlink_to(outside / "weights.bin")
+        else:
+            shutil.rmtree(src / "sub")
+            (src / "sub").symlink_to(outside, target_is_directory=True)
+        return files
+
+    monkeypatch.setattr(storage_module, "_regular_files", check_then_swap)
+    with pytest.raises(StorageError, match=r"sub/weights\.bin: changed while it was published"):
+        storage.upload_dir(src, "p")
+    assert not any(storage.read_bytes(k) == b"SECRET" for k in storage.list("p"))
+
+
+def test_hard_links_count_only_when_every_link_is_inside(tmp_path):
+    storage = Storage((tmp_path / "s").as_uri())
+    src = tmp_path / "policy"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"shared")
+    os.link(src / "a.bin", src / "b.bin")  # both links inside: published as two files
+    assert sorted(w.key for w in storage.upload_dir(src, "p")) == ["p/a.bin", "p/b.bin"]
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"not yours")
+    os.link(secret, src / "c.bin")  # the other link is outside
+    with pytest.raises(StorageError, match=r"c\.bin: a file with 2 hard links, 1 outside"):
+        storage.upload_dir(src, "q")
+
+
 def test_read_verified_names_the_tampered_file(tmp_path):
     storage = Storage((tmp_path / "s").as_uri())
     manifest = publish(storage, "d", {"a.bin": b"alpha", "b.bin": b"beta"})
@@ -105,6 +153,29 @@ def test_the_cache_is_named_by_content_verified_and_bounded(tmp_path):
     with pytest.raises(IntegrityError, match=r"two/w\.bin: sha256"):
         DatasetCache(tmp_path / "other").fetch(storage, "two")
     assert list((tmp_path / "other").iterdir()) == []  # nothing half-copied is left
+
+
+@pytest.mark.parametrize("edit", ["same size", "same size, times put back", "replaced"])
+def test_a_cache_copy_that_changed_is_never_loaded(tmp_path, edit):
+    """A local copy edited after it was verified (same size, even with its modification time
+    put back, or swapped for another file) is fetched and verified again, not reused."""
+    storage = Storage((tmp_path / "s").as_uri())
+    publish(storage, "d", {"w.bin": b"1" * 1000, "config.json": b"{}"})
+    cache = DatasetCache(tmp_path / "cache")
+    local = cache.fetch(storage, "d")
+    copy = local / "w.bin"
+    before = copy.stat()
+    if edit == "replaced":
+        (local / "other.bin").write_bytes(b"2" * 1000)
+        os.replace(local / "other.bin", copy)
+    else:
+        with open(copy, "r+b") as f:  # in place: same inode, same size
+            f.write(b"2" * 1000)
+        if edit == "same size, times put back":
+            os.utime(copy, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert copy.stat().st_size == 1000
+    again = cache.fetch(storage, "d")
+    assert (again / "w.bin").read_bytes() == b"1" * 1000
 
 
 def test_unsafe_manifest_paths_never_leave_the_cache(tmp_path):
@@ -161,8 +232,9 @@ def test_repeated_sigkill_leaves_no_growth(tmp_path):
         sizes.append(DatasetCache(cache_dir).size())
     assert sizes[0] > 0  # a killed fetch does leave a temporary directory behind ...
     local = DatasetCache(cache_dir).fetch(storage, "policy")  # ... which the re-run sweeps
-    assert DatasetCache(cache_dir).size() == manifest.total_bytes + len(
-        (cache_dir / (local.name + ".done.json")).read_bytes())
+    assert DatasetCache(cache_dir).size() == manifest.total_bytes + sum(
+        len((cache_dir / (local.name + suffix)).read_bytes())
+        for suffix in (".done.json", ".files.json"))
     assert [p.name for p in cache_dir.iterdir() if p.name.startswith(".tmp-")] == []
 
     for _ in range(3):
