@@ -82,10 +82,11 @@ def serving_acceptance(context: AssetExecutionContext, storage: StorageResource,
 def _serving_run(mlflow: MlflowResource, store, name: str):
     """``(runs, run id)`` of the drafter serving now: the run its chart is logged to (None
     when no drafter serves)."""
-    registry, serving = mlflow.build(), read_serving(store, name)
-    target = serving.target if serving is not None else None
-    return registry.runs, (registry.get_version(target.registry_version).run_id
-                           if target is not None else None)
+    serving = read_serving(store, name)
+    if serving is None or serving.target is None:
+        return None, None  # no MLflow connection needed
+    registry = mlflow.build()
+    return registry.runs, registry.get_version(serving.target.registry_version).run_id
 
 
 def _verify_serving(context, store, mlflow: MlflowResource, serving: ServingResource,
