@@ -15,8 +15,9 @@ Invariants every caller relies on:
 - **Durable roots only.** ``file://``, ``s3://`` (and the other object stores fsspec knows)
   are accepted; ``memory://``, ``http://``, ``ftp://`` and other non-durable or read-only
   filesystems are refused unless ``allow_ephemeral`` (tests).
-- **Nothing from outside.** :meth:`Storage.upload_dir` refuses symbolic links that leave the
-  uploaded directory, and anything that is not a regular file or directory.
+- **Nothing from outside.** :meth:`Storage.upload_dir` reads a directory through
+  :mod:`pipeline.local_tree`: no link that leaves it is followed, not even one swapped in
+  while it is copied, and nothing but regular files is read.
 - **Crashes leave no litter for long.** A local temporary file is named after its host and
   process; :meth:`Storage.sweep_temporary` removes those of dead processes under a prefix
   (and, on S3, aborts the multipart uploads left under it) before a dataset is rewritten.
@@ -31,10 +32,8 @@ import contextlib
 import hashlib
 import os
 import posixpath
-import stat
 import tempfile
 import uuid
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -43,6 +42,7 @@ from typing import Any, BinaryIO
 
 import fsspec
 
+from pipeline.local_tree import UnsafeTree, read_tree
 from pipeline.owners import older_than, owner_gone, owner_tag
 
 _CHUNK = 1 << 20
@@ -285,30 +285,15 @@ class Storage:
         """Copy every file under ``local_dir`` to ``prefix/<relative path>``, sorted; with
         ``keep``, only the files whose relative POSIX path it accepts.
 
-        Refuses (before copying anything) a symbolic link whose target is outside
-        ``local_dir``, and anything that is neither a regular file nor a directory. Each
-        file is then opened from the directory down without following any link and checked
-        on the opened descriptor (a regular file with no other hard link), so a file
-        swapped for a link between the check and the copy is refused, never read.
+        What it reads and refuses is :func:`pipeline.local_tree.read_tree`'s: nothing
+        outside ``local_dir``, checked before anything is copied and again on each opened
+        file (a :class:`StorageError` naming the path).
         """
-        local_dir = Path(local_dir)
-        files = _regular_files(local_dir)
-        root = local_dir.resolve()
-        links = Counter((i.st_dev, i.st_ino) for i in (
-            os.stat(root / at, follow_symlinks=False) for at in set(files.values())))
-        if keep is not None:  # hard links inside the directory, counted above
-            files = {p: at for p, at in files.items()
-                     if keep(p.relative_to(local_dir).as_posix())}
-        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            written = []
-            for p, inside in files.items():  # an inner link is read at its checked target
-                with _open_inside(root_fd, root, inside, links) as src:
-                    written.append(self._upload_stream(
-                        src, f"{prefix}/{p.relative_to(local_dir).as_posix()}"))
-            return written
-        finally:
-            os.close(root_fd)
+            return [self._upload_stream(src, f"{prefix}/{rel}")
+                    for rel, src in read_tree(Path(local_dir), keep)]
+        except UnsafeTree as e:
+            raise StorageError(str(e)) from None
 
     def _upload_stream(self, src: BinaryIO, key: str) -> WrittenObject:
         with self.open_write(key) as dst:
@@ -415,60 +400,6 @@ class Storage:
     def local_path(self, key: str) -> Path | None:
         """The local filesystem path of ``key`` for ``file://`` roots, else None."""
         return Path(self.path(key)) if self.is_local else None
-
-
-def _open_inside(root_fd: int, root: Path, inside: Path,
-                 links: Counter[tuple[int, int]]) -> BinaryIO:
-    """``root/inside`` opened for reading one component at a time from ``root_fd``, following
-    no symbolic link; refused unless it is a regular file whose hard links are all among
-    the directory's files (``links``: how many each inode has there)."""
-    fds, fd = [], root_fd
-    try:
-        for part in inside.parts[:-1]:
-            fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            fds.append(fd)
-        fd = os.open(inside.parts[-1], os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
-    except OSError as e:  # ELOOP: a link where a file or directory was when checked
-        raise StorageError(f"{root / inside}: changed while it was published (now "
-                           f"{os.strerror(e.errno) if e.errno else e}); nothing of it was "
-                           "read") from None
-    finally:
-        for d in fds:
-            os.close(d)
-    info = os.fstat(fd)
-    inside_links = links[(info.st_dev, info.st_ino)]
-    if not stat.S_ISREG(info.st_mode) or info.st_nlink > max(inside_links, 1):
-        os.close(fd)
-        what = "not a regular file" if not stat.S_ISREG(info.st_mode) else \
-            f"a file with {info.st_nlink} hard links, {info.st_nlink - inside_links} outside " \
-            "the directory"
-        raise StorageError(f"{root / inside}: {what}; copy the file into the directory "
-                           "instead")
-    return os.fdopen(fd, "rb")
-
-
-def _regular_files(local_dir: Path) -> dict[Path, Path]:
-    """Every regular file under ``local_dir`` (sorted), each with the path to read it at
-    relative to the resolved directory: its own, or an inner link's target. Links leaving
-    the directory, dangling links and anything but files and directories are refused."""
-    root = local_dir.resolve()
-    files = {}
-    for p in sorted(local_dir.rglob("*")):
-        read_at = p.relative_to(local_dir)
-        if p.is_symlink():
-            target = p.resolve()
-            if not target.is_relative_to(root):
-                raise StorageError(f"{p}: a symbolic link to {os.readlink(p)}, outside {root}; "
-                                   "copy the file into the directory instead")
-            if not target.exists():
-                raise StorageError(f"{p}: a symbolic link to {os.readlink(p)}, which is missing")
-            read_at = target.relative_to(root)
-        mode = p.stat().st_mode
-        if stat.S_ISREG(mode):
-            files[p] = read_at
-        elif not stat.S_ISDIR(mode):
-            raise StorageError(f"{p}: not a regular file or directory")
-    return files
 
 
 def _abandoned(tmp: Path) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 
 from pipeline.layout import OBSERVED, observed_key, steps_of
 from pipeline.records import from_json, to_json
+from pipeline.snapshot.counters import emitted_by_passes
 from pipeline.storage import Storage
 
 SCHEMA_VERSION = 1
@@ -62,10 +63,7 @@ class StepAcceptance:
 
 def rollout_counts(spec: Mapping[str, Any]) -> tuple[int, int]:
     """(tokens emitted by verify passes, verify passes) of one rollout's counters."""
-    verify = int(spec["verify_ct"])
-    if spec.get("completion_tokens") is not None:
-        return max(int(spec["completion_tokens"]) - 1, 0), verify
-    return int(spec["accepted_tokens"]) + verify, verify
+    return emitted_by_passes(spec), int(spec["verify_ct"])
 
 
 def summarise(step: int, counters: Iterable[Mapping[str, Any] | None],

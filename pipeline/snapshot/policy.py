@@ -84,7 +84,7 @@ def publish_policy(storage: Storage, step: int, policy_dir: Path) -> PolicyRef:
              for name in ("config.json", "tokenizer_config.json", _TOKENIZER_FILE,
                           _TEMPLATE_FILE)
              if (policy_dir / name).is_file()}
-    vocab_size = _vocab_size(policy_dir, small)
+    vocab_size = _checked_vocab_size(policy_dir, small)
     prefix = policy_prefix(step)
     written = storage.upload_dir(policy_dir, prefix, keep=is_policy_file)
     entries = tuple(entry_for(prefix, w) for w in written)
@@ -97,7 +97,7 @@ def publish_policy(storage: Storage, step: int, policy_dir: Path) -> PolicyRef:
     return ref
 
 
-def _vocab_size(policy_dir: Path, small: dict[str, bytes]) -> int:
+def _checked_vocab_size(policy_dir: Path, small: dict[str, bytes]) -> int:
     """``config.json``'s ``vocab_size``, once both config files read as JSON objects and the
     chat template as UTF-8."""
     configs = {name: _json_object(policy_dir / name, small[name])

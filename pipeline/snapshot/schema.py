@@ -32,6 +32,7 @@ import pyarrow as pa
 import regex
 
 from pipeline.formats import ROLLOUT_SCHEMA_VERSION
+from pipeline.snapshot.counters import emitted_by_passes
 from pipeline.snapshot.render import int_text, quote, safe_repr, type_name
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -103,9 +104,6 @@ class RecordError(ValueError):
         super().__init__(f"{self.field}: {self.reason}")
 
 
-# Characters that are blank on screen although unicodedata does not file them under Cc, Cf,
-# Zs, Zl or Zp: the Hangul fillers, the braille blank, and the default-ignorable marks
-# (combining grapheme joiner, Khmer inherent vowels, Mongolian and other variation selectors).
 # What shows nothing, by Unicode property (the UCD the ``regex`` package carries, newer than
 # the interpreter's): default-ignorable code points (zero-width characters, variation
 # selectors, the Hangul fillers, tag characters), unassigned code points, controls, format
@@ -417,11 +415,10 @@ def _check_counters_fit_response(rec: dict[str, Any]) -> None:
     spec, response = rec["speculative"], rec["response_token_ids"]
     if spec is None or response is None or not spec["verify_ct"]:
         return
-    completion = spec["completion_tokens"]
-    emitted = (completion - 1 if completion is not None
-               else spec["accepted_tokens"] + spec["verify_ct"])
+    emitted = emitted_by_passes(spec)
     if emitted > len(response) - 1:
-        field = "completion_tokens" if completion is not None else "accepted_tokens"
+        field = ("completion_tokens" if spec["completion_tokens"] is not None
+                 else "accepted_tokens")
         raise RecordError(f"speculative.{field}",
                           f"{emitted} tokens emitted by {spec['verify_ct']} verify passes, "
                           f"but the response holds {len(response)} (the prefill token "

@@ -67,7 +67,7 @@ def test_a_file_swapped_for_a_link_after_the_check_is_refused_not_read(tmp_path,
     """The race: everything checks out, then (between the check and the copy) a file, or
     the directory holding it, becomes a link to an outside file. Reproduced exactly by
     swapping right after the check."""
-    import pipeline.storage as storage_module
+    import pipeline.local_tree as local_tree
 
     storage = Storage((tmp_path / "s").as_uri())
     src = tmp_path / "policy"
@@ -76,7 +76,7 @@ def test_a_file_swapped_for_a_link_after_the_check_is_refused_not_read(tmp_path,
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "weights.bin").write_bytes(b"SECRET")
-    checked = storage_module._regular_files
+    checked = local_tree.tree_files
 
     def check_then_swap(local_dir):
         files = checked(local_dir)
@@ -88,7 +88,7 @@ def test_a_file_swapped_for_a_link_after_the_check_is_refused_not_read(tmp_path,
             (src / "sub").symlink_to(outside, target_is_directory=True)
         return files
 
-    monkeypatch.setattr(storage_module, "_regular_files", check_then_swap)
+    monkeypatch.setattr(local_tree, "tree_files", check_then_swap)
     with pytest.raises(StorageError, match=r"sub/weights\.bin: changed while it was published"):
         storage.upload_dir(src, "p")
     assert not any(storage.read_bytes(k) == b"SECRET" for k in storage.list("p"))
