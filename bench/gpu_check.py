@@ -2,7 +2,7 @@
 
 Run from the repository root:
 
-    python bench/gpu_check.py                    # on a CUDA machine: about 5 min on one H200
+    python bench/gpu_check.py                    # on a CUDA machine (meant: < 10 min, one H100)
     python bench/gpu_check.py --dry-run          # tiny shapes, CPU only (what CI runs)
     python bench/gpu_check.py --json out.json    # also write the figures (after each section)
 
@@ -11,27 +11,32 @@ masked from a random start; H=512, 4 layers, V=4096 on a GPU):
 
 1. ``capture``: the hf capture backend on the device in bf16 against the same model on CPU in
    fp32, over the same batch: relative error of the aux and final states (bound: 3e-2);
-2. ``resume``: a DeepSpeed ZeRO-2 bf16 training on the device, SIGKILLed after its first
+2. ``step``: one TTT training step in this process, without DeepSpeed: its time as Aerie
+   runs it and with cuDNN attention allowed (:mod:`pipeline.attention_kernels`), how many
+   distinct attention shapes it runs, and its busiest operators (a diagnosis, no bound);
+3. ``resume``: a DeepSpeed ZeRO-2 bf16 training on the device, SIGKILLed after its first
    checkpoint and resumed, ends with the uninterrupted run's weights, bit for bit (when they
    differ, a second uninterrupted run says whether the kernels or the resume are to blame);
-3. ``evaluation``: the in-process engine on the device in bf16 — lossless against greedy
-   decoding with bf16 near-ties counted — and its τ against the same drafter measured on CPU
+4. ``evaluation``: the in-process engine on the device in bf16 (lossless against greedy
+   decoding with bf16 near-ties counted) and its τ against the same drafter measured on CPU
    in fp32, each with its 95% interval over prompts.
 
 Throughput, on a random target of Llama-3-8B's layer shape (H=4096, 14336, 32 heads, 8 KV
 heads, V=128256) with ``--layers`` layers, each stage through its production entry point:
 
-4. capture tokens/s (``capture.stage.run``: read, forward, bf16 shards on local disk);
-5. training step time (the median gap between the run's own per-step log lines, so process
+5. capture tokens/s (``capture.stage.run``: read, forward, bf16 shards on local disk);
+6. training step time (the median gap between the run's own per-step log lines, so process
    start, checkpoints and export are left out), tokens/s and MFU: model FLOPs per trained token
    ``6·d·(drafter layer + draft head) + 6·fc + 2·H·V`` (TTT depth d; the teacher's full-vocab
    logits forward only; attention scores left out) over the measured bf16 matmul rate and the
    datasheet's 989 TFLOP/s;
-6. evaluation tokens/s of the in-process engine, one prompt at a time, with no drafter and
+7. evaluation tokens/s of the in-process engine, one prompt at a time, with no drafter and
    with the trained drafter.
 
-Exits 1 when a check fails. ``--dry-run`` runs every section at tiny shapes with the device
-set to CPU (bf16 on CPU stands in for the device's bf16), so CI keeps the script working.
+``--sections`` runs a subset; a training launch that outlives ``--train-limit`` seconds is
+killed and fails its section with the tail of its log. Exits 1 when a check fails.
+``--dry-run`` runs every section at tiny shapes with the device set to CPU (bf16 on CPU
+stands in for the device's bf16), so CI keeps the script working.
 """
 
 from __future__ import annotations
@@ -340,6 +345,65 @@ def check_evaluation(storage: Storage, sz: Sizes, device: str) -> dict[str, Any]
             "tau_intervals_overlap": overlap, "ok": lossless and overlap}
 
 
+def step_profile(storage: Storage, config: TrainConfig, work: Path, device: str
+                 ) -> dict[str, Any]:
+    """One TTT training step (forward + backward) run in this process without DeepSpeed, on
+    one micro batch of the check world: its time as Aerie runs it (attention without cuDNN's
+    per-shape graphs, :mod:`pipeline.attention_kernels`) and with cuDNN attention allowed,
+    the distinct attention shapes it runs, and its busiest operators. Against the DeepSpeed
+    runs' step times this says where a slow step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pipeline.eagle3 import ttt
+    from pipeline.eagle3.ttt_batch import LogitHead, collate
+    from pipeline.training.data import Position, WindowReader
+    from pipeline.training.loop import TTTObjective, build_drafter
+
+    spec = train_stage.plan(storage, STEP, config, work, "none")
+    model, target, manifests = build_drafter(spec, storage)
+    model = model.to(device=device, dtype=torch.bfloat16)
+    reader = WindowReader(storage, manifests, micro_batch_size=config.micro_batch_size,
+                          shuffle_buffer=config.shuffle_buffer, seed=0,
+                          max_length=config.max_length)
+    _, samples = next(reader.iter_micro_batches(Position(), 0, 1))
+    batch = collate(samples, target.lm_head.to(device), model.t2d, device=device,
+                    head=LogitHead.of(target.config))
+    objective = TTTObjective(model, config.ttt_depth, config.ttt_decay)
+
+    def one_step() -> None:
+        loss, _ = objective(batch)
+        loss.backward()
+        _sync(device)
+
+    def timed(allow_cudnn: bool = False) -> float:
+        kept = ttt.shape_stable
+        if allow_cudnn:  # the backends PyTorch picks by itself
+            ttt.shape_stable = contextlib.nullcontext
+        try:
+            one_step()  # warm-up
+            started = time.perf_counter()
+            for _ in range(3):
+                one_step()
+            return (time.perf_counter() - started) / 3
+        finally:
+            ttt.shape_stable = kept
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda"
+                                           else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        one_step()
+    events = prof.key_averages()
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    busiest = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:8]
+    shapes = {str(e.input_shapes) for e in prof.key_averages(group_by_input_shape=True)
+              if "scaled_dot_product" in e.key}
+    return {"tokens": int(batch.real.sum()), "seconds": round(timed(), 4),
+            "cudnn_allowed_seconds": round(timed(allow_cudnn=True), 4),
+            "attention_shapes": len(shapes), "operators": sum(e.count for e in events),
+            "busiest": [{"op": e.key, "count": e.count,
+                         "ms": round(getattr(e, key) / 1e3, 2)} for e in busiest]}
+
+
 STEP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 \S+ INFO step (\d+)/")
 
 
@@ -414,7 +478,7 @@ def throughput(root: Path, sz: Sizes, device: str, peak: float) -> dict[str, Any
             "evaluation": evaluation}
 
 
-SECTIONS = ("capture", "resume", "evaluation", "throughput")
+SECTIONS = ("capture", "step", "resume", "evaluation", "throughput")
 
 
 class Report:
@@ -486,16 +550,21 @@ def main(argv: list[str] | None = None) -> int:
         rows = token_rows(sz.check, sz.samples, sz.lengths, seed=1)
         if "capture" in wanted:
             report.section("capture", lambda: check_capture(model, rows, device))
-        if wanted & {"resume", "evaluation"}:
+        if wanted & {"step", "resume", "evaluation"}:
             extract = ExtractConfig(token_budget=8192, max_batch_size=16,
                                     heldout_fraction=0.15)
             storage, _ = world(work / "check", build_target_like(model, device), rows,
                                device, extract)
             vocab_stage.run(storage, STEP, 1, sz.draft_vocab)
-            resume = report.section("resume", lambda: check_resume(
-                storage, train_config(device, sz.train_steps), work / "runs"))
-            if resume is not None and "evaluation" in wanted:
-                report.section("evaluation", lambda: check_evaluation(storage, sz, device))
+            if "step" in wanted:
+                report.section("step", lambda: step_profile(
+                    storage, train_config(device, sz.train_steps), work / "profile", device))
+            if wanted & {"resume", "evaluation"}:
+                resume = report.section("resume", lambda: check_resume(
+                    storage, train_config(device, sz.train_steps), work / "runs"))
+                if resume is not None and "evaluation" in wanted:
+                    report.section("evaluation", lambda: check_evaluation(storage, sz,
+                                                                          device))
         if peak is not None and "throughput" in wanted:
             report.section("throughput", lambda: throughput(
                 work / "width", sz, device, peak["bf16_matmul_tflops"]))

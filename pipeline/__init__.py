@@ -25,8 +25,9 @@ writes), :mod:`records` (versioned JSON records), :mod:`contracts`
 byte checked against its manifest, and the local dataset cache), :mod:`parquet`,
 :mod:`serving_now` (the record of the drafter serving now: release writes it, training's
 warm start and evaluation's champion read it), :mod:`eagle3` (the drafter model, TTT
-and the SGLang format, shared by training and evaluation) and :mod:`sampling` (the sampler
-settings a snapshot records and the evaluation decodes at).
+and the SGLang format, shared by training and evaluation), :mod:`sampling` (the sampler
+settings a snapshot records and the evaluation decodes at) and :mod:`attention_kernels`
+(the fused attention kernels capture, training and evaluation run with).
 
 Data flows one way: a stage imports the foundation and earlier stages, never a later one;
 the foundation imports no stage. :mod:`checks` (quality checks over several stages),
@@ -38,5 +39,6 @@ promotion: acceptance as the RL engine saw it, verification, drift) sit on top.
 
 STAGES = ("snapshot", "tokenize", "capture", "vocab", "training", "evaluation", "release")
 FOUNDATION = ("owners", "local_tree", "storage", "layout", "formats", "records", "contracts",
-              "manifest", "verified", "parquet", "serving_now", "eagle3", "sampling")
+              "manifest", "verified", "parquet", "serving_now", "eagle3", "sampling",
+              "attention_kernels")
 ON_TOP = ("checks", "demo", "adapters", "monitor")

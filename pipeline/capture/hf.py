@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.attention_kernels import shape_stable
 from pipeline.capture.base import CapturedStates
 from pipeline.capture.provenance import provenance
 from pipeline.eagle3.aux_layers import check_aux_layer_ids, default_aux_layer_ids
@@ -116,7 +117,7 @@ class HFCaptureBackend:
             input_ids[row, : lengths[row]] = torch.as_tensor(ids, dtype=torch.long)
             attention_mask[row, : lengths[row]] = 1
         k = len(self.aux_layer_ids)
-        with torch.inference_mode():
+        with torch.inference_mode(), shape_stable():
             aux = torch.empty((b, t_max, k * h), dtype=self.output_dtype,
                               device=self.device)  # (B, T, 3H)
             with self._hooks(aux):

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pipeline.attention_kernels import shape_stable
 from pipeline.eagle3.chain_attention import ChainAttention
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.eagle3.ttt_batch import TTTBatch
@@ -193,10 +194,11 @@ def ttt_loss(model: Eagle3Drafter, batch: TTTBatch, depth: int = DEFAULT_DEPTH, 
     # needs each step's hidden state, never its logits, and one large matmul (forward and
     # weight gradient) runs faster than ``depth`` small ones.
     hidden_rows, counted = [], []  # counted[i]: flat positions b·T + t, in (b, t) order
-    for (rows, hidden), gate in zip(steps, flat_gates, strict=True):
-        keep = gate[rows]  # (N_i,) bool: the step's rows the loss counts
-        hidden_rows.append(hidden[keep])
-        counted.append(rows[keep])
+    with shape_stable():  # the chain runs as this loop draws its steps
+        for (rows, hidden), gate in zip(steps, flat_gates, strict=True):
+            keep = gate[rows]  # (N_i,) bool: the step's rows the loss counts
+            hidden_rows.append(hidden[keep])
+            counted.append(rows[keep])
     logits = model.compute_logits(torch.cat(hidden_rows)).float()  # (Σ N_i, Vd)
     total = batch.aux_hidden.new_zeros((), dtype=torch.float32)
     step_losses, sums, counts = [], [], []

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.attention_kernels import shape_stable
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.drafter import Drafter, as_drafter
@@ -102,7 +103,7 @@ def evaluate(target: nn.Module, drafter: Eagle3Drafter | Drafter | None,
     outputs: list[list[int]] = []
     per_prompt: list[tuple[int, int]] = []
     modules = [m for m in (target, drafter) if isinstance(m, nn.Module)]
-    with torch.inference_mode(), _eval_mode(modules):
+    with torch.inference_mode(), _eval_mode(modules), shape_stable():
         for i, prompt in enumerate(prompts):
             generator = torch.Generator().manual_seed(prompt_seed(seed, i))
             out, one = generate(runner, proposer, prompt, params, max_new_tokens, eos,

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from pipeline.attention_kernels import shape_stable
+
 
 @torch.inference_mode()
 def greedy_reference(model: nn.Module, prompt: Sequence[int], max_new_tokens: int,
@@ -22,14 +24,15 @@ def greedy_reference(model: nn.Module, prompt: Sequence[int], max_new_tokens: in
     ``eos``, at most ``max_new_tokens`` tokens."""
     device = next(model.parameters()).device
     ids, out = list(prompt), []
-    while len(out) < max_new_tokens:
-        logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False,
-                       logits_to_keep=1).logits  # (1, 1, V)
-        token = int(logits[0, -1].argmax())
-        out.append(token)
-        ids.append(token)
-        if token in eos:
-            break
+    with shape_stable():
+        while len(out) < max_new_tokens:
+            logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False,
+                           logits_to_keep=1).logits  # (1, 1, V)
+            token = int(logits[0, -1].argmax())
+            out.append(token)
+            ids.append(token)
+            if token in eos:
+                break
     return out
 
 
@@ -63,6 +66,7 @@ def is_near_tie(model: nn.Module, prompt: Sequence[int], expected: Sequence[int]
         return False
     device = next(model.parameters()).device
     ids = torch.tensor([[*prompt, *expected[:at]]], device=device)
-    logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    with shape_stable():
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
     gap = abs(float(logits[expected[at]] - logits[got[at]]))  # either side may be wrong
     return gap <= tolerance * max(1.0, float(logits.abs().max()))
