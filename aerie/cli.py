@@ -5,11 +5,12 @@ writing one snapshot per RL step through the writer API) and Aerie's refresh loo
 persistent sqlite Dagster instance under ``$AERIE_HOME/dagster``: after every step it ticks
 the snapshot sensor and the refresh sensor as the daemon would and runs what they request
 (:mod:`aerie.demo`), so the drafter is refreshed every N steps and the gate decides each
-refresh. ``aerie ingest`` writes an RL framework's dump directory as snapshots
-(:mod:`jobs.ingest`). ``aerie status`` says what serves now and ``aerie serving-args
-ENGINE`` the flags that launch an engine on it; ``aerie promote`` and ``aerie rollback``
-run the override and rollback jobs; ``aerie ui`` opens the Dagster UI on the same
-instance.
+refresh. ``aerie eval`` measures any drafter directory against a committed step's policy
+(:mod:`pipeline.evaluation.any_drafter`). ``aerie ingest`` writes an RL framework's dump
+directory as snapshots (:mod:`jobs.ingest`). ``aerie status`` says what serves now and
+``aerie serving-args ENGINE`` the flags that launch an engine on it; ``aerie promote`` and
+``aerie rollback`` run the override and rollback jobs; ``aerie ui`` opens the Dagster UI on
+the same instance.
 """
 
 import argparse
@@ -345,6 +346,59 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pipeline.evaluation.any_drafter import measure_drafter, shard_steps
+    from pipeline.evaluation.config import EvalConfig
+    from resources.storage import storage_from_environment
+
+    storage = storage_from_environment()
+    committed = shard_steps(storage)
+    if not committed:
+        print(f"aerie eval: no RL step of {storage.url('')} has hidden-state shards (held-out "
+              "prompts come from them): run a refresh first", file=sys.stderr)
+        return 1
+    step = args.step if args.step is not None else committed[-1]
+    window = [s for s in committed if step - args.window < s <= step]
+    if not window:
+        print(f"aerie eval: no step in {step - args.window + 1}..{step} has hidden-state "
+              f"shards (committed: {committed})", file=sys.stderr)
+        return 1
+    overrides = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "min_p")
+                 if getattr(args, k) is not None}
+    try:
+        config = EvalConfig(max_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                            device=args.device, dtype=args.dtype, seed=args.seed, **overrides)
+        result = measure_drafter(storage, step, args.drafter, window, config)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"aerie eval: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(to_json(result))
+        return 0
+    print(render_measurement(result))
+    return 0
+
+
+def render_measurement(result) -> str:
+    """``aerie eval``'s table: τ with its interval and α per position, per contestant."""
+    settings = result.settings
+    lines = [f"policy of RL step {result.step}; {result.prompts} held-out prompts of steps "
+             f"{result.window[0]}..{result.window[-1]}; {result.sampler} "
+             f"({result.sampler_source})",
+             f"{settings['num_steps']} steps, top-k {settings['eagle_topk']}, "
+             f"{settings['num_draft_tokens']} draft tokens, {settings['max_new_tokens']} new "
+             f"tokens; {result.device} {result.dtype}",
+             "",
+             f"{'contestant':<12} {'τ':>6}  {f'{result.confidence:.0%} interval':<15} "
+             f"{'lossless':<9} α per position"]
+    for row in result.rows():
+        lo, hi = row["tau_interval"]
+        alpha = " ".join("-" if a is None else f"{a:.3f}" for a in row["alpha"]) or "-"
+        lines.append(f"{row['contestant']:<12} {row['tau']:>6.3f}  {f'{lo:.3f}-{hi:.3f}':<15} "
+                     f"{row['lossless']:<9} {alpha}")
+    return "\n".join(lines)
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from jobs.ingest import follow
     from resources.ingest import IngestResource
@@ -450,6 +504,26 @@ def parser() -> argparse.ArgumentParser:
     ui.set_defaults(func=cmd_ui)
     sub.add_parser("status", help="what serves now, since when, its τ and staleness, and the "
                                   "last refresh").set_defaults(func=cmd_status)
+    ev = sub.add_parser("eval", help="measure a drafter directory (or no drafter) against "
+                                     "a committed RL step's policy on its held-out prompts")
+    ev.add_argument("drafter", nargs="?", type=Path,
+                    help="a drafter directory (config.json + model.safetensors, SGLang's "
+                         "EAGLE-3 layout); left out: no drafter only")
+    ev.add_argument("--step", type=int, help="the RL step whose policy is the target "
+                                             "(default: the newest with shards)")
+    ev.add_argument("--window", type=int, default=1,
+                    help="take held-out prompts from this many steps up to --step (default 1)")
+    ev.add_argument("--prompts", type=int, default=32, help="at most this many prompts")
+    ev.add_argument("--max-new-tokens", type=int, default=128)
+    ev.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ev.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ev.add_argument("--seed", type=int, default=0, help="seeds a sampled evaluation")
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int),
+                       ("min_p", float)):
+        ev.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
+                        help=f"override the recorded sampler's {name}")
+    ev.add_argument("--json", action="store_true", help="print the measurement as JSON")
+    ev.set_defaults(func=cmd_eval)
     from resources.mlflow import MlflowResource
 
     who = MlflowResource.user()

@@ -37,7 +37,9 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -189,11 +191,45 @@ def run(storage: Storage, step: int, candidate: str,
         log.info("step %d: acceptance report already committed", step)
         return existing
 
+    local = {name: (fetch(storage, prefix, kind=DRAFTER_KIND, label="drafter"), prefix,
+                    drafters[name].meta.get("fingerprint"))  # verified
+             for name, prefix in (("candidate", candidate), ("champion", champion))
+             if prefix is not None}
+    m = measure(storage, step, [list(p.prompt_ids) for p in prompts], config, sampler, source,
+                local)
+    report = AcceptanceReport(
+        step=step, policy_uri=policy.key, policy_sha256=policy.sha256, heldout=heldout,
+        settings=m.settings, heldout_key=heldout["keys_sha256"],
+        settings_key=_sha256(m.settings), contestants=m.contestants, fingerprint=fingerprint,
+        seconds=time.perf_counter() - started, prompt_keys=[p.key for p in prompts],
+        reference={"prompts": len(m.contest.sample), "indices": m.contest.sample},
+        sampler=sampler.canonical().to_dict(), sampler_source=source,
+        seed=config.seed, lossless_prompts=len(m.contest.checked),
+        confidence=config.confidence, device=str(m.device), dtype=config.dtype)
+    _publish(storage, report)
+    return report
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What :func:`measure` found: every contestant, and how it was measured."""
+
+    contestants: dict[str, Contestant]
+    contest: _Contest
+    settings: dict[str, Any]  # SpecParams fields + max_new_tokens
+    device: torch.device
+
+
+def measure(storage: Storage, step: int, ids: list[list[int]], config: EvalConfig,
+            sampler: SamplingParams, source: str,
+            drafters: Mapping[str, tuple[Path, str | None, str | None]]) -> Measurement:
+    """No drafter and each of ``drafters`` (name -> local directory, its uri and its
+    fingerprint for the report) decoded on the prompts ``ids`` with the policy of ``step``,
+    the same way (see the module docstring); nothing is published."""
     device, dtype = resolve_device(config.device), DTYPES[config.dtype]
     target = _load_target(storage, step, device, dtype)
     params = config.spec_params(target.config.architectures)
     settings = {**asdict(params), "max_new_tokens": config.max_new_tokens}
-    ids = [list(p.prompt_ids) for p in prompts]
     TargetRunner(target).check_length(max(map(len, ids)) + config.max_new_tokens
                                       + params.num_steps)  # refuse before any work
     log.info("step %d: measuring at %s (%s) on %d prompts, %s %s", step, sampler.label,
@@ -202,25 +238,11 @@ def run(storage: Storage, step: int, candidate: str,
     base = contest.measure(None)
     results = {NO_DRAFTER: contest.contestant(NO_DRAFTER, None, None, base, base)}
     embed = target.get_input_embeddings().weight.detach()
-    for name, prefix in (("candidate", candidate), ("champion", champion)):
-        if prefix is None:
-            continue
-        local = fetch(storage, prefix, kind=DRAFTER_KIND, label="drafter")  # verified
-        drafter = load_drafter(local, embed, dtype=dtype, device=device)
-        fingerprint_of = drafters[name].meta.get("fingerprint")
-        results[name] = contest.contestant(name, prefix, fingerprint_of,
-                                           contest.measure(drafter), base)
-    report = AcceptanceReport(
-        step=step, policy_uri=policy.key, policy_sha256=policy.sha256, heldout=heldout,
-        settings=settings, heldout_key=heldout["keys_sha256"], settings_key=_sha256(settings),
-        contestants=results, fingerprint=fingerprint, seconds=time.perf_counter() - started,
-        prompt_keys=[p.key for p in prompts],
-        reference={"prompts": len(contest.sample), "indices": contest.sample},
-        sampler=sampler.canonical().to_dict(), sampler_source=source,
-        seed=config.seed, lossless_prompts=len(contest.checked), confidence=config.confidence,
-        device=str(device), dtype=config.dtype)
-    _publish(storage, report)
-    return report
+    for name, (directory, uri, fingerprint) in drafters.items():
+        drafter = load_drafter(directory, embed, dtype=dtype, device=device)
+        results[name] = contest.contestant(name, uri, fingerprint, contest.measure(drafter),
+                                           base)
+    return Measurement(results, contest, settings, device)
 
 
 @dataclass(frozen=True)
