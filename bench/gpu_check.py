@@ -230,7 +230,7 @@ def build_target_like(model, device: str):
     return copy.deepcopy(model).to(device=device, dtype=torch.bfloat16).eval()
 
 
-TRAIN_LIMIT = 180.0  # seconds one training launch may take before the check kills it
+TRAIN_LIMIT = 120.0  # seconds one training launch may take before the check kills it
 
 
 @contextlib.contextmanager
