@@ -365,10 +365,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 1
     overrides = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "min_p")
                  if getattr(args, k) is not None}
+    drafter = args.drafter
     try:
+        if args.serving is not None:  # what serves now, at the settings it serves with
+            if drafter is not None:
+                raise ValueError("give a drafter directory or --serving, not both")
+            drafter, settings = _serving_drafter(storage, args.serving)
+            overrides.update(num_steps=settings.num_steps, eagle_topk=settings.eagle_topk,
+                             num_draft_tokens=settings.num_draft_tokens)
         config = EvalConfig(max_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                             device=args.device, dtype=args.dtype, seed=args.seed, **overrides)
-        result = measure_drafter(storage, step, args.drafter, window, config)
+        result = measure_drafter(storage, step, drafter, window, config)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"aerie eval: {e}", file=sys.stderr)
         return 2
@@ -377,6 +384,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     print(render_measurement(result))
     return 0
+
+
+def _serving_drafter(storage, name: str):
+    """The drafter serving now under ``name`` ("" : the registered model's name), fetched
+    and verified into ``$AERIE_HOME/serving-cache``, and the settings it serves with."""
+    from pipeline.serving_now import resolve_serving
+    from resources.home import aerie_home
+
+    name = name or _registry_and_storage()[0].model_name
+    launch = resolve_serving(storage, name, aerie_home() / "serving-cache")
+    if launch is None:
+        raise ValueError(f"serving {name}: nothing was ever published under "
+                         f"{storage.url('')} (is the name right?)")
+    if launch.drafter_dir is None:
+        raise ValueError(f"serving {name}: manifest {launch.manifest.sequence} serves no "
+                         "drafter")
+    return launch.drafter_dir, launch.manifest.settings
 
 
 def render_measurement(result) -> str:
@@ -509,6 +533,9 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("drafter", nargs="?", type=Path,
                     help="a drafter directory (config.json + model.safetensors, SGLang's "
                          "EAGLE-3 layout); left out: no drafter only")
+    ev.add_argument("--serving", nargs="?", const="", metavar="NAME",
+                    help="measure the drafter serving now under NAME (default: the "
+                         "registered model's name), at the settings it serves with")
     ev.add_argument("--step", type=int, help="the RL step whose policy is the target "
                                              "(default: the newest with shards)")
     ev.add_argument("--window", type=int, default=1,

@@ -68,3 +68,28 @@ def test_the_cli_prints_tau_interval_and_alpha(world, monkeypatch, capsys):
         "no_drafter", "drafter"}
     assert main(["eval", str(directory), "--step", "9"]) == 1
     assert "no step in 9..9" in capsys.readouterr().err
+
+
+def test_the_cli_measures_what_serves_now_at_its_settings(world, monkeypatch, capsys,
+                                                          tmp_path):
+    from pipeline.eagle3.spec import SpecParams
+    from pipeline.release.ledger import ServingLedger
+    from pipeline.serving_now import ServingTarget
+
+    storage, prefix, _ = world
+    monkeypatch.setenv("AERIE_STORAGE_URL", storage.root_url)
+    monkeypatch.setenv("AERIE_HOME", str(tmp_path / "home"))
+    torch.set_num_threads(1)
+    args = ["eval", "--serving", "eval-test", "--window", "2", "--prompts", "4",
+            "--max-new-tokens", "8", "--device", "cpu", "--json"]
+    assert main(args) == 2
+    assert "serving eval-test: nothing was ever published" in capsys.readouterr().err
+    served = SpecParams(2, 1, 3)
+    ServingLedger(storage, "eval-test").publish(
+        ServingTarget(prefix, "fp-1", "eval-test", "1"), served, mode="manifest",
+        reason="test")
+    assert main(args) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["settings"]["num_steps"] == 2
+    assert measured["settings"]["num_draft_tokens"] == 3
+    assert measured["contestants"]["drafter"]["uri"].startswith(str(tmp_path / "home"))
