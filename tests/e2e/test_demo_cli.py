@@ -156,6 +156,23 @@ def test_status_promote_and_rollback(demo, capfd):
     assert actions == ["rolled_back", "forced"]  # both recorded, newest first
 
 
+def test_eval_measures_the_serving_drafter_on_the_demo_state(demo, capfd):
+    storage = Storage((demo[0] / "storage").as_uri())
+    served = read_serving(storage, "aerie-drafter-demo")
+    assert cli.main(["eval", "--serving", "--window", str(WORLD.num_steps), "--prompts", "4",
+                     "--max-new-tokens", "16", "--device", "cpu", "--json"]) == 0
+    measured = json.loads(capfd.readouterr().out)
+    assert measured["step"] == WORLD.num_steps - 1 and measured["prompts"] >= 1
+    assert measured["settings"]["num_steps"] == served.settings.num_steps
+    drafter = measured["contestants"]["drafter"]
+    assert drafter["uri"].startswith(str(demo[0] / "serving-cache"))
+    assert drafter["outputs_match_baseline"] == measured["lossless_prompts"]
+    assert cli.main(["eval", "--serving", "--window", str(WORLD.num_steps), "--prompts", "4",
+                     "--max-new-tokens", "16", "--device", "cpu"]) == 0
+    table = capfd.readouterr().out
+    assert "drafter" in table and "interval" in table and "α per position" in table
+
+
 def test_a_second_demo_reuses_the_world_and_runs_nothing(demo):
     instance = DagsterInstance.get()
     before = len(instance.get_runs())
