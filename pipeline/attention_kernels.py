@@ -14,21 +14,44 @@ On an H200 a training step of the GPU check's small world took 7 to 18 s
 (``bench/gpu_check.py``, see the benchmarks page). Those graph builds are the likely cause.
 A GPU run with this module has not yet confirmed it.
 
-:func:`shape_stable` runs a block with the flash, memory-efficient or math kernels only.
-Each computes the same exact softmax attention, and none of them builds anything per shape.
-On a CPU it changes nothing, because cuDNN attention exists only on CUDA.
+:func:`shape_stable` turns cuDNN attention off for a block. PyTorch then picks among the
+flash, memory-efficient and math kernels the user left enabled. Each of them computes the
+same exact softmax attention, and none builds anything per shape. On a CPU it changes
+nothing, because cuDNN attention exists only on CUDA.
+
+The switch is one process-wide flag, so the blocks are counted. The first block to enter
+saves the flag and turns cuDNN off, and the last one to leave restores the saved value.
+Blocks may nest and may run on several threads at once (a server decoding requests side by
+side). While any block runs, no attention in the process uses cuDNN.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+import contextlib
+import threading
+from collections.abc import Iterator
 
-from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch
 
-SHAPE_STABLE = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+_lock = threading.Lock()
+_open = 0  # blocks inside shape_stable() now, over all threads
+_saved = True  # cuDNN attention's flag before the first of them
 
 
-def shape_stable() -> AbstractContextManager[None]:
+@contextlib.contextmanager
+def shape_stable() -> Iterator[None]:
     """Attention in the block runs without cuDNN's per-shape graphs (see the module
-    docstring). The backends enabled before are restored on exit."""
-    return sdpa_kernel(list(SHAPE_STABLE))
+    docstring)."""
+    global _open, _saved
+    with _lock:
+        if _open == 0:
+            _saved = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        _open += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _open -= 1
+            if _open == 0:
+                torch.backends.cuda.enable_cudnn_sdp(_saved)

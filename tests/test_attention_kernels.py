@@ -6,6 +6,8 @@ can be checked: the flags each call runs under (the kernel choice itself happens
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,16 @@ from pipeline.eagle3.ttt import ttt_loss
 from pipeline.evaluation.engine import evaluate
 from pipeline.evaluation.reference import greedy_reference, is_near_tie
 from tests.eagle3.helpers import random_batch, tiny_drafter, tiny_target_config
+
+
+@pytest.fixture(autouse=True)
+def cudnn_enabled():
+    """Each test starts with cuDNN attention enabled (PyTorch's default) and leaves the flag
+    as it found it."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 @pytest.fixture
@@ -40,13 +52,46 @@ def target() -> LlamaForCausalLM:
     return LlamaForCausalLM(tiny_target_config()).eval()
 
 
-def test_shape_stable_turns_cudnn_off_and_restores_the_flags():
-    assert torch.backends.cuda.cudnn_sdp_enabled()
-    with shape_stable():
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert torch.backends.cuda.flash_sdp_enabled()
-        assert torch.backends.cuda.mem_efficient_sdp_enabled()
-        assert torch.backends.cuda.math_sdp_enabled()
+def test_shape_stable_turns_cudnn_off_only_and_restores_it():
+    torch.backends.cuda.enable_flash_sdp(False)  # a user's own choice stays as it is
+    try:
+        with shape_stable():
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+            assert not torch.backends.cuda.flash_sdp_enabled()
+            assert torch.backends.cuda.mem_efficient_sdp_enabled()
+            with shape_stable():  # nested
+                assert not torch.backends.cuda.cudnn_sdp_enabled()
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+
+
+def test_blocks_on_two_threads_restore_the_flag_whatever_order_they_leave_in():
+    """A enters, B enters, A leaves, B leaves: cuDNN stays off until B leaves, then is on
+    again (a save-and-restore per block would leave it off)."""
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with shape_stable():
+            a_in.set()
+            b_in.wait()
+        a_out.set()
+
+    def b():
+        a_in.wait()
+        with shape_stable():
+            b_in.set()
+            a_out.wait()
+            seen["after A left"] = torch.backends.cuda.cudnn_sdp_enabled()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert seen == {"after A left": False}
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
