@@ -11,9 +11,10 @@ masked from a random start; H=512, 4 layers, V=4096 on a GPU):
 
 1. ``capture``: the hf capture backend on the device in bf16 against the same model on CPU in
    fp32, over the same batch: relative error of the aux and final states (bound: 3e-2);
-2. ``step``: one TTT training step in this process, without DeepSpeed: its time as Aerie
-   runs it and with cuDNN attention allowed (:mod:`pipeline.attention_kernels`), how many
-   distinct attention shapes it runs, and its busiest operators (a diagnosis, no bound);
+2. ``step``: TTT training steps in this process, without DeepSpeed, each on a micro batch
+   no earlier step saw: their times as Aerie runs them and with cuDNN attention allowed
+   (:mod:`pipeline.attention_kernels`), how many distinct attention shapes one step runs, and
+   its busiest operators (a diagnosis, no bound);
 3. ``resume``: a DeepSpeed ZeRO-2 bf16 training on the device, SIGKILLed after its first
    checkpoint and resumed, ends with the uninterrupted run's weights, bit for bit (when they
    differ, a second uninterrupted run says whether the kernels or the resume are to blame);
@@ -29,7 +30,9 @@ heads, V=128256) with ``--layers`` layers, each stage through its production ent
    start, checkpoints and export are left out), tokens/s and MFU: model FLOPs per trained token
    ``6·d·(drafter layer + draft head) + 6·fc + 2·H·V`` (TTT depth d; the teacher's full-vocab
    logits forward only; attention scores left out) over the measured bf16 matmul rate and the
-   datasheet's 989 TFLOP/s;
+   datasheet's 989 TFLOP/s. The count charges every depth and the head at every real token,
+   while TTT runs them only where the loss needs them (about half the positions in chat
+   data), so the MFU is an upper bound;
 7. evaluation tokens/s of the in-process engine, one prompt at a time, with no drafter and
    with the trained drafter.
 
@@ -116,7 +119,7 @@ class Sizes:
 def sizes(dry_run: bool, layers: int) -> Sizes:
     if dry_run:
         tiny = Shape(32, 64, 4, 2, 300, 4)
-        return Sizes(tiny, replace(tiny, layers=layers), samples=48, lengths=(16, 40),
+        return Sizes(tiny, replace(tiny, layers=layers), samples=72, lengths=(16, 40),
                      draft_vocab=64, width_draft_vocab=64, train_steps=8,
                      width_train_steps=3, prompts=4, new_tokens=16, matmul=256)
     return Sizes(Shape(512, 1408, 8, 2, 4096, 4), Shape(4096, 14336, 32, 8, 128256, layers),
@@ -285,23 +288,29 @@ def check_resume(storage: Storage, config: TrainConfig, work: Path) -> dict[str,
     spec = train_stage.plan(storage, STEP, config, work / "killed", "none")
     proc = TrainingProcess(spec, on_line=echo)
     root = Path(spec.work_dir) / "checkpoints"
-    deadline = time.monotonic() + 600
-    while not complete_checkpoints(root):
-        if proc.proc.poll() is not None:
-            raise RuntimeError(f"training ended before its first checkpoint: {proc.log_path}")
-        if time.monotonic() > deadline:
-            raise RuntimeError("no checkpoint within 600 s")
-        time.sleep(0.01)
-    proc.kill()
+    deadline = time.monotonic() + TRAIN_LIMIT
+    try:
+        while not complete_checkpoints(root):
+            if proc.proc.poll() is not None:
+                raise RuntimeError(f"training ended before its first checkpoint: "
+                                   f"{proc.log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no checkpoint within {TRAIN_LIMIT:.0f} s")
+            time.sleep(0.01)
+        finished = proc.proc.poll() is not None
+    finally:
+        proc.kill()  # SIGKILL mid-run (a no-op if it already ended)
     killed_at = max(int(p.name.split("-")[1]) for p in complete_checkpoints(root))
     with time_limit():
         resumed = launch(spec, on_line=echo)
     expected = weights_of(str(Path(train_stage.plan(
         storage, STEP, config, work / "reference", "none").out_dir)))
     identical = same_weights(weights_of(resumed.out_dir), expected)
+    mid_run = not finished and killed_at < resumed.steps
     out = {"steps": resumed.steps, "killed_after_checkpoint": killed_at,
-           "resumed_from_step": resumed.resumed_from_step, "bit_identical": identical,
-           "drafter": reference.uri, "ok": identical and resumed.resumed_from_step == killed_at}
+           "killed_mid_run": mid_run, "resumed_from_step": resumed.resumed_from_step,
+           "bit_identical": identical, "drafter": reference.uri,
+           "ok": mid_run and identical and resumed.resumed_from_step == killed_at}
     if not identical:  # kernels or resume? a second uninterrupted run answers
         with time_limit():
             again = launch(train_stage.plan(storage, STEP, config, work / "again", "none"))
@@ -320,17 +329,25 @@ def contestant_figures(report) -> dict[str, Any]:
         out[name] = {"tau": round(c.tau, 4), "tau_interval": [round(x, 4)
                                                               for x in c.tau_interval],
                      "alpha": [round(a, 4) if a == a else None for a in stats.alpha],
-                     "outputs_match": c.outputs_match_baseline, "near_ties": c.ties,
+                     "outputs_match": c.outputs_match_baseline,
+                     "reference_match": c.outputs_match_reference, "near_ties": c.ties,
                      "tokens_per_s": round(tokens / seconds, 1) if seconds else None}
     return out
 
 
 def evaluate(storage: Storage, sz: Sizes, device: str, dtype: str, prompts: int
              ) -> dict[str, Any]:
+    """The evaluation stage on the device: every contestant's figures, and whether the
+    report is sound as the promotion check judges it (lossless against greedy decoding and
+    the cache-free reference, bf16 near-ties counted; :func:`pipeline.checks.evaluation_sound`)."""
+    from pipeline.checks import evaluation_sound
+
     config = EvalConfig(max_prompts=prompts, max_new_tokens=sz.new_tokens,
                         reference_prompts=2, device=device, dtype=dtype)
-    return contestant_figures(eval_stage.run(storage, STEP, drafter_prefix(STEP),
-                                             config=config))
+    report = eval_stage.run(storage, STEP, drafter_prefix(STEP), config=config)
+    sound = evaluation_sound(report)
+    return {**contestant_figures(report), "lossless": bool(sound.passed),
+            "soundness": sound.description}
 
 
 def check_evaluation(storage: Storage, sz: Sizes, device: str) -> dict[str, Any]:
@@ -338,7 +355,7 @@ def check_evaluation(storage: Storage, sz: Sizes, device: str) -> dict[str, Any]
     ours = evaluate(storage, sz, device, "bfloat16", sz.prompts)
     reference = evaluate(storage, sz, "cpu", "float32", sz.prompts)
     c, r = ours["candidate"], reference["candidate"]
-    lossless = c["outputs_match"] + c["near_ties"] == ours["lossless_prompts"]
+    lossless = ours["lossless"] and reference["lossless"]
     overlap = (c["tau_interval"][0] <= r["tau_interval"][1]
                and r["tau_interval"][0] <= c["tau_interval"][1])
     return {"device_bf16": ours, "cpu_fp32": reference, "lossless": lossless,
@@ -347,11 +364,12 @@ def check_evaluation(storage: Storage, sz: Sizes, device: str) -> dict[str, Any]
 
 def step_profile(storage: Storage, config: TrainConfig, work: Path, device: str
                  ) -> dict[str, Any]:
-    """One TTT training step (forward + backward) run in this process without DeepSpeed, on
-    one micro batch of the check world: its time as Aerie runs it (attention without cuDNN's
-    per-shape graphs, :mod:`pipeline.attention_kernels`) and with cuDNN attention allowed,
-    the distinct attention shapes it runs, and its busiest operators. Against the DeepSpeed
-    runs' step times this says where a slow step goes."""
+    """TTT training steps (forward + backward) run in this process without DeepSpeed, each
+    on a micro batch of the check world that no earlier step saw: their times as Aerie runs
+    them (attention without cuDNN's per-shape graphs, :mod:`pipeline.attention_kernels`) and
+    with cuDNN attention allowed, the distinct attention shapes one step runs, and its
+    busiest operators. Fresh batches keep any per-shape cost in the timings, as in a real
+    run; against the DeepSpeed runs' step times this says where a slow step goes."""
     from torch.profiler import ProfilerActivity, profile
 
     from pipeline.eagle3 import ttt
@@ -365,40 +383,41 @@ def step_profile(storage: Storage, config: TrainConfig, work: Path, device: str
     reader = WindowReader(storage, manifests, micro_batch_size=config.micro_batch_size,
                           shuffle_buffer=config.shuffle_buffer, seed=0,
                           max_length=config.max_length)
-    _, samples = next(reader.iter_micro_batches(Position(), 0, 1))
-    batch = collate(samples, target.lm_head.to(device), model.t2d, device=device,
-                    head=LogitHead.of(target.config))
+    lm_head, head = target.lm_head.to(device), LogitHead.of(target.config)
+    batches = [collate(samples, lm_head, model.t2d, device=device, head=head)
+               for _, samples in reader.iter_micro_batches(Position(), 0, 1)][:7]
+    if len(batches) < 7:
+        raise RuntimeError(f"the check world holds {len(batches)} micro batches, 7 needed")
     objective = TTTObjective(model, config.ttt_depth, config.ttt_decay)
 
-    def one_step() -> None:
+    def one_step(batch) -> float:
+        started = time.perf_counter()
         loss, _ = objective(batch)
         loss.backward()
         _sync(device)
+        return time.perf_counter() - started
 
-    def timed(allow_cudnn: bool = False) -> float:
+    def timed(steps: list, allow_cudnn: bool = False) -> list[float]:
         kept = ttt.shape_stable
         if allow_cudnn:  # the backends PyTorch picks by itself
             ttt.shape_stable = contextlib.nullcontext
         try:
-            one_step()  # warm-up
-            started = time.perf_counter()
-            for _ in range(3):
-                one_step()
-            return (time.perf_counter() - started) / 3
+            return [round(one_step(b), 4) for b in steps]
         finally:
             ttt.shape_stable = kept
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda"
                                            else [])
     with profile(activities=activities, record_shapes=True) as prof:
-        one_step()
+        one_step(batches[0])  # also the warm-up: CUDA context, kernels loaded
     events = prof.key_averages()
     key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     busiest = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:8]
     shapes = {str(e.input_shapes) for e in prof.key_averages(group_by_input_shape=True)
-              if "scaled_dot_product" in e.key}
-    return {"tokens": int(batch.real.sum()), "seconds": round(timed(), 4),
-            "cudnn_allowed_seconds": round(timed(allow_cudnn=True), 4),
+              if e.key == "aten::scaled_dot_product_attention"}
+    return {"tokens": [int(b.real.sum()) for b in batches[1:]],
+            "seconds": timed(batches[1:4]),
+            "cudnn_allowed_seconds": timed(batches[4:7], allow_cudnn=True),
             "attention_shapes": len(shapes), "operators": sum(e.count for e in events),
             "busiest": [{"op": e.key, "count": e.count,
                          "ms": round(getattr(e, key) / 1e3, 2)} for e in busiest]}

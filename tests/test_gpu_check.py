@@ -27,11 +27,16 @@ def test_dry_run_passes_every_section(tmp_path):
     assert not [name for name, section in report.items() if "error" in section]
     capture = report["capture"]
     assert 0 < max(capture["aux_relative_error"], capture["final_relative_error"]) <= 3e-2
-    assert report["step"]["seconds"] > 0 and report["step"]["attention_shapes"] > 0
+    step = report["step"]
+    assert len(step["seconds"]) == len(step["cudnn_allowed_seconds"]) == 3
+    assert min(step["seconds"] + step["cudnn_allowed_seconds"]) > 0
+    assert step["attention_shapes"] > 0
     resume = report["resume"]
-    assert resume["bit_identical"] and resume["resumed_from_step"] == \
-        resume["killed_after_checkpoint"] < resume["steps"]
-    assert report["evaluation"]["lossless"]
+    assert resume["killed_mid_run"] and resume["bit_identical"]
+    assert resume["resumed_from_step"] == resume["killed_after_checkpoint"] < resume["steps"]
+    evaluation = report["evaluation"]
+    assert evaluation["lossless"] and evaluation["device_bf16"]["lossless"]
+    assert evaluation["cpu_fp32"]["soundness"].startswith("all 2 contestants lossless")
     throughput = report["throughput"]
     assert throughput["capture"]["tokens_per_s"] > 0
     assert throughput["training"]["step_seconds"] > 0
