@@ -365,22 +365,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 1
     overrides = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "min_p")
                  if getattr(args, k) is not None}
-    drafter = args.drafter
+    drafter, named = args.drafter, {}
     try:
-        if args.serving is not None:  # what serves now, at the settings it serves with
+        if args.serving or args.serving_name:  # what serves now, at its settings
             if drafter is not None:
                 raise ValueError("give a drafter directory or --serving, not both")
-            drafter, settings = _serving_drafter(storage, args.serving)
+            drafter, manifest = _serving_drafter(storage, args.serving_name or "")
+            settings = manifest.settings
             overrides.update(num_steps=settings.num_steps, eagle_topk=settings.eagle_topk,
                              num_draft_tokens=settings.num_draft_tokens)
+            named = {"uri": manifest.target.drafter_uri,
+                     "fingerprint": manifest.target.fingerprint}
         config = EvalConfig(max_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                             device=args.device, dtype=args.dtype, seed=args.seed, **overrides)
-        result = measure_drafter(storage, step, drafter, window, config)
+        result = measure_drafter(storage, step, drafter, window, config, **named)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"aerie eval: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(to_json(result))
+        print(json.dumps({**json.loads(to_json(result)), "rows": result.rows()}, indent=1))
         return 0
     print(render_measurement(result))
     return 0
@@ -388,7 +391,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _serving_drafter(storage, name: str):
     """The drafter serving now under ``name`` ("" : the registered model's name), fetched
-    and verified into ``$AERIE_HOME/serving-cache``, and the settings it serves with."""
+    and verified into ``$AERIE_HOME/serving-cache``, and its serving manifest."""
     from pipeline.serving_now import resolve_serving
     from resources.home import aerie_home
 
@@ -400,7 +403,14 @@ def _serving_drafter(storage, name: str):
     if launch.drafter_dir is None:
         raise ValueError(f"serving {name}: manifest {launch.manifest.sequence} serves no "
                          "drafter")
-    return launch.drafter_dir, launch.manifest.settings
+    return launch.drafter_dir, launch.manifest
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def render_measurement(result) -> str:
@@ -414,12 +424,17 @@ def render_measurement(result) -> str:
              f"tokens; {result.device} {result.dtype}",
              "",
              f"{'contestant':<12} {'τ':>6}  {f'{result.confidence:.0%} interval':<15} "
-             f"{'lossless':<9} α per position"]
+             f"{'greedy':<7} {'reference':<9} {'ties':<4} α per position"]
     for row in result.rows():
-        lo, hi = row["tau_interval"]
+        tau = "-" if row["tau"] is None else f"{row['tau']:.3f}"
+        interval = "-".join("-" if x is None else f"{x:.3f}" for x in row["tau_interval"])
         alpha = " ".join("-" if a is None else f"{a:.3f}" for a in row["alpha"]) or "-"
-        lines.append(f"{row['contestant']:<12} {row['tau']:>6.3f}  {f'{lo:.3f}-{hi:.3f}':<15} "
-                     f"{row['lossless']:<9} {alpha}")
+        lines.append(f"{row['contestant']:<12} {tau:>6}  {interval:<15} "
+                     f"{row['matches_greedy']:<7} {row['matches_reference']:<9} "
+                     f"{row['near_ties']:<4} {alpha}")
+    lines += ["", "greedy: prompts whose greedy output equals no drafter's; reference: "
+                  "prompts equal to the cache-free greedy reference; ties: mismatches at a "
+                  "bf16 near-tie"]
     return "\n".join(lines)
 
 
@@ -533,15 +548,18 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("drafter", nargs="?", type=Path,
                     help="a drafter directory (config.json + model.safetensors, SGLang's "
                          "EAGLE-3 layout); left out: no drafter only")
-    ev.add_argument("--serving", nargs="?", const="", metavar="NAME",
-                    help="measure the drafter serving now under NAME (default: the "
-                         "registered model's name), at the settings it serves with")
+    ev.add_argument("--serving", action="store_true",
+                    help="measure the drafter serving now, at the settings it serves with")
+    ev.add_argument("--serving-name", metavar="NAME",
+                    help="the serving name for --serving (default: the registered model's "
+                         "name); implies --serving")
     ev.add_argument("--step", type=int, help="the RL step whose policy is the target "
                                              "(default: the newest with shards)")
-    ev.add_argument("--window", type=int, default=1,
+    ev.add_argument("--window", type=_positive, default=1,
                     help="take held-out prompts from this many steps up to --step (default 1)")
-    ev.add_argument("--prompts", type=int, default=32, help="at most this many prompts")
-    ev.add_argument("--max-new-tokens", type=int, default=128)
+    ev.add_argument("--prompts", type=_positive, default=32,
+                    help="at most this many prompts")
+    ev.add_argument("--max-new-tokens", type=_positive, default=128)
     ev.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ev.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ev.add_argument("--seed", type=int, default=0, help="seeds a sampled evaluation")

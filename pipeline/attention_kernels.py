@@ -10,9 +10,9 @@ milliseconds of host time per build. Aerie's passes run a new shape on almost ev
 - the cache-free reference grows by one token per pass;
 - each capture batch is as long as its longest sample.
 
-On an H200 a training step of the GPU check's small world took 7 to 18 s
-(``bench/gpu_check.py``, see the benchmarks page). Those graph builds are the likely cause.
-A GPU run with this module has not yet confirmed it.
+On an H200 the GPU check's training steps took 7 to 16 s at H = 512 and 12 to 18 s at
+Llama-3-8B's width (``bench/gpu_check.py``, see the benchmarks page). Those graph builds are
+the likely cause. A GPU run with this module has not yet confirmed it.
 
 :func:`shape_stable` turns cuDNN attention off for a block. PyTorch then picks among the
 flash, memory-efficient and math kernels the user left enabled. Each of them computes the

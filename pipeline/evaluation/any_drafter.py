@@ -10,6 +10,7 @@ and the lossless checks. Nothing is published.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,17 +43,28 @@ class DrafterMeasurement:
     confidence: float
     contestants: dict[str, Contestant]
 
+    reference_prompts: int  # also decoded by the cache-free greedy reference
+
     def rows(self) -> list[dict[str, Any]]:
-        """One row per contestant: τ, its interval, α per draft position, lossless count."""
+        """One row per contestant: τ, its interval, α per draft position, and how many
+        prompts matched greedy decoding without a drafter and the cache-free reference
+        (``near_ties``: mismatches of either check at a bf16 near-tie). None: not a
+        number (no cycle was measured, or a position was never attempted)."""
         out = []
         for name, c in self.contestants.items():
             stats = c.acceptance
-            out.append({"contestant": name, "uri": c.uri, "tau": round(c.tau, 4),
-                        "tau_interval": [round(x, 4) for x in c.tau_interval],
-                        "alpha": [round(a, 4) if a == a else None for a in stats.alpha],
-                        "lossless": f"{c.outputs_match_baseline}/{self.lossless_prompts}",
+            out.append({"contestant": name, "uri": c.uri, "tau": _number(c.tau),
+                        "tau_interval": [_number(x) for x in c.tau_interval],
+                        "alpha": [_number(a) for a in stats.alpha],
+                        "matches_greedy": f"{c.outputs_match_baseline}/{self.lossless_prompts}",
+                        "matches_reference": f"{c.outputs_match_reference}/"
+                                             f"{self.reference_prompts}",
                         "near_ties": c.ties})
         return out
+
+
+def _number(x: float) -> float | None:
+    return round(x, 4) if math.isfinite(x) else None
 
 
 def shard_steps(storage: Storage) -> list[int]:
@@ -61,18 +73,20 @@ def shard_steps(storage: Storage) -> list[int]:
 
 
 def measure_drafter(storage: Storage, step: int, drafter: Path | None,
-                    window: Sequence[int], config: EvalConfig = EvalConfig()
+                    window: Sequence[int], config: EvalConfig = EvalConfig(), *,
+                    uri: str | None = None, fingerprint: str | None = None
                     ) -> DrafterMeasurement:
     """``drafter`` (None: no drafter only) against the policy of ``step`` on the held-out
-    prompts of ``window``. A missing file of the drafter is a ``FileNotFoundError`` naming
-    it, before the policy is loaded."""
+    prompts of ``window``; ``uri`` and ``fingerprint`` name it in the result (default: the
+    directory, no fingerprint). A missing file of the drafter is a ``FileNotFoundError``
+    naming it, before the policy is loaded."""
     drafters = {}
     if drafter is not None:
         for name in ("config.json", WEIGHTS_NAME):
             if not (Path(drafter) / name).is_file():
                 raise FileNotFoundError(f"drafter {drafter}: no {name} (expected SGLang's "
                                         "EAGLE-3 layout: config.json + model.safetensors)")
-        drafters[DRAFTER] = (Path(drafter), str(drafter), None)
+        drafters[DRAFTER] = (Path(drafter), uri or str(drafter), fingerprint)
     _, prompts = heldout_prompts(storage, window, config.max_prompts)
     sampler, source = resolve_sampler(storage, step, config)
     m = measure(storage, step, [list(p.prompt_ids) for p in prompts], config, sampler,
@@ -80,6 +94,7 @@ def measure_drafter(storage: Storage, step: int, drafter: Path | None,
     order = [NO_DRAFTER, *drafters]
     return DrafterMeasurement(
         step=step, window=tuple(window), prompts=len(prompts),
-        lossless_prompts=len(m.contest.checked), sampler=sampler.label,
+        lossless_prompts=len(m.contest.checked), reference_prompts=len(m.contest.sample),
+        sampler=sampler.label,
         sampler_source=source, settings=m.settings, device=str(m.device), dtype=config.dtype,
         confidence=config.confidence, contestants={k: m.contestants[k] for k in order})

@@ -165,7 +165,8 @@ def test_eval_measures_the_serving_drafter_on_the_demo_state(demo, capfd):
     assert measured["step"] == WORLD.num_steps - 1 and measured["prompts"] >= 1
     assert measured["settings"]["num_steps"] == served.settings.num_steps
     drafter = measured["contestants"]["drafter"]
-    assert drafter["uri"].startswith(str(demo[0] / "serving-cache"))
+    assert (drafter["uri"], drafter["fingerprint"]) == (served.target.drafter_uri,
+                                                        served.target.fingerprint)
     assert drafter["outputs_match_baseline"] == measured["lossless_prompts"]
     assert cli.main(["eval", "--serving", "--window", str(WORLD.num_steps), "--prompts", "4",
                      "--max-new-tokens", "16", "--device", "cpu"]) == 0

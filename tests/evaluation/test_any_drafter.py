@@ -66,6 +66,12 @@ def test_the_cli_prints_tau_interval_and_alpha(world, monkeypatch, capsys):
     measured = json.loads(capsys.readouterr().out)
     assert measured["window"] == [1, 2] and set(measured["contestants"]) == {
         "no_drafter", "drafter"}
+    rows = {r["contestant"]: r for r in measured["rows"]}
+    assert rows["no_drafter"]["tau"] == 1.0 and rows["drafter"]["tau"] >= 1.0
+    assert rows["drafter"]["matches_greedy"] == f"{measured['prompts']}/{measured['prompts']}"
+    with pytest.raises(SystemExit):
+        main(["eval", "--window", "0"])
+    assert "must be at least 1" in capsys.readouterr().err
     assert main(["eval", str(directory), "--step", "9"]) == 1
     assert "no step in 9..9" in capsys.readouterr().err
 
@@ -80,7 +86,7 @@ def test_the_cli_measures_what_serves_now_at_its_settings(world, monkeypatch, ca
     monkeypatch.setenv("AERIE_STORAGE_URL", storage.root_url)
     monkeypatch.setenv("AERIE_HOME", str(tmp_path / "home"))
     torch.set_num_threads(1)
-    args = ["eval", "--serving", "eval-test", "--window", "2", "--prompts", "4",
+    args = ["eval", "--serving-name", "eval-test", "--window", "2", "--prompts", "4",
             "--max-new-tokens", "8", "--device", "cpu", "--json"]
     assert main(args) == 2
     assert "serving eval-test: nothing was ever published" in capsys.readouterr().err
@@ -92,4 +98,7 @@ def test_the_cli_measures_what_serves_now_at_its_settings(world, monkeypatch, ca
     measured = json.loads(capsys.readouterr().out)
     assert measured["settings"]["num_steps"] == 2
     assert measured["settings"]["num_draft_tokens"] == 3
-    assert measured["contestants"]["drafter"]["uri"].startswith(str(tmp_path / "home"))
+    drafter = measured["contestants"]["drafter"]
+    assert (drafter["uri"], drafter["fingerprint"]) == (prefix, "fp-1")
+    assert main(["eval", "--serving", str(tmp_path)]) == 2  # a directory and --serving
+    assert "not both" in capsys.readouterr().err
