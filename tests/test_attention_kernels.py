@@ -116,3 +116,4 @@ def test_evaluation_attends_without_cudnn(calls, target):
 def test_capture_attends_without_cudnn(calls, target):
     HFCaptureBackend(target).capture([[3, 7, 1, 9], [5, 2]])
     assert calls and not any(calls)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
