@@ -49,12 +49,9 @@ from pipeline.capture.shards import (
     read_shards_manifest,
     write_shard,
 )
-from pipeline.contracts import Manifest  # noqa: E402
-from pipeline.layout import shards_prefix, tokenized_prefix
-from pipeline.manifest import entry_for, write_manifest  # noqa: E402
-from pipeline.parquet import write_table  # noqa: E402
+from pipeline.layout import shards_prefix
 from pipeline.storage import Storage  # noqa: E402
-from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
+from pipeline.tokenize.schema import commit_rows  # noqa: E402
 
 STEP = 1
 
@@ -78,15 +75,7 @@ def write_tokenized(storage: Storage, n: int, args: argparse.Namespace) -> int:
         rows.append({"sample_id": f"s{i}", "step": STEP,
                      "input_ids": rng.integers(0, args.vocab, t).tolist(),
                      "loss_mask": (rng.random(t) < 0.6).astype(int).tolist()})
-    prefix = tokenized_prefix(STEP)
-    entries = []
-    for p in range(0, n, 256):
-        table = pa.Table.from_pylist(rows[p:p + 256], schema=TOKENIZED_SCHEMA)
-        written = write_table(storage, f"{prefix}/part-{p // 256:05d}.parquet", table)
-        entries.append(entry_for(prefix, written, rows=table.num_rows))
-    write_manifest(storage, prefix, Manifest(kind=TOKENIZED_KIND, kind_version=1,
-                                             files=tuple(entries)))
-    return sum(len(r["input_ids"]) for r in rows)
+    return commit_rows(storage, STEP, rows)
 
 
 class Timed:

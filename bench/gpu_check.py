@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import re
 import statistics
@@ -61,7 +62,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -69,15 +69,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.capture import stage as capture_stage  # noqa: E402
 from pipeline.capture.config import ExtractConfig  # noqa: E402
 from pipeline.capture.hf import HFCaptureBackend  # noqa: E402
-from pipeline.contracts import Manifest  # noqa: E402
 from pipeline.evaluation import stage as eval_stage  # noqa: E402
 from pipeline.evaluation.config import EvalConfig  # noqa: E402
-from pipeline.layout import drafter_prefix, tokenized_prefix  # noqa: E402
-from pipeline.manifest import entry_for, write_manifest  # noqa: E402
-from pipeline.parquet import write_table  # noqa: E402
+from pipeline.layout import drafter_prefix  # noqa: E402
 from pipeline.snapshot.policy import load_policy_ref, publish_policy  # noqa: E402
 from pipeline.storage import Storage  # noqa: E402
-from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA  # noqa: E402
+from pipeline.tokenize.schema import commit_rows  # noqa: E402
 from pipeline.training import stage as train_stage  # noqa: E402
 from pipeline.training.checkpoint import complete_checkpoints  # noqa: E402
 from pipeline.training.config import TrainConfig  # noqa: E402
@@ -161,17 +158,6 @@ def token_rows(shape: Shape, n: int, lengths: tuple[int, int], seed: int) -> lis
     return rows
 
 
-def commit_tokenized(storage: Storage, rows: list[dict], per_part: int = 64) -> None:
-    """``rows`` committed as step 1's tokenized dataset, as the tokenizer stage commits."""
-    prefix, entries = tokenized_prefix(STEP), []
-    for p in range(0, len(rows), per_part):
-        table = pa.Table.from_pylist(rows[p:p + per_part], schema=TOKENIZED_SCHEMA)
-        written = write_table(storage, f"{prefix}/part-{p // per_part:05d}.parquet", table)
-        entries.append(entry_for(prefix, written, rows=table.num_rows))
-    write_manifest(storage, prefix, Manifest(kind=TOKENIZED_KIND, kind_version=1,
-                                             files=tuple(entries)))
-
-
 def world(root: Path, model, rows: list[dict], device: str, extract: ExtractConfig
           ) -> tuple[Storage, capture_stage.ExtractSummary]:
     """A one-step world in ``root``: ``model`` as the policy, ``rows`` tokenized, states
@@ -179,7 +165,7 @@ def world(root: Path, model, rows: list[dict], device: str, extract: ExtractConf
     storage = Storage((root / "storage").as_uri())
     model.save_pretrained(root / "policy")
     publish_policy(storage, STEP, root / "policy")
-    commit_tokenized(storage, rows)
+    commit_rows(storage, STEP, rows, rows_per_part=64)
     backend = HFCaptureBackend(model, device=device, output_dtype=torch.bfloat16)
     _sync(device)
     summary = capture_stage.run(storage, STEP, backend, extract,
@@ -335,7 +321,7 @@ def contestant_figures(report) -> dict[str, Any]:
     return out
 
 
-def evaluate(storage: Storage, sz: Sizes, device: str, dtype: str, prompts: int
+def evaluation_figures(storage: Storage, sz: Sizes, device: str, dtype: str, prompts: int
              ) -> dict[str, Any]:
     """The evaluation stage on the device: every contestant's figures, and whether the
     report is sound as the promotion check judges it (lossless against greedy decoding and
@@ -352,8 +338,8 @@ def evaluate(storage: Storage, sz: Sizes, device: str, dtype: str, prompts: int
 
 def check_evaluation(storage: Storage, sz: Sizes, device: str) -> dict[str, Any]:
     """τ and losslessness on the device in bf16 against CPU fp32, same prompts, greedy."""
-    ours = evaluate(storage, sz, device, "bfloat16", sz.prompts)
-    reference = evaluate(storage, sz, "cpu", "float32", sz.prompts)
+    ours = evaluation_figures(storage, sz, device, "bfloat16", sz.prompts)
+    reference = evaluation_figures(storage, sz, "cpu", "float32", sz.prompts)
     c, r = ours["candidate"], reference["candidate"]
     lossless = ours["lossless"] and reference["lossless"]
     overlap = (c["tau_interval"][0] <= r["tau_interval"][1]
@@ -385,7 +371,8 @@ def step_profile(storage: Storage, config: TrainConfig, work: Path, device: str
                           max_length=config.max_length)
     lm_head, head = target.lm_head.to(device), LogitHead.of(target.config)
     batches = [collate(samples, lm_head, model.t2d, device=device, head=head)
-               for _, samples in reader.iter_micro_batches(Position(), 0, 1)][:7]
+               for _, samples in itertools.islice(reader.iter_micro_batches(Position(), 0, 1),
+                                                  7)]
     if len(batches) < 7:
         raise RuntimeError(f"the check world holds {len(batches)} micro batches, 7 needed")
     objective = TTTObjective(model, config.ttt_depth, config.ttt_decay)
@@ -455,8 +442,8 @@ def flops_per_token(drafter_dir: Path, depth: int, target: Shape) -> float:
 def throughput(root: Path, sz: Sizes, device: str, peak: float) -> dict[str, Any]:
     """Capture, training and evaluation throughput on the real-width target."""
     shape = sz.width
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = build_target(shape, device, dtype)
+    dtype_name = "bfloat16" if device == "cuda" else "float32"
+    model = build_target(shape, device, getattr(torch, dtype_name))
     params = sum(p.numel() for p in model.parameters())
     rows = token_rows(shape, sz.samples, sz.lengths, seed=2)
     extract = ExtractConfig(token_budget=16384, max_batch_size=16, heldout_fraction=0.1)
@@ -491,8 +478,7 @@ def throughput(root: Path, sz: Sizes, device: str, peak: float) -> dict[str, Any
         training.update(tokens_per_s=round(per_step / seconds), achieved_tflops=round(
             achieved, 1), mfu_vs_measured=round(achieved / peak, 4),
             mfu_vs_datasheet=round(achieved / DATASHEET_BF16_TFLOPS, 4))
-    evaluation = evaluate(storage, sz, device, "bfloat16" if device == "cuda" else "float32",
-                          max(2, sz.prompts // 2))
+    evaluation = evaluation_figures(storage, sz, device, dtype_name, max(2, sz.prompts // 2))
     return {"shape": shape.__dict__, "capture": capture, "training": training,
             "evaluation": evaluation}
 

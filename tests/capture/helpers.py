@@ -7,18 +7,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import pyarrow as pa
 import torch
 from transformers import LlamaForCausalLM
 
 from pipeline.capture.config import ExtractConfig
 from pipeline.capture.shards import read_shards_manifest
-from pipeline.contracts import Manifest
-from pipeline.layout import tokenized_prefix
-from pipeline.manifest import entry_for, write_manifest
-from pipeline.parquet import write_table
 from pipeline.storage import Storage
-from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA
+from pipeline.tokenize.schema import commit_rows
 from tests.families import tiny_llama as build_llama
 
 VOCAB = 128
@@ -56,14 +51,7 @@ def write_tokenized(storage: Storage, step: int, lengths: Sequence[int], seed: i
 def write_rows(storage: Storage, step: int, rows: list[dict], rows_per_part: int = 7
                ) -> list[dict]:
     """``rows`` committed as ``step``'s tokenized dataset."""
-    prefix = tokenized_prefix(step)
-    entries = []
-    for p in range(0, len(rows), rows_per_part):
-        table = pa.Table.from_pylist(rows[p:p + rows_per_part], schema=TOKENIZED_SCHEMA)
-        written = write_table(storage, f"{prefix}/part-{p // rows_per_part:05d}.parquet", table)
-        entries.append(entry_for(prefix, written, rows=table.num_rows))
-    write_manifest(storage, prefix, Manifest(kind=TOKENIZED_KIND, kind_version=1,
-                                             files=tuple(entries), meta={"step": step}))
+    commit_rows(storage, step, rows, rows_per_part, meta={"step": step})
     return rows
 
 
