@@ -19,6 +19,7 @@ from jobs.refresh import drafter_refresh_schedule, drift_sensor, refresh_sensor
 from jobs.release import promote_drafter_manually, rollback_drafter
 from jobs.snapshots import ingest_step, snapshot_sensor
 from resources.capture import capture_from_env
+from resources.evaluator import evaluator_from_env
 from resources.ingest import ingest_from_env
 from resources.mlflow import mlflow_from_env
 from resources.refresh import refresh_policy_from_env
@@ -61,5 +62,5 @@ defs = Definitions(
     resources={"storage": storage_from_env(), "capture": capture_from_env(),
                "trainer": trainer_from_env(), "mlflow": mlflow_from_env(),
                "serving": SERVING, "refresh": refresh_policy_from_env(),
-               "ingest": ingest_from_env()},
+               "ingest": ingest_from_env(), "evaluator": evaluator_from_env()},
 )

@@ -23,6 +23,7 @@ from pipeline.evaluation.config import Device, Dtype, EvalConfig
 from pipeline.layout import drafter_prefix
 from pipeline.release.mlflow_registry import model_name
 from pipeline.serving_now import serving_drafter_key
+from resources.evaluator import EvaluatorResource
 from resources.mlflow import MlflowResource
 from resources.serving import ServingResource
 from resources.storage import StorageResource
@@ -91,7 +92,8 @@ class EvalRunConfig(Config):
                          blocking=True)])
 def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
                     storage: StorageResource, mlflow: MlflowResource,
-                    serving: ServingResource) -> MaterializeResult:
+                    serving: ServingResource, evaluator: EvaluatorResource
+                    ) -> MaterializeResult:
     """τ and α of the candidate, the serving champion and no drafter on held-out prompts."""
     from pipeline.evaluation import stage as evaluation_stage
     from pipeline.evaluation.charts import alpha_chart, publish_chart, tau_curve
@@ -102,9 +104,9 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
                     if config.champion in ("serving", "registry")
                     else None if config.champion == "none" else config.champion)
         r = evaluation_stage.run(store, step, drafter_prefix(step), champion,
-                                 config.to_core(serving))
+                                 config.to_core(serving), evaluator.build())
     s = r.summary()
-    context.log.info(f"step {step} ({r.regime}): " + ", ".join(
+    context.log.info(f"step {step} ({r.regime}, {r.evaluator_kind}): " + ", ".join(
         f"{k} {v:.3f}" for k, v in s.items() if k.endswith("_tau")))
     alphas = {n: c.acceptance.alpha for n, c in r.contestants.items() if n != "no_drafter"}
     alpha_png = alpha_chart(alphas, f"step {step}: α per draft position")
@@ -122,6 +124,8 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
     return MaterializeResult(metadata={
         **{k: _readable(v) for k, v in s.items()},
         "champion": champion_name(store, mlflow, champion),
+        "evaluator": " ".join(str(x) for x in (r.evaluator_kind, r.evaluator.get("version"))
+                              if x),
         "settings": MetadataValue.json(r.settings),
         "sampler": MetadataValue.json(r.sampler), "sampler_source": r.sampler_source,
         "sampler_key": r.sampler_key, "seed": r.seed,

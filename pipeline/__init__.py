@@ -40,5 +40,5 @@ promotion: acceptance as the RL engine saw it, verification, drift) sit on top.
 STAGES = ("snapshot", "tokenize", "capture", "vocab", "training", "evaluation", "release")
 FOUNDATION = ("owners", "local_tree", "storage", "layout", "formats", "records", "contracts",
               "manifest", "verified", "parquet", "serving_now", "eagle3", "sampling",
-              "attention_kernels")
+              "attention_kernels", "argv_template")
 ON_TOP = ("checks", "demo", "adapters", "monitor")

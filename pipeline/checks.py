@@ -115,7 +115,10 @@ def evaluation_sound(report: AcceptanceReport) -> CheckOutcome:
                                    f"{prompts} prompts (greedy, token for token"
                                    + (f"; {ties} divergences at {report.dtype} near-ties"
                                       if ties else "") + ")")
-    if not sampled:
+    if report.evaluator_kind != "inprocess":
+        text += (f" (on {report.evaluator_kind}: the server without a drafter is the "
+                 f"reference)")
+    elif not sampled:
         text += " (no cache-free reference: a report from before schema 2)"
     return CheckOutcome(not problems, text, {"prompts": prompts, "problems": len(problems),
                                              "reference_prompts": sampled})

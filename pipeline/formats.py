@@ -8,4 +8,5 @@ SHARD_SCHEMA_VERSION = 1  # bf16 states; shards of this layout stay v1
 FP8_SCHEMA_VERSION = 2  # states may be float8 e4m3 with a per-token scale (``encoding``)
 VOCAB_SCHEMA_VERSION = 1
 CHECKPOINT_SCHEMA_VERSION = 1
-REPORT_SCHEMA_VERSION = 3  # 2: the cache-free reference sample; 3: sampler, intervals
+REPORT_SCHEMA_VERSION = 4  # 2: the cache-free reference sample; 3: sampler, intervals;
+# 4: the evaluator (in-process or a serving engine)

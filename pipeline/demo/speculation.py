@@ -37,7 +37,7 @@ def with_counters(records: Sequence[Mapping[str, Any]], policy_dir: Path, storag
 
     from pipeline.eagle3.export import load_drafter
     from pipeline.evaluation.engine import CycleTrace, evaluate
-    from pipeline.evaluation.stage import stop_token_ids
+    from pipeline.evaluation.inprocess import stop_token_ids
 
     out = [dict(r) for r in records]
     serving = read_serving(storage, name)

@@ -3,7 +3,8 @@
 A drafter directory in SGLang's EAGLE-3 layout (``config.json`` and ``model.safetensors``),
 trained by Aerie or not, is measured against the policy of RL step ``step`` on the held-out
 prompts of ``window`` (steps whose hidden-state shards are committed). No drafter is measured
-beside it, always. The contest is the evaluation stage's (:func:`.stage.measure`): the sampler
+beside it, always. The contest is the evaluation stage's (:func:`.evaluators.measure`, by
+any evaluator: Aerie's in-process engine or a serving engine's servers): the sampler
 the rollouts recorded unless the config overrides it, the same seeds, bootstrap intervals
 and the lossless checks. Nothing is published.
 """
@@ -19,8 +20,9 @@ from typing import Any
 from pipeline.capture.heldout import heldout_prompts
 from pipeline.eagle3.export import WEIGHTS_NAME
 from pipeline.evaluation.config import EvalConfig
+from pipeline.evaluation.contest import NO_DRAFTER, Contestant
+from pipeline.evaluation.evaluators import INPROCESS, Evaluator, measure
 from pipeline.evaluation.regime import resolve_sampler
-from pipeline.evaluation.stage import NO_DRAFTER, Contestant, measure
 from pipeline.layout import SHARDS, committed_steps
 from pipeline.storage import Storage
 
@@ -74,8 +76,8 @@ def shard_steps(storage: Storage) -> list[int]:
 
 def measure_drafter(storage: Storage, step: int, drafter: Path | None,
                     window: Sequence[int], config: EvalConfig = EvalConfig(), *,
-                    uri: str | None = None, fingerprint: str | None = None
-                    ) -> DrafterMeasurement:
+                    uri: str | None = None, fingerprint: str | None = None,
+                    evaluator: Evaluator = INPROCESS) -> DrafterMeasurement:
     """``drafter`` (None: no drafter only) against the policy of ``step`` on the held-out
     prompts of ``window``; ``uri`` and ``fingerprint`` name it in the result (default: the
     directory, no fingerprint). A missing file of the drafter is a ``FileNotFoundError``
@@ -89,12 +91,12 @@ def measure_drafter(storage: Storage, step: int, drafter: Path | None,
         drafters[DRAFTER] = (Path(drafter), uri or str(drafter), fingerprint)
     _, prompts = heldout_prompts(storage, window, config.max_prompts)
     sampler, source = resolve_sampler(storage, step, config)
-    m = measure(storage, step, [list(p.prompt_ids) for p in prompts], config, sampler,
-                source, drafters)
+    m = measure(evaluator, storage, step, [list(p.prompt_ids) for p in prompts], config,
+                sampler, source, drafters)
     order = [NO_DRAFTER, *drafters]
     return DrafterMeasurement(
         step=step, window=tuple(window), prompts=len(prompts),
-        lossless_prompts=len(m.contest.checked), reference_prompts=len(m.contest.sample),
+        lossless_prompts=len(m.checked), reference_prompts=m.reference_prompts,
         sampler=sampler.label,
-        sampler_source=source, settings=m.settings, device=str(m.device), dtype=config.dtype,
+        sampler_source=source, settings=m.settings, device=m.device, dtype=config.dtype,
         confidence=config.confidence, contestants={k: m.contestants[k] for k in order})

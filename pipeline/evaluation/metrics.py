@@ -28,6 +28,12 @@ Invariants: every field is a sum over cycles (or prompts), so stats of any group
 prompts merge to exactly the stats of one run over all of them; ratios are computed only from
 the sums. ``emitted_tokens == Σ a·accept_hist[a] + bonus_tokens``. JSON round trip via
 :meth:`to_dict`/:meth:`from_dict`, no pickle.
+
+Counted by a serving engine (:meth:`AcceptanceStats.from_totals`): an engine reports, per
+request, its verify passes and generated tokens, not what each pass accepted. Such a record
+has ``positions_observed`` False: cycles, emitted and prefill tokens are the engine's, the
+histogram, the per-position counts and ``bonus_tokens`` stay zero (unknown, not zero
+acceptance), and α is NaN at every position.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class AcceptanceStats:
     draft_seconds: float = 0.0  # drafter: draft extend + tree drafting
     verify_seconds: float = 0.0  # target: tree verification forward + cache bookkeeping
     schema_version: int = STATS_SCHEMA_VERSION
+    positions_observed: bool = True  # False: totals counted by an engine (module docstring)
 
     def __post_init__(self) -> None:
         if self.num_steps < 0:
@@ -72,9 +79,24 @@ class AcceptanceStats:
             elif len(value) != size:
                 raise ValueError(f"{name} has {len(value)} entries, expected {size} for "
                                  f"num_steps={self.num_steps}")
-        if self.emitted_tokens != sum(a * n for a, n in enumerate(self.accept_hist)) \
+        if not self.positions_observed:
+            if any(self.accept_hist) or any(self.position_attempts) \
+                    or any(self.position_accepts) or self.bonus_tokens:
+                raise ValueError("totals counted by an engine carry no per-cycle counts")
+            if not 0 <= self.emitted_tokens <= self.cycles * (self.num_steps + 1):
+                raise ValueError(f"{self.emitted_tokens} tokens from {self.cycles} cycles: "
+                                 f"more than num_steps + 1 = {self.num_steps + 1} each")
+        elif self.emitted_tokens != sum(a * n for a, n in enumerate(self.accept_hist)) \
                 + self.bonus_tokens:
             raise ValueError("emitted_tokens disagrees with accept_hist and bonus_tokens")
+
+    @classmethod
+    def from_totals(cls, num_steps: int, *, prompts: int, cycles: int, emitted_tokens: int
+                    ) -> AcceptanceStats:
+        """What an engine counted: ``cycles`` verify passes emitted ``emitted_tokens`` after
+        the prefill token of each of ``prompts`` requests (module docstring)."""
+        return cls(num_steps, prompts=prompts, cycles=cycles, emitted_tokens=emitted_tokens,
+                   prefill_tokens=prompts, positions_observed=False)
 
     # -- recording ---------------------------------------------------------------------
     def add_cycle(self, accepted: int, attempted: int, bonus: bool) -> None:
@@ -96,7 +118,9 @@ class AcceptanceStats:
         if other.num_steps != self.num_steps:
             raise ValueError(f"cannot merge stats of num_steps {self.num_steps} and "
                              f"{other.num_steps}")
-        out = AcceptanceStats(self.num_steps)
+        if other.positions_observed != self.positions_observed:
+            raise ValueError("cannot merge per-cycle counts with an engine's totals")
+        out = AcceptanceStats(self.num_steps, positions_observed=self.positions_observed)
         for name in _COUNT_FIELDS + _TIME_FIELDS:
             setattr(out, name, getattr(self, name) + getattr(other, name))
         for name in _LIST_FIELDS:
@@ -112,7 +136,8 @@ class AcceptanceStats:
 
     @property
     def alpha(self) -> list[float]:
-        """α_k = accepts_k / attempts_k per draft position k (NaN where never reached)."""
+        """α_k = accepts_k / attempts_k per draft position k (NaN where never reached, and
+        everywhere when an engine counted only totals)."""
         return [acc / att if att else math.nan
                 for acc, att in zip(self.position_accepts, self.position_attempts, strict=True)]
 
@@ -124,8 +149,10 @@ class AcceptanceStats:
 
     @property
     def accept_length_histogram(self) -> dict[int, float]:
-        """Fraction of cycles that emitted exactly ``a`` draft tokens, for each ``a``."""
-        return {a: (n / self.cycles if self.cycles else math.nan)
+        """Fraction of cycles that emitted exactly ``a`` draft tokens, for each ``a`` (NaN
+        when an engine counted only totals)."""
+        known = self.cycles and self.positions_observed
+        return {a: (n / self.cycles if known else math.nan)
                 for a, n in enumerate(self.accept_hist)}
 
     @property
@@ -160,4 +187,5 @@ class AcceptanceStats:
     def counts(self) -> dict[str, Any]:
         """Every count, no timings: equal for equal work however prompts were grouped."""
         return {name: getattr(self, name)
-                for name in ("num_steps",) + _COUNT_FIELDS + _LIST_FIELDS}
+                for name in ("num_steps",) + _COUNT_FIELDS + _LIST_FIELDS
+                + ("positions_observed",)}

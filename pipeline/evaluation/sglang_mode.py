@@ -66,8 +66,8 @@ from pipeline.eagle3.spec import SpecParams
 from pipeline.sampling import GREEDY, SamplingParams, prompt_seed
 
 __all__ = ["SCHEMA_VERSION", "SPEC_FLAGS", "ServerAcceptance", "ServerAcceptanceError",
-           "ServerCounts", "SpeculativeConfigError", "measure_server_acceptance",
-           "parse_spec_response"]
+           "ServerCounts", "SpeculativeConfigError", "decode_plain",
+           "measure_server_acceptance", "parse_spec_response"]
 
 logger = logging.getLogger(__name__)
 
@@ -272,8 +272,10 @@ def measure_server_acceptance(urls: str | Sequence[str], prompts: Sequence[Seque
             on_each("cache flush", lambda url: _flush(http, url))
         requests = [_sampling_params(sampler, seed, i, max_new_tokens, ignore_eos)
                     for i in range(len(prompts))]
-        answers = _decode_all(http, urls, prompts, requests, max_new_tokens,
-                              settings["num_steps"], concurrency, policy, stats)
+        num_steps = settings["num_steps"]
+        answers = _decode_all(http, urls, prompts, requests, concurrency, policy, stats,
+                              lambda body: parse_spec_response(
+                                  body, max_new_tokens=max_new_tokens, num_steps=num_steps))
         after = on_each("server info", lambda url: _server_info(http, url))
     finally:
         http.close()
@@ -296,9 +298,47 @@ def _sampling_params(sampler: SamplingParams, seed: int | None, index: int,
     return out
 
 
+def decode_plain(url: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 sampler: SamplingParams = GREEDY, seed: int | None = 0,
+                 concurrency: int = 8, timeout: float = 600.0, retries: int = 3,
+                 backoff_s: float = 0.5) -> list[tuple[int, ...]]:
+    """The generated ids of each prompt on a server decoding *without* a drafter, at
+    ``sampler`` with the seeds :func:`measure_server_acceptance` sends. Each answer is
+    validated as there, less the speculative counters (an answer that carries some is
+    refused: the server drafts). Raises :class:`ServerAcceptanceError` naming the prompt."""
+    urls = _clean_urls([url])
+    prompts = [[int(t) for t in p] for p in prompts]
+    http = JsonHttp(timeout_s=timeout, connect_timeout_s=min(10.0, timeout))
+    try:
+        requests = [_sampling_params(sampler, seed, i, max_new_tokens, False)
+                    for i in range(len(prompts))]
+        answers = _decode_all(http, urls, prompts, requests, concurrency,
+                              RetryPolicy(max_retries=retries, backoff_s=backoff_s),
+                              CallStats(), lambda body: _parse_plain(body, max_new_tokens))
+    finally:
+        http.close()
+    return [a.output_ids for _, a in answers]
+
+
+def _parse_plain(body: Any, max_new_tokens: int) -> _Answer:
+    """One answer of a server without a drafter: every token after the first is a forward."""
+    if isinstance(body, list) and len(body) == 1:
+        body = body[0]
+    meta = body.get("meta_info") if isinstance(body, dict) else None
+    if not isinstance(meta, dict):
+        raise TransientFailure(f"malformed answer: no meta_info object ({str(body)[:80]})")
+    if "spec_verify_ct" in meta:
+        raise SpeculativeConfigError("a server meant to decode without a drafter reports "
+                                     "spec_verify_ct: it drafts")
+    completion = meta.get("completion_tokens")
+    forwards = completion - 1 if _is_int(completion) else None  # judged by the parser
+    return parse_spec_response({**body, "meta_info": {**meta, "spec_verify_ct": forwards}},
+                               max_new_tokens=max_new_tokens, num_steps=0)
+
+
 def _decode_all(http: JsonHttp, urls: tuple[str, ...], prompts: list[list[int]],
-                requests: list[dict[str, Any]], max_new_tokens: int, num_steps: int,
-                concurrency: int, policy: RetryPolicy, stats: CallStats
+                requests: list[dict[str, Any]], concurrency: int, policy: RetryPolicy,
+                stats: CallStats, parse: Callable[[Any], _Answer]
                 ) -> list[tuple[str, _Answer]]:
     """(answering URL, answer) per prompt, in prompt order; the first failure is raised."""
 
@@ -306,9 +346,7 @@ def _decode_all(http: JsonHttp, urls: tuple[str, ...], prompts: list[list[int]],
         payload = {"input_ids": prompts[i], "sampling_params": requests[i]}
 
         def attempt(url: str) -> tuple[str, _Answer]:
-            body = http.post_json(url, "/generate", payload)
-            return url, parse_spec_response(body, max_new_tokens=max_new_tokens,
-                                            num_steps=num_steps)
+            return url, parse(http.post_json(url, "/generate", payload))
 
         try:
             return call_with_retries(attempt, urls=urls, request_index=i, policy=policy,

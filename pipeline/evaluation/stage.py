@@ -37,36 +37,22 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
-
-import torch
 
 from pipeline.capture.heldout import heldout_prompts
 from pipeline.contracts import Manifest
-from pipeline.eagle3.export import load_drafter
-from pipeline.eagle3.model import Eagle3Drafter
-from pipeline.eagle3.spec import SpecParams
-from pipeline.evaluation.confidence import tau_interval
 from pipeline.evaluation.config import EvalConfig
-from pipeline.evaluation.engine import EvalRun, evaluate
-from pipeline.evaluation.metrics import AcceptanceStats
-from pipeline.evaluation.reference import (
-    TIE_TOLERANCE,
-    greedy_reference,
-    is_near_tie,
-    reference_sample,
-)
+from pipeline.evaluation.contest import NO_DRAFTER, Contestant
+from pipeline.evaluation.evaluators import INPROCESS, Evaluator, measure
+from pipeline.evaluation.inprocess import RECORD as INPROCESS_RECORD
 from pipeline.evaluation.regime import resolve_sampler, sampler_key
-from pipeline.evaluation.target import TargetRunner
 from pipeline.formats import REPORT_SCHEMA_VERSION
-from pipeline.layout import EVALS, eval_prefix, policy_prefix, steps_of
+from pipeline.layout import EVALS, eval_prefix, steps_of
 from pipeline.manifest import entry_for, read_manifest, withdraw_manifest, write_manifest
-from pipeline.records import from_dict, from_json, to_dict, to_json
+from pipeline.records import from_json, to_dict, to_json
 from pipeline.sampling import GREEDY, SamplingParams
-from pipeline.snapshot.policy import POLICY_KIND, load_policy_ref
+from pipeline.snapshot.policy import load_policy_ref
 from pipeline.storage import Storage
 from pipeline.training.stage import DRAFTER_KIND
 from pipeline.verified import committed, fetch, read_verified
@@ -75,31 +61,6 @@ log = logging.getLogger(__name__)
 
 EVAL_KIND = "acceptance_eval"
 REPORT_FILE = "report.json"
-NO_DRAFTER = "no_drafter"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-@dataclass(frozen=True)
-class Contestant:
-    """One drafter's result: where it came from and its summed acceptance counts."""
-
-    name: str  # "candidate" | "champion" | "no_drafter"
-    uri: str | None  # storage key of the drafter (None: no drafter)
-    fingerprint: str | None  # the drafter manifest's fingerprint (None: no drafter)
-    stats: dict[str, Any]  # AcceptanceStats.to_dict()
-    outputs_match_baseline: int  # lossless_prompts whose greedy tokens equal no drafter's
-    outputs_match_reference: int = 0  # reference prompts whose tokens equal the reference's
-    per_prompt: list[list[int]] = field(default_factory=list)  # (emitted, cycles) per prompt
-    tau_interval: list[float] = field(default_factory=list)  # [lo, hi] at report.confidence
-    ties: int = 0  # mismatches (either check) that diverged at a near-tie (bf16 only)
-
-    @property
-    def acceptance(self) -> AcceptanceStats:
-        return from_dict(AcceptanceStats, self.stats)
-
-    @property
-    def tau(self) -> float:
-        return self.acceptance.tau
-
 
 @dataclass(frozen=True)
 class AcceptanceReport:
@@ -126,9 +87,11 @@ class AcceptanceReport:
     confidence: float = 0.95
     device: str = "cpu"
     dtype: str = "float32"
+    evaluator: dict[str, Any] = field(default_factory=lambda: dict(INPROCESS_RECORD))
 
-    # older reports read with the defaults above: greedy, every prompt checked, fp32 on CPU
-    READABLE_SCHEMA_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, REPORT_SCHEMA_VERSION)
+    # older reports read with the defaults above: greedy, every prompt checked, fp32 on CPU,
+    # Aerie's in-process engine
+    READABLE_SCHEMA_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2, 3, REPORT_SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
         if not self.sampler_key:
@@ -142,6 +105,12 @@ class AcceptanceReport:
     def regime(self) -> str:
         """``greedy`` or the sampler's label, e.g. ``T=1 top_p=0.9``."""
         return self.sampling.label
+
+    @property
+    def evaluator_kind(self) -> str:
+        """Who measured: ``inprocess`` or the engine's evaluator (``sglang``); the gate and
+        the τ curves compare only reports of one kind."""
+        return self.evaluator.get("kind", "inprocess")
 
     @property
     def checked_prompts(self) -> int:
@@ -167,10 +136,11 @@ class AcceptanceReport:
 
 
 def run(storage: Storage, step: int, candidate: str,
-        champion: str | None = None, config: EvalConfig = EvalConfig()
-        ) -> AcceptanceReport:
+        champion: str | None = None, config: EvalConfig = EvalConfig(),
+        evaluator: Evaluator = INPROCESS) -> AcceptanceReport:
     """Measure ``candidate`` (and ``champion``) drafters, storage prefixes of published
-    drafters, on the held-out prompts of the candidate's window with the policy of ``step``.
+    drafters, on the held-out prompts of the candidate's window with the policy of ``step``,
+    by ``evaluator`` (default: Aerie's in-process engine).
     """
     started = time.perf_counter()
     drafters = {"candidate": _drafter_manifest(storage, candidate)}
@@ -185,7 +155,9 @@ def run(storage: Storage, step: int, candidate: str,
     fingerprint = _sha256({"step": step, "policy": policy.sha256, "heldout": heldout,
                            "config": asdict(config), "sampler": sampler.to_dict(),
                            "drafters": {k: [m.meta.get("fingerprint"), _files_digest(m)]
-                                        for k, m in drafters.items()}})
+                                        for k, m in drafters.items()},
+                           **({"evaluator": evaluator.identity()} if evaluator.identity()
+                              else {})})
     existing = _committed(storage, step, fingerprint)
     if existing is not None:
         log.info("step %d: acceptance report already committed", step)
@@ -195,132 +167,20 @@ def run(storage: Storage, step: int, candidate: str,
                     drafters[name].meta.get("fingerprint"))  # verified
              for name, prefix in (("candidate", candidate), ("champion", champion))
              if prefix is not None}
-    m = measure(storage, step, [list(p.prompt_ids) for p in prompts], config, sampler, source,
-                local)
+    m = measure(evaluator, storage, step, [list(p.prompt_ids) for p in prompts], config,
+                sampler, source, local)
     report = AcceptanceReport(
         step=step, policy_uri=policy.key, policy_sha256=policy.sha256, heldout=heldout,
         settings=m.settings, heldout_key=heldout["keys_sha256"],
         settings_key=_sha256(m.settings), contestants=m.contestants, fingerprint=fingerprint,
         seconds=time.perf_counter() - started, prompt_keys=[p.key for p in prompts],
-        reference={"prompts": len(m.contest.sample), "indices": m.contest.sample},
+        reference={"prompts": m.reference_prompts, "indices": m.sample},
         sampler=sampler.canonical().to_dict(), sampler_source=source,
-        seed=config.seed, lossless_prompts=len(m.contest.checked),
-        confidence=config.confidence, device=str(m.device), dtype=config.dtype)
+        seed=config.seed, lossless_prompts=len(m.checked),
+        confidence=config.confidence, device=m.device, dtype=config.dtype,
+        evaluator=m.evaluator)
     _publish(storage, report)
     return report
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """What :func:`measure` found: every contestant, and how it was measured."""
-
-    contestants: dict[str, Contestant]
-    contest: _Contest
-    settings: dict[str, Any]  # SpecParams fields + max_new_tokens
-    device: torch.device
-
-
-def measure(storage: Storage, step: int, ids: list[list[int]], config: EvalConfig,
-            sampler: SamplingParams, source: str,
-            drafters: Mapping[str, tuple[Path, str | None, str | None]]) -> Measurement:
-    """No drafter and each of ``drafters`` (name -> local directory, its uri and its
-    fingerprint for the report) decoded on the prompts ``ids`` with the policy of ``step``,
-    the same way (see the module docstring); nothing is published."""
-    device, dtype = resolve_device(config.device), DTYPES[config.dtype]
-    target = _load_target(storage, step, device, dtype)
-    params = config.spec_params(target.config.architectures)
-    settings = {**asdict(params), "max_new_tokens": config.max_new_tokens}
-    TargetRunner(target).check_length(max(map(len, ids)) + config.max_new_tokens
-                                      + params.num_steps)  # refuse before any work
-    log.info("step %d: measuring at %s (%s) on %d prompts, %s %s", step, sampler.label,
-             source, len(ids), device, config.dtype)
-    contest = _Contest(target, ids, params, config, sampler)
-    base = contest.measure(None)
-    results = {NO_DRAFTER: contest.contestant(NO_DRAFTER, None, None, base, base)}
-    embed = target.get_input_embeddings().weight.detach()
-    for name, (directory, uri, fingerprint) in drafters.items():
-        drafter = load_drafter(directory, embed, dtype=dtype, device=device)
-        results[name] = contest.contestant(name, uri, fingerprint, contest.measure(drafter),
-                                           base)
-    return Measurement(results, contest, settings, device)
-
-
-@dataclass(frozen=True)
-class _Measured:
-    run: EvalRun  # at the report's sampler
-    greedy: dict[int, list[int]]  # greedy outputs of the checked prompts, by prompt index
-
-
-class _Contest:
-    """Decodes every contestant the same way: the prompts at the sampler (same seeds), and
-    greedily the prompts of the token-for-token lossless check."""
-
-    def __init__(self, target: torch.nn.Module, ids: list[list[int]], params: SpecParams,
-                 config: EvalConfig, sampler: SamplingParams):
-        self.target, self.ids, self.params, self.config = target, ids, params, config
-        self.sampler, self.eos = sampler, stop_token_ids(target)
-        self.sample = reference_sample([len(p) for p in ids], config.reference_prompts)
-        self.reference = {i: greedy_reference(target, ids[i], config.max_new_tokens, self.eos)
-                          for i in self.sample}
-        self.checked = list(range(len(ids))) if sampler.greedy else self.sample
-
-    def measure(self, drafter: Eagle3Drafter | None) -> _Measured:
-        run = self._decode(drafter, self.ids, self.sampler)
-        if self.sampler.greedy:
-            return _Measured(run, dict(enumerate(run.outputs)))
-        greedy = self._decode(drafter, [self.ids[i] for i in self.checked], GREEDY)
-        return _Measured(run, dict(zip(self.checked, greedy.outputs, strict=True)))
-
-    def _decode(self, drafter: Eagle3Drafter | None, ids: list[list[int]],
-                sampler: SamplingParams) -> EvalRun:
-        return evaluate(self.target, drafter, ids, self.params if drafter is not None else None,
-                        max_new_tokens=self.config.max_new_tokens, eos_token_id=self.eos,
-                        sampler=sampler, seed=self.config.seed)
-
-    def contestant(self, name: str, prefix: str | None, fingerprint: str | None,
-                   measured: _Measured, base: _Measured) -> Contestant:
-        expected = {i: base.greedy[i] for i in self.checked}
-        match, ties = self._compare(measured.greedy, expected)
-        if match + ties < len(self.checked):
-            log.warning("%s emitted other tokens than greedy decoding on %d of %d prompts",
-                        name, len(self.checked) - match - ties, len(self.checked))
-        ref_match, ref_ties = self._compare(measured.greedy, self.reference)
-        if ref_match + ref_ties < len(self.reference):
-            _log_reference_mismatch(measured.greedy, self.reference)
-        per_prompt = [list(c) for c in measured.run.per_prompt]
-        return Contestant(name, prefix, fingerprint, to_dict(measured.run.stats), match,
-                          ref_match, per_prompt,
-                          list(tau_interval(per_prompt, self.config.confidence)),
-                          ties + ref_ties)
-
-    def _compare(self, outputs: dict[int, list[int]], expected: dict[int, list[int]]
-                 ) -> tuple[int, int]:
-        """(prompts equal to ``expected``, prompts that diverge at a near-tie)."""
-        tolerance = TIE_TOLERANCE[self.config.dtype]
-        differ = [i for i, tokens in expected.items() if outputs[i] != tokens]
-        ties = sum(is_near_tie(self.target, self.ids[i], expected[i], outputs[i], tolerance)
-                   for i in differ)
-        return len(expected) - len(differ), ties
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("evaluation device 'cuda' was asked for, but torch sees no CUDA "
-                           "device; use device 'cpu' or 'auto'")
-    return torch.device(name)
-
-
-def _log_reference_mismatch(outputs: dict[int, list[int]], reference: dict[int, list[int]]
-                            ) -> None:
-    differ = [i for i, tokens in reference.items() if outputs[i] != tokens]
-    i = differ[0]
-    pairs = zip(outputs[i], reference[i], strict=False)  # one may stop earlier
-    at = next((t for t, (a, b) in enumerate(pairs) if a != b),
-              min(len(outputs[i]), len(reference[i])))
-    log.warning("%d of %d sampled prompts differ from the cache-free greedy reference "
-                "(first: prompt %d at generated token %d)", len(differ), len(reference), i, at)
 
 
 def read_report(storage: Storage, step: int) -> AcceptanceReport | None:
@@ -368,32 +228,6 @@ def _drafter_manifest(storage: Storage, prefix: str) -> Manifest:
     if "window_steps" not in manifest.meta:
         raise ValueError(f"{storage.url(prefix)}: drafter manifest has no window_steps")
     return manifest
-
-
-def stop_token_ids(model: torch.nn.Module) -> frozenset[int]:
-    """Every token that ends the target's turn: ``eos_token_id`` of its ``config.json`` and
-    of its ``generation_config.json`` (an int or a list in either; chat models often list
-    their turn closer, e.g. ``<|eot_id|>`` or ``<|im_end|>``, only in the latter), as the
-    serving engines and ``generate`` stop."""
-    found: set[int] = set()
-    for source in (model.config, getattr(model, "generation_config", None)):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if value is None:
-            continue
-        for token in [value] if isinstance(value, int) else value:
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                raise ValueError(f"eos_token_id {value!r} of the target is not a token id")
-            found.add(token)
-    return frozenset(found)
-
-
-def _load_target(storage: Storage, step: int, device: torch.device, dtype: torch.dtype
-                 ) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    local = fetch(storage, policy_prefix(step), kind=POLICY_KIND, label="policy")  # verified
-    model = AutoModelForCausalLM.from_pretrained(str(local), dtype=dtype)
-    return model.to(device).eval()
 
 
 def _files_digest(manifest: Manifest) -> str:

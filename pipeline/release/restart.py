@@ -30,12 +30,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import string
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from pipeline.argv_template import placeholders
 from pipeline.eagle3.export import read_drafter_config
 from pipeline.eagle3.spec import SpecParams
 from pipeline.release.backend import ServingError, ServingRefused
@@ -47,18 +47,6 @@ PLACEHOLDERS = frozenset({"drafter_dir", "num_steps", "topk", "num_draft_tokens"
                           "registry_version", "fingerprint", "speculative_config"})
 RESTART_MODES = ("sglang-restart", "vllm-restart")
 _TAIL = 2000
-
-
-def placeholders(argv: Sequence[str]) -> set[str]:
-    """The placeholder names used in ``argv`` (``{{`` and ``}}`` are literal braces)."""
-    names = set()
-    for arg in argv:
-        for _, name, spec, conv in string.Formatter().parse(arg):
-            if name is not None:
-                if spec or conv or not name.isidentifier():
-                    raise ValueError(f"placeholder {{{name}}} in {arg!r} must be a plain name")
-                names.add(name)
-    return names
 
 
 class RestartHook:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline.capture.heldout import heldout_prompts
-from pipeline.evaluation import stage
+from pipeline.evaluation import inprocess, stage
 from pipeline.evaluation.config import EvalConfig
 from pipeline.evaluation.stage import NO_DRAFTER, read_report, tau_history
 from pipeline.storage import Storage
@@ -58,7 +58,7 @@ def test_three_contestants_on_the_same_heldout_prompts(world, tmp_path, monkeypa
     def boom(*_a, **_k):
         raise AssertionError("a committed report must not be recomputed")
 
-    monkeypatch.setattr(stage, "evaluate", boom)
+    monkeypatch.setattr(inprocess, "evaluate", boom)
     assert stage.run(storage, 2, candidate, champion, config) == report
     # Other settings are other inputs.
     with pytest.raises(AssertionError, match="recomputed"):
@@ -126,14 +126,14 @@ def test_decoding_stops_at_turn_closers_listed_only_in_generation_config(target,
     closer = references[0][2]  # the third token greedy decoding emits for prompt 0
     model.config.eos_token_id = 299
     model.generation_config = GenerationConfig(eos_token_id=[299, closer])
-    assert stage.stop_token_ids(model) == {299, closer}
+    assert inprocess.stop_token_ids(model) == {299, closer}
     run = evaluate(model, None, [prompts[0]], max_new_tokens=10,
-                   eos_token_id=stage.stop_token_ids(model))
+                   eos_token_id=inprocess.stop_token_ids(model))
     first = references[0].index(closer)
     assert run.outputs[0] == references[0][:first + 1]  # the closer is emitted, then stop
     model.generation_config = GenerationConfig(eos_token_id=[299, True])
     with pytest.raises(ValueError, match="not a token id"):
-        stage.stop_token_ids(model)
+        inprocess.stop_token_ids(model)
 
 
 def test_the_stage_decodes_every_contestant_and_the_reference_to_the_stop_tokens(
@@ -143,18 +143,18 @@ def test_the_stage_decodes_every_contestant_and_the_reference_to_the_stop_tokens
     storage, target = world
     candidate = publish_drafter(storage, target, 2, seed=5, tmp=tmp_path)
     seen: list[tuple[frozenset[int], frozenset[int]]] = []
-    real_evaluate, real_reference = stage.evaluate, stage.greedy_reference
+    real_evaluate, real_reference = inprocess.evaluate, inprocess.greedy_reference
 
     def evaluate(model, *args, eos_token_id, **kwargs):
-        seen.append((frozenset(eos_token_id), stage.stop_token_ids(model)))
+        seen.append((frozenset(eos_token_id), inprocess.stop_token_ids(model)))
         return real_evaluate(model, *args, eos_token_id=eos_token_id, **kwargs)
 
     def greedy_reference(model, prompt, max_new_tokens, eos):
-        seen.append((frozenset(eos), stage.stop_token_ids(model)))
+        seen.append((frozenset(eos), inprocess.stop_token_ids(model)))
         return real_reference(model, prompt, max_new_tokens, eos)
 
-    monkeypatch.setattr(stage, "evaluate", evaluate)
-    monkeypatch.setattr(stage, "greedy_reference", greedy_reference)
+    monkeypatch.setattr(inprocess, "evaluate", evaluate)
+    monkeypatch.setattr(inprocess, "greedy_reference", greedy_reference)
     stage.run(storage, 2, candidate, None, EvalConfig(max_prompts=3, max_new_tokens=5,
                                                       reference_prompts=2, **SETTINGS))
     assert len(seen) == 2 + 2  # baseline + candidate, two reference prompts
@@ -192,10 +192,10 @@ def test_bf16_evaluation_counts_near_ties_and_stays_sound(world, tmp_path, monke
     storage, target = world
     candidate = publish_drafter(storage, target, 2, seed=6, tmp=tmp_path)
     loaded = []  # the dtypes target and drafter really ran in
-    load_target, load_drafter = stage._load_target, stage.load_drafter
-    monkeypatch.setattr(stage, "_load_target", lambda *a: loaded.append(
+    load_target, load_drafter = inprocess._load_target, inprocess.load_drafter
+    monkeypatch.setattr(inprocess, "_load_target", lambda *a: loaded.append(
         next((m := load_target(*a)).parameters()).dtype) or m)
-    monkeypatch.setattr(stage, "load_drafter", lambda *a, **k: loaded.append(
+    monkeypatch.setattr(inprocess, "load_drafter", lambda *a, **k: loaded.append(
         next((m := load_drafter(*a, **k)).fc.parameters()).dtype) or m)
     config = EvalConfig(max_prompts=6, max_new_tokens=12, dtype="bfloat16", **SETTINGS)
     report = stage.run(storage, 2, candidate, None, config)
@@ -229,5 +229,5 @@ def test_a_cuda_evaluation_without_cuda_says_so():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(RuntimeError, match="no CUDA device; use device 'cpu' or 'auto'"):
-        stage.resolve_device("cuda")
-    assert stage.resolve_device("auto") == torch.device("cpu")
+        inprocess.resolve_device("cuda")
+    assert inprocess.resolve_device("auto") == torch.device("cpu")

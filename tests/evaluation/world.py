@@ -20,10 +20,11 @@ STEPS = (1, 2)
 SETTINGS = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
 
 
-def eval_world(root: Path) -> tuple[Storage, torch.nn.Module]:
-    """STEPS of a 16-sample world under ``root``, 30% of prompts held out; and its target."""
+def eval_world(root: Path, tie: bool = False) -> tuple[Storage, torch.nn.Module]:
+    """STEPS of a 16-sample world under ``root``, 30% of prompts held out; and its target
+    (``tie``: tied embeddings, a target that mostly repeats its prompt's last token)."""
     torch.set_num_threads(1)
-    target = tiny_target(seed=4)
+    target = tiny_target(seed=4, tie=tie)
     extract = replace(EXTRACT, heldout_fraction=0.3)
     return build_world(root, STEPS, samples=16, model=target, extract=extract), target
 
@@ -38,10 +39,17 @@ def publish_drafter(storage: Storage, target, step: int, seed: int, tmp: Path) -
     used = t2d.nonzero().flatten()
     model.set_vocab(used - torch.arange(64), t2d)
     local = save_drafter(model, cfg, tmp / f"drafter-{seed}", dtype=torch.float32)
-    prefix = f"drafters/step={step:06d}-seed{seed}"
+    return publish_drafter_dir(storage, local, f"drafters/step={step:06d}-seed{seed}", step,
+                               f"fp-{seed}")
+
+
+def publish_drafter_dir(storage: Storage, local: Path, prefix: str, step: int,
+                        fingerprint: str) -> str:
+    """The drafter directory ``local`` published at ``prefix`` as the training stage
+    publishes (files, then the manifest), trained on the window :data:`STEPS`."""
     written = storage.upload_dir(local, prefix)
     write_manifest(storage, prefix, Manifest(
         kind="drafter_checkpoint", kind_version=1,
         files=tuple(entry_for(prefix, w) for w in written),
-        meta={"step": step, "fingerprint": f"fp-{seed}", "window_steps": list(STEPS)}))
+        meta={"step": step, "fingerprint": fingerprint, "window_steps": list(STEPS)}))
     return prefix

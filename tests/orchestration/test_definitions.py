@@ -37,7 +37,7 @@ def test_definitions_load_and_names_are_stable():
                                                   "drift_sensor", "dump_sensor"}
     assert {s.name for s in repo.schedule_defs} == {"drafter_refresh_schedule"}
     assert set(defs.resources) == {"storage", "capture", "trainer", "mlflow", "serving",
-                                  "refresh", "ingest"}
+                                  "refresh", "ingest", "evaluator"}
 
 
 @pytest.mark.integration

@@ -12,7 +12,6 @@ from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.eagle3.spec import SpecParams
 from pipeline.vocab.mapping import build_vocab_mapping
-from tests.sglang_contract.fixtures import HIDDEN, LAYERS, VOCAB
 
 MAX_NEW = 20
 DRAFT_VOCAB = 64
@@ -27,24 +26,31 @@ def spec_flags(params: SpecParams, drafter: Path, interval: int = 1) -> dict:
             "decode_log_interval": interval}
 
 
-def save_copy_drafter(target: torch.nn.Module, directory: Path, outputs: list[list[int]]
-                      ) -> Path:
-    """A real EAGLE-3 checkpoint whose drafts are often right: ``fc`` passes the last
-    layer's output through, attention and MLP add nothing, and ``norm``/``lm_head`` are the
-    target's (rows of the draft vocab). So it proposes the target's top choices at the
-    previous position, which a tiny random Llama, repeating itself, often confirms. The
-    draft vocab (64 of 128 ids, a real d2t/t2d) holds the tokens the target emits most."""
-    cfg = DrafterConfig.from_target(target.config, draft_vocab_size=DRAFT_VOCAB,
-                                    aux_layer_ids=(1, 3, LAYERS - 2))
-    counts = torch.bincount(torch.tensor([t for o in outputs for t in o]), minlength=VOCAB)
-    mapping = build_vocab_mapping(counts, DRAFT_VOCAB)
+def save_copy_drafter(target: torch.nn.Module, directory: Path, outputs: list[list[int]],
+                      draft_vocab: int = DRAFT_VOCAB, noise: float = 0.0) -> Path:
+    """A real EAGLE-3 checkpoint whose drafts are often right: ``fc`` passes the output of
+    the target's second-to-last layer through, attention and MLP add nothing, and
+    ``norm``/``lm_head`` are the target's (rows of the draft vocab). So it proposes the
+    target's top choices at the previous position, which a tiny random Llama, repeating
+    itself, often confirms. The draft vocab (``draft_vocab`` ids, a real d2t/t2d) holds the
+    tokens the target emits most in ``outputs``. ``noise`` (in units of the head's standard
+    deviation, seeded) blurs its head: the larger, the worse it drafts."""
+    config = target.config
+    hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    aux = (1, 3, layers - 2) if layers >= 8 else (0, 1, layers - 2)
+    cfg = DrafterConfig.from_target(config, draft_vocab_size=draft_vocab, aux_layer_ids=aux)
+    counts = torch.bincount(torch.tensor([t for o in outputs for t in o]), minlength=vocab)
+    mapping = build_vocab_mapping(counts, draft_vocab)
     model = Eagle3Drafter(cfg, target.get_input_embeddings().weight.detach())
     with torch.no_grad():
         model.fc.weight.zero_()
-        model.fc.weight[:, 2 * HIDDEN:] = torch.eye(HIDDEN)  # (H, 3H): the last aux slot
+        model.fc.weight[:, 2 * hidden:] = torch.eye(hidden)  # (H, 3H): the last aux slot
         model.midlayer.self_attn.o_proj.weight.zero_()
         model.midlayer.mlp.down_proj.weight.zero_()
         model.norm.weight.copy_(target.model.norm.weight)
         model.set_vocab(mapping.d2t, mapping.t2d)
         model.lm_head.weight.copy_(target.lm_head.weight[mapping.t2d])
+        head = model.lm_head.weight
+        head.add_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0))
+                  * head.std() * noise)
     return save_drafter(model, cfg, directory, dtype=torch.float32)

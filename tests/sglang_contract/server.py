@@ -76,6 +76,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -97,6 +98,9 @@ NO_HIDDEN = ("The server is not configured to return the hidden states. "
              "Please set `--enable-return-hidden-states` to enable this feature.")
 FAULT_KINDS = frozenset({"http500", "drop", "garbage", "slow", "short", "nan", "null",
                          "omit_hidden", "omit_spec", "short_output"})
+# how a launched server misbehaves from its start (the engine evaluator's faults)
+LAUNCH_FAULTS = ("unhealthy", "no_spec", "wrong_drafter", "lossy", "dies")
+DIES_AT = 3  # "dies": the process exits on this /generate request
 SPEC_ALGORITHM = "EAGLE3"
 
 
@@ -127,6 +131,7 @@ class EndpointConfig:
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
     decode_log_interval: int = 40
+    launch_fault: str | None = None  # see --launch-fault
 
     @property
     def speculative(self) -> bool:
@@ -161,24 +166,33 @@ class Model:
 
 
 class SpecDecoder:
-    """Aerie's EAGLE-3 engine behind a speculative endpoint, one prompt at a time, greedy."""
+    """Aerie's EAGLE-3 engine behind an endpoint, one prompt at a time: with the endpoint's
+    drafter (speculative mode), or without one (``drafter`` None: plain decoding, each
+    token after the prefill's one forward)."""
 
-    def __init__(self, config: EndpointConfig, model: Model) -> None:
-        from pipeline.eagle3.export import load_drafter
-        from pipeline.eagle3.spec import SpecParams
-
+    def __init__(self, model: Model, params: Any, drafter: Any) -> None:
         target = model.model
-        self.model = model
-        self.params = SpecParams.resolve(
-            config.speculative_num_steps, config.speculative_eagle_topk,
-            config.speculative_num_draft_tokens, architecture=target.config.architectures)
-        from pipeline.evaluation.drafter import as_drafter
-
-        self.drafter = as_drafter(load_drafter(config.speculative_draft_model_path,
-                                               target.get_input_embeddings()).eval())
+        self.model, self.params, self.drafter = model, params, drafter
         eos = target.config.eos_token_id
         self.eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self.vocab = target.config.vocab_size
         self.rng = torch.Generator().manual_seed(0)  # SGLang's global RNG (--random-seed)
+
+    @classmethod
+    def for_endpoint(cls, config: EndpointConfig, model: Model) -> SpecDecoder:
+        from pipeline.eagle3.export import load_drafter
+        from pipeline.eagle3.spec import SpecParams
+        from pipeline.evaluation.drafter import as_drafter
+
+        target = model.model
+        params = SpecParams.resolve(
+            config.speculative_num_steps, config.speculative_eagle_topk,
+            config.speculative_num_draft_tokens, architecture=target.config.architectures)
+        drafter = as_drafter(load_drafter(config.speculative_draft_model_path,
+                                          target.get_input_embeddings()).eval())
+        if config.launch_fault == "wrong_drafter":  # loads nothing useful: drafts no token
+            drafter = None
+        return cls(model, params, drafter)
 
     def generate(self, ids: list[int], max_new: int, stop: frozenset[int],
                  sampler: Any, seed: int | None) -> tuple[list[int], list[int]]:
@@ -189,9 +203,11 @@ class SpecDecoder:
         trace: list[CycleTrace] = []
         with self.model.lock, torch.inference_mode():
             rng = self.rng if seed is None else torch.Generator().manual_seed(seed)
-            runner = TargetRunner(self.model.model, self.drafter.aux_layer_ids)
-            out, _ = generate(runner, self.drafter, ids, self.params, max_new, stop,
-                              sampler=sampler, generator=rng, trace=trace)
+            aux = self.drafter.aux_layer_ids if self.drafter is not None else ()
+            runner = TargetRunner(self.model.model, aux)
+            out, _ = generate(runner, self.drafter, ids,
+                              self.params if self.drafter is not None else None, max_new,
+                              stop, sampler=sampler, generator=rng, trace=trace)
         return out, [len(cycle.emitted) for cycle in trace]
 
 
@@ -279,6 +295,7 @@ class ContractHTTPServer(ThreadingHTTPServer):
         if config.mode == "aux" and not all(0 <= i < top for i in self.aux_ids):
             raise SystemExit(f"aux layer ids {self.aux_ids} must lie in [0, {top})")
         self.spec = _spec_decoder(config, model)
+        self.plain = SpecDecoder(model, None, None)  # requests without hidden states
         super().__init__(("127.0.0.1", config.port), Handler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -351,7 +368,10 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (stdlib name)
         state = self.server.state
         if self.path in ("/health", "/health_generate"):
-            self._send(200, None, raw=b"")
+            if state.config.launch_fault == "unhealthy":
+                self._send(503, None, raw=b"")
+            else:
+                self._send(200, None, raw=b"")
         elif self.path in ("/server_info", "/get_server_info"):
             self._send(200, self.server.server_info())
         elif self.path == "/flush_cache":
@@ -415,6 +435,9 @@ class Handler(BaseHTTPRequestHandler):
         state = self.server.state
         fault = state.next_fault()
         kind = fault.kind if fault else None
+        if state.config.launch_fault == "dies" and state.generate_requests >= DIES_AT:
+            logger.error("launch fault 'dies': exiting mid-evaluation")
+            os._exit(3)
         if kind == "http500":
             self._send(500, {"error": {"message": "injected fault: internal server error"}})
             return
@@ -445,6 +468,9 @@ class Handler(BaseHTTPRequestHandler):
         if self.server.spec is not None:
             self._speculate(batch, single, params, max_new, want_hidden, kind)
             return
+        if not want_hidden:  # SGLang decodes: sampled by default, stopping at EOS
+            self._decode(batch, single, params, max_new)
+            return
         outputs = []
         for n, ids_i in enumerate(batch):
             blocks, out_ids, cached = self.server.generate_one(ids_i, max_new)
@@ -467,10 +493,10 @@ class Handler(BaseHTTPRequestHandler):
             logger.debug("client left before the answer (slow reply)")
 
 
-    def _speculate(self, batch: list[list[int]], single: bool, params: dict[str, Any],
-                   max_new: int, want_hidden: bool, kind: str | None) -> None:
-        spec, state = self.server.spec, self.server.state
-        assert spec is not None
+    def _sampling(self, decoder: SpecDecoder, params: dict[str, Any], max_new: int,
+                  want_hidden: bool) -> tuple[Any, frozenset[int]] | None:
+        """(sampler, stop tokens) of a decoding request as SGLang reads them; None after
+        answering HTTP 400."""
         from pipeline.sampling import FIELDS, SamplingError, SamplingParams
 
         try:
@@ -484,10 +510,40 @@ class Handler(BaseHTTPRequestHandler):
                        else None)
         if problem:
             self._send(400, {"error": {"message": problem}})
-            return
+            return None
         stop = frozenset(int(t) for t in params.get("stop_token_ids") or ())
         if not params.get("ignore_eos"):
-            stop |= spec.eos
+            stop |= decoder.eos
+        return sampler, stop
+
+    def _decode(self, batch: list[list[int]], single: bool, params: dict[str, Any],
+                max_new: int) -> None:
+        """Plain decoding (no drafter, no hidden states), as SGLang's /generate."""
+        decoder = self.server.plain
+        got = self._sampling(decoder, params, max_new, False)
+        if got is None:
+            return
+        sampler, stop = got
+        outputs = []
+        for ids in batch:
+            out, _ = decoder.generate(ids, max_new, stop, sampler, params.get("sampling_seed"))
+            finish = ({"type": "length", "length": max_new} if len(out) >= max_new
+                      else {"type": "stop", "matched": out[-1]})
+            outputs.append({"text": "", "output_ids": out, "meta_info": {
+                "id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(ids),
+                "completion_tokens": len(out), "cached_tokens": 0}})
+        with self.server.state.lock:
+            self.server.state.samples += len(batch)
+        self._send(200, outputs[0] if single else outputs)
+
+    def _speculate(self, batch: list[list[int]], single: bool, params: dict[str, Any],
+                   max_new: int, want_hidden: bool, kind: str | None) -> None:
+        spec, state = self.server.spec, self.server.state
+        assert spec is not None
+        got = self._sampling(spec, params, max_new, want_hidden)
+        if got is None:
+            return
+        sampler, stop = got
         d = spec.params.num_draft_tokens
         outputs = []
         for n, ids in enumerate(batch):
@@ -513,6 +569,8 @@ class Handler(BaseHTTPRequestHandler):
                 meta.pop("spec_verify_ct", None)
             if n == 0 and kind == "short_output":
                 out = out[:-1]
+            if state.config.launch_fault == "lossy" and sampler.greedy and len(out) > 1:
+                out = [*out[:-1], (out[-1] + 1) % spec.vocab]  # not what the target decodes
             outputs.append({"text": "", "output_ids": out, "meta_info": meta})
         with state.lock:
             state.samples += len(batch)
@@ -539,7 +597,7 @@ def _spec_decoder(config: EndpointConfig, model: Model) -> SpecDecoder | None:
         raise SystemExit("contract server: speculative decoding with aux capture is not served")
     if config.decode_log_interval < 1:
         raise SystemExit("--decode-log-interval must be >= 1")
-    return SpecDecoder(config, model)
+    return SpecDecoder.for_endpoint(config, model)
 
 
 def _content_fault(kind: str | None, prefill: list[list[float]]) -> None:
@@ -574,7 +632,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[EndpointConfig], str
     p.add_argument("--speculative-num-draft-tokens", type=int)
     p.add_argument("--decode-log-interval", type=int, default=40,
                    help="decode batches between folds of the accept-length counters")
+    p.add_argument("--launch-fault", choices=LAUNCH_FAULTS,
+                   help="misbehave from the start: unhealthy (/health 503), no_spec (ignore "
+                        "the speculative flags), wrong_drafter (draft nothing: τ = 1), lossy "
+                        "(greedy speculative outputs differ from the target's), dies (exit "
+                        f"on /generate request {DIES_AT})")
     args = p.parse_args(argv)
+    if args.launch_fault == "no_spec":
+        args.speculative_algorithm = args.speculative_draft_model_path = None
+        args.speculative_num_steps = args.speculative_eagle_topk = None
+        args.speculative_num_draft_tokens = None
     base = EndpointConfig(
         port=args.port or 0, mode=args.mode,
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
@@ -586,7 +653,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[EndpointConfig], str
         speculative_num_steps=args.speculative_num_steps,
         speculative_eagle_topk=args.speculative_eagle_topk,
         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
-        decode_log_interval=args.decode_log_interval)
+        decode_log_interval=args.decode_log_interval, launch_fault=args.launch_fault)
     configs = [base] if args.port else []
     for extra in args.endpoint:
         extra = dict(extra)

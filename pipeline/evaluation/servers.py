@@ -1,0 +1,182 @@
+"""Evaluation servers that Aerie starts and stops itself: one engine process per contestant,
+launched from the deployment's command template (:class:`EngineServers`), healthy within a
+bound, and stopped by process group whatever happens.
+
+Invariants:
+
+- No shell: the template is an argv list filled item by item (:mod:`pipeline.argv_template`);
+  the filled command line is never logged (it may carry tokens), only the executable's name.
+- Bounded start: the server must answer ``GET /health`` with 200 within
+  ``health_timeout_s``; a process that exits first, or a server still unhealthy at the bound,
+  is an :class:`EngineStartError` naming the contestant, with the tail of its log.
+- Stopped by PID: the process runs in its own session; on leaving :func:`launched`, also on
+  an error, its whole process group gets SIGTERM, then SIGKILL after ``stop_timeout_s``.
+- A request that fails while the process has exited is reported as
+  :class:`EngineDiedError` (:meth:`LaunchedServer.explain`), not as a transport error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from pipeline.argv_template import check_template, expand
+
+log = logging.getLogger(__name__)
+
+# {policy_dir}: the refresh step's policy checkpoint (local, verified); {port}/{host}: where
+# the server must listen; {speculative_args}: the engine's flags for the contestant's drafter
+# (no items for no drafter), standing alone as one item of the template.
+PLACEHOLDERS = frozenset({"policy_dir", "port", "host", "speculative_args"})
+REQUIRED = ("policy_dir", "port", "speculative_args")
+_TAIL = 2000
+
+
+class EngineStartError(RuntimeError):
+    """An evaluation server did not become healthy (or its process exited first)."""
+
+
+class EngineDiedError(RuntimeError):
+    """An evaluation server's process exited while it was being measured."""
+
+
+@dataclass(frozen=True)
+class EngineServers:
+    """How an engine evaluator brings up a server per contestant.
+
+    ``launch``: the command template (argv; placeholders in :data:`PLACEHOLDERS`). The
+    engine's parallelism and any other flags are the template's. ``host``: where the servers
+    listen and are reached; ``health_timeout_s``: bound on a start; ``request_timeout_s``:
+    bound on one request; ``concurrency``: requests in flight at once; ``log_dir``: where
+    each server's output is kept (unset: a temporary directory, removed afterwards).
+    """
+
+    launch: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    health_timeout_s: float = 900.0
+    request_timeout_s: float = 600.0
+    concurrency: int = 8
+    stop_timeout_s: float = 30.0
+    log_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.health_timeout_s <= 0 or self.request_timeout_s <= 0 \
+                or self.stop_timeout_s <= 0 or self.concurrency < 1:
+            raise ValueError("timeouts must be > 0 and concurrency >= 1")
+
+    def check(self, what: str) -> None:
+        """Refuse a template that cannot start a contestant's server, naming ``what``."""
+        check_template(self.launch, PLACEHOLDERS, required=REQUIRED,
+                       lists=("speculative_args",), what=what)
+
+    def record(self) -> dict[str, object]:
+        """What the report keeps of this configuration: the executable's name, never the
+        command line (it may carry tokens)."""
+        return {"executable": Path(self.launch[0]).name if self.launch else None,
+                "host": self.host}
+
+
+@dataclass
+class LaunchedServer:
+    """One running evaluation server."""
+
+    label: str  # e.g. "sglang server for candidate"
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self) -> str:
+        try:
+            data = self.log_path.read_bytes()[-_TAIL:]
+        except OSError:
+            return ""
+        return data.decode(errors="replace").strip()
+
+    def explain(self, error: BaseException) -> BaseException:
+        """``error`` as it should be reported: an :class:`EngineDiedError` with the log's
+        tail when the process has exited, else ``error`` itself."""
+        code = self.proc.poll()
+        if code is None:
+            return error
+        return EngineDiedError(f"{self.label} (pid {self.proc.pid}) exited with status "
+                               f"{code} while it was being measured ({error}); log "
+                               f"{self.log_path}, tail:\n{self.tail()}")
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on at ``host`` now (the server binds it moments later)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launched(servers: EngineServers, label: str, policy_dir: Path,
+             speculative_args: Sequence[str], log_dir: Path) -> Iterator[LaunchedServer]:
+    """A healthy server started from ``servers.launch`` for ``policy_dir`` with
+    ``speculative_args``; stopped (its process group) on exit."""
+    port = free_port(servers.host)
+    argv = expand(servers.launch, {"policy_dir": str(policy_dir), "port": port,
+                                   "host": servers.host},
+                  {"speculative_args": list(speculative_args)})
+    log_path = log_dir / f"{label.replace(' ', '_')}.log"
+    log.info("%s: starting %s on %s:%d", label, Path(argv[0]).name, servers.host, port)
+    with open(log_path, "ab") as out:
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as e:
+            raise EngineStartError(f"{label}: cannot run {Path(argv[0]).name}: {e}") from e
+    server = LaunchedServer(label, f"http://{servers.host}:{port}", proc, log_path)
+    try:
+        _wait_healthy(server, servers.health_timeout_s)
+        yield server
+    finally:
+        _stop(proc, servers.stop_timeout_s)
+
+
+def _wait_healthy(server: LaunchedServer, timeout_s: float) -> None:
+    started = time.monotonic()
+    last = "no answer"
+    while True:
+        code = server.proc.poll()
+        if code is not None:
+            raise EngineStartError(f"{server.label} exited with status {code} before it was "
+                                   f"healthy; log {server.log_path}, tail:\n{server.tail()}")
+        try:
+            r = requests.get(server.url + "/health", timeout=5)
+            if r.status_code == 200:
+                log.info("%s healthy after %.1f s", server.label, time.monotonic() - started)
+                return
+            last = f"HTTP {r.status_code}"
+        except requests.RequestException as e:
+            last = type(e).__name__
+        if time.monotonic() - started > timeout_s:
+            raise EngineStartError(f"{server.label} was not healthy within {timeout_s:g} s "
+                                   f"(last /health: {last}); log {server.log_path}, tail:\n"
+                                   f"{server.tail()}")
+        time.sleep(0.25)
+
+
+def _stop(proc: subprocess.Popen, timeout_s: float) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)  # the server and everything it started
+        try:
+            proc.wait(timeout=timeout_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue

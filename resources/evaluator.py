@@ -1,0 +1,83 @@
+"""The evaluator resource: who measures τ in ``acceptance_eval`` (and ``aerie eval``).
+
+``kind`` is one of the evaluators' registry (:data:`pipeline.evaluation.evaluators.
+EVALUATORS`): ``inprocess`` (Aerie's own engine, the default) or ``sglang`` (an SGLang server
+per contestant, started from ``sglang.launch``; docs/concepts/acceptance.md, "The engine as
+judge"). An engine kind has a typed section of the same name.
+"""
+
+from typing import Literal
+
+from dagster import Config, ConfigurableResource, Failure, InitResourceContext
+from pydantic import Field
+
+from pipeline.evaluation.evaluators import EVALUATORS, Evaluator
+from pipeline.evaluation.servers import PLACEHOLDERS, EngineServers
+from resources.env import resource_from_env
+
+WHERE = "resources.evaluator.config"
+_S = EngineServers()
+
+
+class EngineServersConfig(Config):
+    """How an engine evaluator starts a server per contestant (candidate, champion, no
+    drafter) on the refresh step's policy."""
+
+    launch: list[str] = Field(
+        default_factory=list,
+        description="argv template of one server, no shell; placeholders "
+                    + " ".join(f"{{{p}}}" for p in sorted(PLACEHOLDERS))
+                    + " ({speculative_args} alone as one item: the drafter's flags, none for "
+                      "no drafter); tensor/expert parallel and other flags are yours")
+    host: str = Field(default=_S.host, description="where the servers listen and are reached")
+    health_timeout_s: float = Field(default=_S.health_timeout_s, gt=0,
+                                    description="seconds a server may take to be healthy")
+    request_timeout_s: float = Field(default=_S.request_timeout_s, gt=0,
+                                     description="seconds per request")
+    concurrency: int = Field(default=_S.concurrency, ge=1,
+                             description="requests in flight at once")
+    log_dir: str | None = Field(default=None, description="keep each server's output here "
+                                                          "(unset: a temporary directory)")
+
+    def to_core(self) -> EngineServers:
+        return EngineServers(launch=tuple(self.launch), host=self.host,
+                             health_timeout_s=self.health_timeout_s,
+                             request_timeout_s=self.request_timeout_s,
+                             concurrency=self.concurrency, log_dir=self.log_dir)
+
+
+class EvaluatorResource(ConfigurableResource):
+    """Who measures the contestants of an acceptance evaluation."""
+
+    kind: Literal[tuple(EVALUATORS)] = Field(  # type: ignore[valid-type]
+        default="inprocess", description="inprocess: Aerie's engine on one device; sglang: "
+                                         "SGLang servers started from sglang.launch, judged "
+                                         "by their own counters")
+    sglang: EngineServersConfig = Field(default_factory=EngineServersConfig,
+                                        description="the sglang evaluator's servers")
+
+    def setup_for_execution(self, context: InitResourceContext) -> None:
+        problem = self.problem()
+        if problem:
+            raise Failure(description=problem, allow_retries=False)
+
+    def problem(self) -> str | None:
+        """What is wrong with the configuration, with the fix; None when nothing is."""
+        try:
+            self.build()
+        except ValueError as e:
+            return (f"{WHERE}: {e}; e.g. sglang.launch: [\"python\", \"-m\", "
+                    f"\"sglang.launch_server\", \"--model-path\", \"{{policy_dir}}\", "
+                    f"\"--port\", \"{{port}}\", \"--tp-size\", \"8\", \"{{speculative_args}}\"]")
+        return None
+
+    def build(self) -> Evaluator:
+        if not EVALUATORS[self.kind].engine:
+            return Evaluator(self.kind)
+        return Evaluator(self.kind, getattr(self, self.kind).to_core())
+
+
+def evaluator_from_env() -> EvaluatorResource:
+    """``AERIE_EVALUATOR_KIND`` and a section's fields from ``AERIE_EVALUATOR_<SECTION>_<FIELD>``
+    (``AERIE_EVALUATOR_SGLANG_LAUNCH`` as a JSON list) where they are set."""
+    return resource_from_env(EvaluatorResource, "AERIE_EVALUATOR_")

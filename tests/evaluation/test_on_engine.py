@@ -1,0 +1,165 @@
+"""The ``sglang`` evaluator against SGLang contract servers it starts itself: the same τ as
+the in-process engine on the same prompts and sampler (the contract server decodes with
+Aerie's engine, so the counts must agree exactly, per prompt), and every launch fault a
+named error or a failing lossless check, never a report the gate could promote on."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.checks import evaluation_sound
+from pipeline.evaluation import stage
+from pipeline.evaluation.config import EvalConfig
+from pipeline.evaluation.evaluators import Evaluator
+from pipeline.evaluation.on_engine import DrafterNotDrafting
+from pipeline.evaluation.servers import EngineDiedError, EngineServers, EngineStartError
+from pipeline.evaluation.sglang_mode import SpeculativeConfigError
+from pipeline.evaluation.stage import NO_DRAFTER, read_report
+from pipeline.storage import Storage
+from tests.evaluation.world import SETTINGS, eval_world, publish_drafter_dir
+from tests.sglang_contract.drafters import save_copy_drafter
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = (sys.executable, "-m", "tests.sglang_contract.server", "--model", "{policy_dir}",
+          "--port", "{port}", "{speculative_args}")
+CONFIG = EvalConfig(max_prompts=6, max_new_tokens=12, **SETTINGS)
+
+
+@dataclass(frozen=True)
+class World:
+    storage: Storage
+    candidate: str
+    champion: str
+    logs: Path
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    root = tmp_path_factory.mktemp("engine-eval")
+    storage, target = eval_world(root / "storage", tie=True)  # a target that repeats
+    vocab = target.config.vocab_size
+    outputs = [list(range(vocab))]  # every token in the draft vocab
+    drafters = {}
+    for name, noise in (("candidate", 0.0), ("champion", 1.0)):  # noise: drafts worse
+        local = save_copy_drafter(target, root / name, outputs, draft_vocab=vocab, noise=noise)
+        drafters[name] = publish_drafter_dir(storage, local, f"drafters/{name}", 2,
+                                             f"fp-{name}")
+    return World(storage, drafters["candidate"], drafters["champion"], root / "logs")
+
+
+def sglang(world: World, *extra: str, **kw) -> Evaluator:
+    return Evaluator("sglang", EngineServers(launch=LAUNCH + extra, log_dir=str(world.logs),
+                                             **{"health_timeout_s": 120.0, **kw}))
+
+
+@pytest.fixture(autouse=True)
+def _repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the template runs ``python -m tests.sglang_contract.server``
+
+
+@pytest.mark.parametrize("sampler", [{}, {"temperature": 0.03, "top_p": 0.9}],
+                         ids=["greedy", "sampled"])
+def test_the_engines_counts_are_the_in_process_engines(world, sampler):
+    config = replace(CONFIG, **sampler)
+    local = stage.run(world.storage, 2, world.candidate, world.champion, config)
+    engine = stage.run(world.storage, 2, world.candidate, world.champion, config,
+                       sglang(world))
+
+    assert engine.evaluator_kind == "sglang" and local.evaluator_kind == "inprocess"
+    assert engine.evaluator["version"] == "0.5.23"
+    assert Path(engine.evaluator["server_args"]["model_path"], "config.json").is_file()
+    assert engine.fingerprint != local.fingerprint
+    assert engine.sampler_key == local.sampler_key and engine.heldout_key == local.heldout_key
+    assert engine.settings == local.settings
+    for name in ("candidate", "champion", NO_DRAFTER):
+        mine, theirs = local.contestants[name], engine.contestants[name]
+        assert theirs.per_prompt == mine.per_prompt, name  # same seeds, same draws
+        assert theirs.tau == mine.tau and theirs.tau_interval == mine.tau_interval
+        assert theirs.outputs_match_baseline == engine.checked_prompts
+    candidate = engine.contestants["candidate"]
+    assert candidate.tau > engine.contestants["champion"].tau > 1.0
+    assert candidate.acceptance.positions_observed is False  # SGLang reports totals only
+    assert engine.reference == {"prompts": 0, "indices": local.reference["indices"]}
+    assert engine.checked_prompts == (engine.heldout["prompts"] if not sampler
+                                      else len(local.reference["indices"]))
+    outcome = evaluation_sound(engine)
+    assert outcome.passed, outcome.description
+    assert "on sglang: the server without a drafter is the reference" in outcome.description
+    assert read_report(world.storage, 2) == engine  # published, and idempotent:
+    again = replace(sglang(world), servers=replace(sglang(world).servers,
+                                                   log_dir=str(world.logs / "again")))
+    assert stage.run(world.storage, 2, world.candidate, world.champion, config,
+                     again) == engine
+    assert not (world.logs / "again").exists()  # no server was started
+    assert not _contract_servers_running()
+
+
+@pytest.mark.parametrize(("fault", "error", "match"), [
+    ("no_spec", SpeculativeConfigError, "came up without speculative decoding"),
+    ("wrong_drafter", DrafterNotDrafting, "accepted no draft token"),
+    ("dies", EngineDiedError, "exited with status 3 while it was being measured"),
+], ids=["no_speculation", "wrong_drafter", "dies_mid_evaluation"])
+def test_a_misbehaving_server_is_a_named_error_and_nothing_is_published(
+        world, fault, error, match):
+    config = replace(CONFIG, max_prompts=4, max_new_tokens=10, seed=len(fault))
+    before = read_report(world.storage, 2)
+    with pytest.raises(error, match=match) as raised:
+        stage.run(world.storage, 2, world.candidate, None, config,
+                  sglang(world, "--launch-fault", fault))
+    assert "sglang server for candidate" in str(raised.value)
+    assert read_report(world.storage, 2) == before
+    assert not _contract_servers_running()
+
+
+def test_a_server_that_never_becomes_healthy_is_stopped_at_the_bound(world):
+    config = replace(CONFIG, max_prompts=4, seed=11)
+    with pytest.raises(EngineStartError, match=r"not healthy within 12 s \(last /health: "
+                                               r"HTTP 503\)"):
+        stage.run(world.storage, 2, world.candidate, None, config,
+                  sglang(world, "--launch-fault", "unhealthy", health_timeout_s=12.0))
+    with pytest.raises(EngineStartError, match="exited with status 2 before it was healthy"):
+        stage.run(world.storage, 2, world.candidate, None, config,
+                  sglang(world, "--no-such-flag"))
+    assert not _contract_servers_running()
+
+
+def test_output_that_is_not_lossless_fails_the_check_that_blocks_promotion(world):
+    config = replace(CONFIG, max_prompts=4, max_new_tokens=10, seed=12)
+    report = stage.run(world.storage, 2, world.candidate, None, config,
+                       sglang(world, "--launch-fault", "lossy"))
+    outcome = evaluation_sound(report)
+    assert not outcome.passed
+    assert f"candidate: 0/{report.checked_prompts} prompts match greedy decoding" in outcome.description
+
+
+def test_a_template_that_cannot_start_a_contestant_is_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="must use {speculative_args}"):
+        Evaluator("sglang", EngineServers(launch=("sglang", "--model-path", "{policy_dir}",
+                                                  "--port", "{port}")))
+    with pytest.raises(ValueError, match="must stand alone"):
+        Evaluator("sglang", EngineServers(launch=LAUNCH[:-1] + ("x{speculative_args}",)))
+    with pytest.raises(ValueError, match="unknown placeholders"):
+        Evaluator("sglang", EngineServers(launch=LAUNCH + ("{drafter}",)))
+
+
+def _contract_servers_running() -> list[int]:
+    """PIDs of contract servers started by evaluation templates that are still alive."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"tests.sglang_contract.server" in cmd and b"--wait-for-model" not in cmd:
+            found.append(int(pid))
+    return found
