@@ -110,7 +110,7 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
         f"{k} {v:.3f}" for k, v in s.items() if k.endswith("_tau")))
     alphas = {n: c.acceptance.alpha for n, c in r.contestants.items() if n != "no_drafter"}
     alpha_png = alpha_chart(alphas, f"step {step}: α per draft position")
-    tau_png = tau_curve(evaluation_stage.tau_history(store, r.sampler_key),
+    tau_png = tau_curve(evaluation_stage.tau_history(store, r.comparable_key),
                         f"τ of the candidate and champion at each refresh ({r.regime})")
     @functools.cache
     def candidate_run():  # the run that trained the candidate holds its charts

@@ -209,9 +209,10 @@ def serving_state(storage: Storage, name: str) -> ServingState | None:
     own_step = step_of_prefix(key, DRAFTERS)
 
     def tau_in(step: int, names: Sequence[str]) -> tuple[float, str] | None:
-        """(τ, sampler key) of the serving drafter in ``step``'s report, if it was measured."""
+        """(τ, comparable key) of the serving drafter in ``step``'s report, if it was
+        measured."""
         report = read_report(storage, step)
-        found = [(report.contestants[n].tau, report.sampler_key) for n in names
+        found = [(report.contestants[n].tau, report.comparable_key) for n in names
                  if report is not None and n in report.contestants
                  and report.contestants[n].fingerprint == fingerprint]
         return found[0] if found else None
@@ -226,7 +227,8 @@ def serving_state(storage: Storage, name: str) -> ServingState | None:
         if measured is None:
             continue
         if promoted is not None and measured[1] != promoted[1]:
-            other_regime = True  # greedy vs sampled τ is no drop or rise: look further back
+            other_regime = True  # greedy vs sampled τ (or in-process vs engine τ) is no drop
+            # or rise: look further back
             continue
         if step == own_step and other_regime:
             break  # measured since only in another regime: the drop cannot be judged

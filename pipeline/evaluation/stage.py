@@ -113,6 +113,14 @@ class AcceptanceReport:
         return self.evaluator.get("kind", "inprocess")
 
     @property
+    def comparable_key(self) -> str:
+        """Two τ are one curve only when this agrees: the sampler's key, and the evaluator
+        when it is an engine (the in-process key is the sampler's alone, as before
+        evaluators)."""
+        kind = self.evaluator_kind
+        return self.sampler_key if kind == "inprocess" else f"{kind}:{self.sampler_key}"
+
+    @property
     def checked_prompts(self) -> int:
         """Prompts each drafter's greedy tokens were compared with no drafter's on."""
         return self.heldout["prompts"] if self.lossless_prompts is None \
@@ -195,11 +203,12 @@ def read_report(storage: Storage, step: int) -> AcceptanceReport | None:
 def tau_history(storage: Storage, regime: str | None = None
                 ) -> dict[str, dict[int, float]]:
     """τ per contestant per evaluated refresh step, from every committed report (of the
-    sampler key ``regime`` only, when given: greedy and sampled τ are not one curve)."""
+    :attr:`AcceptanceReport.comparable_key` ``regime`` only, when given: greedy and sampled
+    τ, or τ from Aerie's engine and from SGLang's, are not one curve)."""
     out: dict[str, dict[int, float]] = {}
     for step in steps_of(storage.list_dirs(EVALS)):
         report = read_report(storage, step)
-        if report is None or regime not in (None, report.sampler_key):
+        if report is None or regime not in (None, report.comparable_key):
             continue
         for name, c in report.contestants.items():
             out.setdefault(name, {})[report.step] = c.tau

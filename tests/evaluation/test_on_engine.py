@@ -163,3 +163,50 @@ def _contract_servers_running() -> list[int]:
         if b"tests.sglang_contract.server" in cmd and b"--wait-for-model" not in cmd:
             found.append(int(pid))
     return found
+
+
+def test_the_gate_decides_a_refresh_on_sglang_through_dagster(world, tmp_path):
+    """acceptance_eval -> registered_drafter -> serving_drafter materialized by Dagster with
+    the evaluator resource set to sglang: the report is SGLang's, and the gate promotes on
+    it (the candidate drafts; no drafter serves yet)."""
+    from dagster import instance_for_test, materialize
+
+    from assets.evaluation import acceptance_eval
+    from assets.release import registered_drafter, serving_drafter
+    from pipeline.release.mlflow_registry import model_name
+    from pipeline.serving_now import read_serving
+    from resources.evaluator import EngineServersConfig, EvaluatorResource
+    from resources.mlflow import MlflowResource
+    from resources.refresh import RefreshPolicyResource
+    from resources.serving import ServingResource
+    from resources.storage import StorageResource
+    from tests.release.helpers import as_refresh
+
+    as_refresh(world.storage, 2, world.candidate, "c" * 64)
+    family = f"engine{os.getpid()}"
+    resources = {
+        "storage": StorageResource(url=world.storage.url()),
+        "mlflow": MlflowResource(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                 artifact_location=(tmp_path / "artifacts").as_uri(),
+                                 target_family=family, lock_dir=str(tmp_path / "locks"),
+                                 lock_timeout_s=30),
+        "serving": ServingResource(), "refresh": RefreshPolicyResource(),
+        "evaluator": EvaluatorResource(kind="sglang", sglang=EngineServersConfig(
+            launch=list(LAUNCH), health_timeout_s=120, log_dir=str(world.logs)))}
+    run_config = {"ops": {"acceptance_eval": {"config": {"max_prompts": 4,
+                                                         "max_new_tokens": 10, "seed": 21}},
+                          "serving_drafter": {"config": {"min_cycles": 10}}}}
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("refresh_steps", ["step-000002"])
+        result = materialize([acceptance_eval, registered_drafter, serving_drafter],
+                             partition_key="step-000002", instance=instance,
+                             resources=resources, run_config=run_config)
+    assert result.success
+    (evaluated,) = result.asset_materializations_for_node("acceptance_eval")
+    assert evaluated.metadata["evaluator"].value == "sglang 0.5.23"
+    report = read_report(world.storage, 2)
+    assert report.evaluator_kind == "sglang" and report.contestants["candidate"].tau > 2
+    (served,) = result.asset_materializations_for_node("serving_drafter")
+    assert served.metadata["action"].value == "promoted"
+    assert read_serving(world.storage, model_name(family)).target.fingerprint == "c" * 64
+    assert not _contract_servers_running()

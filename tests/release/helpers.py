@@ -10,13 +10,15 @@ from pathlib import Path
 from pipeline.contracts import Manifest
 from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.spec import SpecParams
-from pipeline.manifest import entry_for, write_manifest
+from pipeline.layout import drafter_prefix
+from pipeline.manifest import entry_for, read_manifest, write_manifest
 from pipeline.release.backend import LedgerBackend
 from pipeline.release.gate import Candidate, EvalSummary, GatePolicy, decide
 from pipeline.release.ledger import ServingLedger
 from pipeline.release.mlflow_registry import DrafterRegistry
 from pipeline.serving_now import ServingTarget
 from pipeline.storage import Storage
+from tests.evaluation.world import STEPS
 
 TARGET_VOCAB = 48
 SETTINGS = SpecParams(3, 1, 4)
@@ -132,3 +134,23 @@ def served_version(serving) -> str | None:
     """The registry version ``serving`` serves now (None: no drafter)."""
     current = serving.current()
     return current.target.registry_version if current and current.target else None
+
+
+def as_refresh(storage, step: int, prefix: str, fingerprint: str) -> str:
+    """Give a published test drafter the lineage the training stage writes, at ``step``."""
+    target = drafter_prefix(step)
+    m = read_manifest(storage, prefix)
+    files = storage.download_dir(prefix, storage.local_path("").parent / f"tmp-{fingerprint}")
+    (files / "_manifest.json").unlink()
+    written = storage.upload_dir(files, target)
+
+    meta = {**m.meta, "step": step, "fingerprint": fingerprint, "policy_sha256": "p" * 64,
+            "shard_manifest_sha256": {str(s): "s" * 64 for s in STEPS},
+            "aux_layer_ids": [1, 2, 3], "vocab_cache_key": "v" * 64, "coverage": 0.9,
+            "config": {"ttt_depth": 2, "lr": 1e-3},
+            "result": {"history": [{"step": 1, "lr": 1e-3, "loss": 3.0,
+                                    "accuracy": [0.5, 0.25], "sim_accept_length": 0.6}]}}
+    write_manifest(storage, target, type(m)(kind=m.kind, kind_version=m.kind_version,
+                                            files=tuple(entry_for(target, w) for w in written),
+                                            meta=meta))
+    return target

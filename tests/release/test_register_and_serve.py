@@ -14,8 +14,6 @@ import pytest
 from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation import stage as evaluation_stage
 from pipeline.evaluation.config import EvalConfig
-from pipeline.layout import drafter_prefix
-from pipeline.manifest import entry_for, read_manifest, write_manifest
 from pipeline.release import register as register_stage
 from pipeline.release import serve as serve_stage
 from pipeline.release.backend import LedgerBackend
@@ -26,6 +24,7 @@ from pipeline.release.promotion import force_promote
 from pipeline.release.register import ReleaseError
 from pipeline.serving_now import serving_drafter_key
 from tests.evaluation.world import SETTINGS, STEPS, eval_world, publish_drafter
+from tests.release.helpers import as_refresh
 
 pytestmark = pytest.mark.integration
 
@@ -37,26 +36,6 @@ def world(tmp_path_factory):
 CONFIG = EvalConfig(max_prompts=4, max_new_tokens=10, **SETTINGS)
 # Random drafters get an accept now and then (τ ≈ 1.03 here): demand +50%.
 STRICT = GatePolicy(min_relative_gain=0.5, min_cycles=1)
-
-
-def as_refresh(storage, step: int, prefix: str, fingerprint: str) -> str:
-    """Give a published test drafter the lineage the training stage writes, at ``step``."""
-    target = drafter_prefix(step)
-    m = read_manifest(storage, prefix)
-    files = storage.download_dir(prefix, storage.local_path("").parent / f"tmp-{fingerprint}")
-    (files / "_manifest.json").unlink()
-    written = storage.upload_dir(files, target)
-
-    meta = {**m.meta, "step": step, "fingerprint": fingerprint, "policy_sha256": "p" * 64,
-            "shard_manifest_sha256": {str(s): "s" * 64 for s in STEPS},
-            "aux_layer_ids": [1, 2, 3], "vocab_cache_key": "v" * 64, "coverage": 0.9,
-            "config": {"ttt_depth": 2, "lr": 1e-3},
-            "result": {"history": [{"step": 1, "lr": 1e-3, "loss": 3.0,
-                                    "accuracy": [0.5, 0.25], "sim_accept_length": 0.6}]}}
-    write_manifest(storage, target, type(m)(kind=m.kind, kind_version=m.kind_version,
-                                            files=tuple(entry_for(target, w) for w in written),
-                                            meta=meta))
-    return target
 
 
 @pytest.fixture
