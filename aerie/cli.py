@@ -23,9 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.evaluation.evaluators import EVALUATORS
 from pipeline.records import to_json
 
 VERSION_TAG = "aerie/cli"  # runs the CLI launched itself: the command
+EVALUATOR_KINDS = tuple(EVALUATORS)
 
 log = logging.getLogger("aerie")
 
@@ -349,6 +351,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from pipeline.evaluation.any_drafter import measure_drafter, shard_steps
     from pipeline.evaluation.config import EvalConfig
+    from resources.evaluator import evaluator_from_env
     from resources.storage import storage_from_environment
 
     storage = storage_from_environment()
@@ -378,7 +381,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
                      "fingerprint": manifest.target.fingerprint}
         config = EvalConfig(max_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                             device=args.device, dtype=args.dtype, seed=args.seed, **overrides)
-        result = measure_drafter(storage, step, drafter, window, config, **named)
+        resource = evaluator_from_env()
+        if args.evaluator:
+            resource = resource.model_copy(update={"kind": args.evaluator})
+        problem = resource.problem()
+        if problem:
+            raise ValueError(problem)
+        result = measure_drafter(storage, step, drafter, window, config,
+                                 evaluator=resource.build(), **named)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"aerie eval: {e}", file=sys.stderr)
         return 2
@@ -421,7 +431,8 @@ def render_measurement(result) -> str:
              f"({result.sampler_source})",
              f"{settings['num_steps']} steps, top-k {settings['eagle_topk']}, "
              f"{settings['num_draft_tokens']} draft tokens, {settings['max_new_tokens']} new "
-             f"tokens; {result.device} {result.dtype}",
+             f"tokens; " + (f"{result.device} {result.dtype}" if result.evaluator == "inprocess"
+                            else f"on {result.evaluator}"),
              "",
              f"{'contestant':<12} {'τ':>6}  {f'{result.confidence:.0%} interval':<15} "
              f"{'greedy':<7} {'reference':<9} {'ties':<4} α per position"]
@@ -433,8 +444,9 @@ def render_measurement(result) -> str:
                      f"{row['matches_greedy']:<7} {row['matches_reference']:<9} "
                      f"{row['near_ties']:<4} {alpha}")
     lines += ["", "greedy: prompts whose greedy output equals no drafter's; reference: "
-                  "prompts equal to the cache-free greedy reference; ties: mismatches at a "
-                  "bf16 near-tie"]
+                  "prompts equal to the cache-free greedy reference (in process only); ties: "
+                  "mismatches at a bf16 near-tie; α: unknown (-) where an engine reports "
+                  "totals only"]
     return "\n".join(lines)
 
 
@@ -567,6 +579,10 @@ def parser() -> argparse.ArgumentParser:
                        ("min_p", float)):
         ev.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
                         help=f"override the recorded sampler's {name}")
+    ev.add_argument("--evaluator", choices=EVALUATOR_KINDS,
+                    help="who decodes: inprocess (Aerie's engine) or sglang (servers from "
+                         "AERIE_EVALUATOR_SGLANG_LAUNCH); default: AERIE_EVALUATOR_KIND, "
+                         "else inprocess")
     ev.add_argument("--json", action="store_true", help="print the measurement as JSON")
     ev.set_defaults(func=cmd_eval)
     from resources.mlflow import MlflowResource

@@ -20,6 +20,7 @@ from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from assets.versions import CODE_VERSIONS
 from pipeline.checks import evaluation_sound
 from pipeline.evaluation.config import Device, Dtype, EvalConfig
+from pipeline.evaluation.evaluators import label
 from pipeline.layout import drafter_prefix
 from pipeline.release.mlflow_registry import model_name
 from pipeline.serving_now import serving_drafter_key
@@ -124,8 +125,7 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
     return MaterializeResult(metadata={
         **{k: _readable(v) for k, v in s.items()},
         "champion": champion_name(store, mlflow, champion),
-        "evaluator": " ".join(str(x) for x in (r.evaluator_kind, r.evaluator.get("version"))
-                              if x),
+        "evaluator": label(r.evaluator),
         "settings": MetadataValue.json(r.settings),
         "sampler": MetadataValue.json(r.sampler), "sampler_source": r.sampler_source,
         "sampler_key": r.sampler_key, "seed": r.seed,

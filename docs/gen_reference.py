@@ -42,6 +42,7 @@ FACTORIES = {
     "serving": "resources.serving:serving_from_env",
     "refresh": "resources.refresh:refresh_policy_from_env",
     "ingest": "resources.ingest:ingest_from_env",
+    "evaluator": "resources.evaluator:evaluator_from_env",
 }
 # variables read outside the resources, documented in these modules' docstrings
 OTHER_VARIABLES = ("resources.home", "resources.run_config", "pipeline.adapters.weight_sync")

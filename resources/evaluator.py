@@ -1,8 +1,8 @@
 """The evaluator resource: who measures τ in ``acceptance_eval`` (and ``aerie eval``).
 
-``kind`` is one of the evaluators' registry (:data:`pipeline.evaluation.evaluators.
-EVALUATORS`): ``inprocess`` (Aerie's own engine, the default) or ``sglang`` (an SGLang server
-per contestant, started from ``sglang.launch``; docs/concepts/acceptance.md, "The engine as
+``kind`` is one of the evaluators' registry (``pipeline.evaluation.evaluators``):
+``inprocess`` (Aerie's own engine, the default) or ``sglang`` (an SGLang server per
+contestant, started from ``sglang.launch``; docs/concepts/acceptance.md, "The engine as
 judge"). An engine kind has a typed section of the same name.
 """
 

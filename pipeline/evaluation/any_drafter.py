@@ -21,7 +21,7 @@ from pipeline.capture.heldout import heldout_prompts
 from pipeline.eagle3.export import WEIGHTS_NAME
 from pipeline.evaluation.config import EvalConfig
 from pipeline.evaluation.contest import NO_DRAFTER, Contestant
-from pipeline.evaluation.evaluators import INPROCESS, Evaluator, measure
+from pipeline.evaluation.evaluators import INPROCESS, Evaluator, label, measure
 from pipeline.evaluation.regime import resolve_sampler
 from pipeline.layout import SHARDS, committed_steps
 from pipeline.storage import Storage
@@ -44,6 +44,7 @@ class DrafterMeasurement:
     dtype: str
     confidence: float
     contestants: dict[str, Contestant]
+    evaluator: str  # inprocess, or the engine and its version, e.g. "sglang 0.5.23"
 
     reference_prompts: int  # also decoded by the cache-free greedy reference
 
@@ -99,4 +100,5 @@ def measure_drafter(storage: Storage, step: int, drafter: Path | None,
         lossless_prompts=len(m.checked), reference_prompts=m.reference_prompts,
         sampler=sampler.label,
         sampler_source=source, settings=m.settings, device=m.device, dtype=config.dtype,
-        confidence=config.confidence, contestants={k: m.contestants[k] for k in order})
+        confidence=config.confidence, contestants={k: m.contestants[k] for k in order},
+        evaluator=label(m.evaluator))

@@ -90,6 +90,12 @@ EVALUATORS: dict[str, EvaluatorKind] = {
 INPROCESS = Evaluator()
 
 
+def label(record: Mapping[str, Any]) -> str:
+    """A report's evaluator record in words: ``inprocess``, or e.g. ``sglang 0.5.23``."""
+    return " ".join(str(x) for x in (record.get("kind", "inprocess"), record.get("version"))
+                    if x)
+
+
 def measure(evaluator: Evaluator, storage: Storage, step: int, ids: list[list[int]],
             config: EvalConfig, sampler: SamplingParams, source: str,
             drafters: Drafters) -> Measurement:

@@ -11,7 +11,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
-import torch
 
 from pipeline.checks import evaluation_sound
 from pipeline.evaluation import stage
@@ -39,6 +38,7 @@ class World:
     candidate: str
     champion: str
     logs: Path
+    candidate_dir: Path
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,8 @@ def world(tmp_path_factory) -> World:
         local = save_copy_drafter(target, root / name, outputs, draft_vocab=vocab, noise=noise)
         drafters[name] = publish_drafter_dir(storage, local, f"drafters/{name}", 2,
                                              f"fp-{name}")
-    return World(storage, drafters["candidate"], drafters["champion"], root / "logs")
+    return World(storage, drafters["candidate"], drafters["champion"], root / "logs",
+                 root / "candidate")
 
 
 def sglang(world: World, *extra: str, **kw) -> Evaluator:
@@ -137,7 +138,8 @@ def test_output_that_is_not_lossless_fails_the_check_that_blocks_promotion(world
                        sglang(world, "--launch-fault", "lossy"))
     outcome = evaluation_sound(report)
     assert not outcome.passed
-    assert f"candidate: 0/{report.checked_prompts} prompts match greedy decoding" in outcome.description
+    wanted = f"candidate: 0/{report.checked_prompts} prompts match greedy decoding"
+    assert wanted in outcome.description
 
 
 def test_a_template_that_cannot_start_a_contestant_is_refused_before_anything_runs():
@@ -209,4 +211,27 @@ def test_the_gate_decides_a_refresh_on_sglang_through_dagster(world, tmp_path):
     (served,) = result.asset_materializations_for_node("serving_drafter")
     assert served.metadata["action"].value == "promoted"
     assert read_serving(world.storage, model_name(family)).target.fingerprint == "c" * 64
+    assert not _contract_servers_running()
+
+
+def test_aerie_eval_measures_a_drafter_directory_on_sglang(world, monkeypatch, capsys):
+    import json
+
+    from aerie import cli
+
+    monkeypatch.setenv("AERIE_STORAGE_URL", world.storage.url())
+    monkeypatch.setenv("AERIE_EVALUATOR_SGLANG_LAUNCH", json.dumps(LAUNCH))
+    monkeypatch.setenv("AERIE_EVALUATOR_SGLANG_HEALTH_TIMEOUT_S", "120")
+    assert cli.main(["eval", str(world.candidate_dir), "--evaluator", "sglang", "--step", "2",
+                     "--window", "2", "--prompts", "4", "--max-new-tokens", "10",
+                     "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["evaluator"] == "sglang 0.5.23"
+    drafter = measured["contestants"]["drafter"]
+    assert drafter["outputs_match_baseline"] == measured["lossless_prompts"] > 0
+    row = measured["rows"][1]  # SGLang reports totals: no α per position
+    assert row["tau"] > 2 and row["alpha"] == [None] * measured["settings"]["num_steps"]
+    monkeypatch.setenv("AERIE_EVALUATOR_SGLANG_LAUNCH", json.dumps(LAUNCH[:-1]))
+    assert cli.main(["eval", str(world.candidate_dir), "--evaluator", "sglang"]) == 2
+    assert "must use {speculative_args}" in capsys.readouterr().err
     assert not _contract_servers_running()

@@ -9,6 +9,7 @@ with faults on demand. Binds 127.0.0.1 only.
         [--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR
          [--speculative-num-steps N --speculative-eagle-topk K
           --speculative-num-draft-tokens D] [--decode-log-interval 40]]
+        [--launch-fault unhealthy|no_spec|wrong_drafter|lossy|dies]
 
 Each ``--endpoint '{"port": P2, "mode": "aux", ...}'`` adds one more independent server
 (own port, flags, faults and counters; keys as the flags, defaults from them) to the same
@@ -27,6 +28,10 @@ with SGLang's options:
   mode = HF ``hidden_states[-1]`` (after the final norm in transformers 5; checked by the
   tests), ``aux`` mode = ``cat(hidden_states[l + 1] for l in aux ids)``, the un-normalised
   output of decoder layer ``l``. Next tokens are greedy.
+- A ``/generate`` that asks for no hidden states decodes as SGLang does without a drafter:
+  ``sampling_params`` as in speculative mode below (sampled unless ``temperature`` is 0,
+  ``sampling_seed``), stopping at ``max_new_tokens``, EOS and ``stop_token_ids``; no
+  speculative keys in ``meta_info``.
 - Without the hidden-states flag (``--no-hidden-states``) a request asking for them gets
   SGLang's HTTP 400 ``{"error": {"message": "The server is not configured to return the
   hidden states. ..."}}``. ``--radix-cache`` reuses previously seen prefixes (rows only for
@@ -67,6 +72,11 @@ faults the next k ``/generate`` requests (only every n-th). Kinds: ``http500``, 
 ``nan`` (NaN token in a row, as Python's json writes it), ``null`` (null in a row, as orjson
 writes NaN), ``omit_hidden`` (no ``hidden_states``), ``omit_spec`` (no ``spec_verify_ct``),
 ``short_output`` (drop the last output id); content faults hit the request's first sample.
+``--launch-fault`` makes a whole server misbehave from its start, as the engine evaluator's
+faults: ``unhealthy`` (``/health`` answers 503), ``no_spec`` (the speculative flags are
+ignored), ``wrong_drafter`` (the drafter drafts nothing: every verify pass emits one token),
+``lossy`` (greedy speculative outputs end on a token the target did not pick), ``dies``
+(the process exits on its third ``/generate``).
 ``POST /_reset`` clears faults, counters (speculative ones included) and the prefix cache
 and releases slow replies; ``GET /_stats``.
 """
