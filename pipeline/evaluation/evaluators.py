@@ -77,9 +77,10 @@ def _inprocess(storage: Storage, step: int, ids: list[list[int]], config: EvalCo
 def _sglang(storage: Storage, step: int, ids: list[list[int]], config: EvalConfig,
             sampler: SamplingParams, source: str, drafters: Drafters,
             evaluator: Evaluator) -> Measurement:
-    from pipeline.evaluation.on_engine import measure_on_sglang
+    from pipeline.evaluation.on_engine import measure_on_engine
+    from pipeline.evaluation.sglang_engine import SGLang
 
-    return measure_on_sglang(storage, step, ids, config, sampler, source, drafters,
+    return measure_on_engine(SGLang(), storage, step, ids, config, sampler, source, drafters,
                              evaluator.servers)
 
 
