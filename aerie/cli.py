@@ -580,9 +580,9 @@ def parser() -> argparse.ArgumentParser:
         ev.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
                         help=f"override the recorded sampler's {name}")
     ev.add_argument("--evaluator", choices=EVALUATOR_KINDS,
-                    help="who decodes: inprocess (Aerie's engine) or sglang (servers from "
-                         "AERIE_EVALUATOR_SGLANG_LAUNCH); default: AERIE_EVALUATOR_KIND, "
-                         "else inprocess")
+                    help="who decodes: inprocess (Aerie's engine), sglang or vllm (servers "
+                         "from AERIE_EVALUATOR_<ENGINE>_LAUNCH); default: "
+                         "AERIE_EVALUATOR_KIND, else inprocess")
     ev.add_argument("--json", action="store_true", help="print the measurement as JSON")
     ev.set_defaults(func=cmd_eval)
     from resources.mlflow import MlflowResource

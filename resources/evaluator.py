@@ -1,9 +1,9 @@
 """The evaluator resource: who measures τ in ``acceptance_eval`` (and ``aerie eval``).
 
 ``kind`` is one of the evaluators' registry (``pipeline.evaluation.evaluators``):
-``inprocess`` (Aerie's own engine, the default) or ``sglang`` (an SGLang server per
-contestant, started from ``sglang.launch``; docs/concepts/acceptance.md, "The engine as
-judge"). An engine kind has a typed section of the same name.
+``inprocess`` (Aerie's own engine, the default), ``sglang`` or ``vllm`` (a server of that
+engine per contestant, started from the section's ``launch``; docs/concepts/acceptance.md,
+"The engine as judge"). An engine kind has a typed section of the same name.
 """
 
 from typing import Literal
@@ -50,11 +50,15 @@ class EvaluatorResource(ConfigurableResource):
     """Who measures the contestants of an acceptance evaluation."""
 
     kind: Literal[tuple(EVALUATORS)] = Field(  # type: ignore[valid-type]
-        default="inprocess", description="inprocess: Aerie's engine on one device; sglang: "
-                                         "SGLang servers started from sglang.launch, judged "
-                                         "by their own counters")
+        default="inprocess", description="inprocess: Aerie's engine on one device; sglang or "
+                                         "vllm: the engine's servers started from the "
+                                         "section's launch, judged by their own counters")
     sglang: EngineServersConfig = Field(default_factory=EngineServersConfig,
                                         description="the sglang evaluator's servers")
+    vllm: EngineServersConfig = Field(default_factory=EngineServersConfig,
+                                      description="the vllm evaluator's servers ({speculative_"
+                                                  "args}: --speculative-config and "
+                                                  "--per-request-spec-decode-metrics)")
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
         problem = self.problem()

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Self, TypeVar
 
@@ -310,3 +310,31 @@ def call_with_retries(fn: Callable[[str], T], *, urls: Sequence[str], request_in
 
 def _target(what: str, samples: Sequence[int]) -> str:
     return f"{what} for samples {list(samples)}" if len(samples) else what
+
+
+def post_each(http: JsonHttp, urls: Sequence[str], path: str, payloads: Sequence[Any],
+              parse: Callable[[Any], T], *, concurrency: int, policy: RetryPolicy,
+              stats: CallStats, what: str) -> list[tuple[str, T]]:
+    """POST each payload to ``path`` (request i first to ``urls[i % len(urls)]``, failing
+    over as :func:`call_with_retries` does) with ``concurrency`` in flight, and ``parse``
+    each answer (a :class:`TransientFailure` from it is retried). Returns (answering URL,
+    parsed answer) in payload order; the first failure in payload order is raised, an
+    :class:`EngineRequestError` whose ``samples`` is ``[i]``."""
+
+    def one(i: int) -> tuple[str, T]:
+        def attempt(url: str) -> tuple[str, T]:
+            return url, parse(http.post_json(url, path, payloads[i]))
+
+        return call_with_retries(attempt, urls=urls, request_index=i, policy=policy,
+                                 stats=stats, what=what, samples=[i])
+
+    with ThreadPoolExecutor(concurrency, thread_name_prefix="engine-post") as pool:
+        futures = [pool.submit(one, i) for i in range(len(payloads))]
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in pending:
+            f.cancel()
+        for f in futures:  # the first failure in payload order
+            error = f.exception() if f in done else None
+            if error is not None:
+                raise error
+        return [f.result() for f in futures]

@@ -6,7 +6,9 @@ evaluation.
 - ``inprocess``: Aerie's own engine in this process (:mod:`.inprocess`), the default for
   the demo and for targets that fit one device;
 - ``sglang``: an SGLang server per contestant, started from the deployment's launch
-  template and judged by SGLang's own counters (:mod:`.on_engine`).
+  template and judged by SGLang's own counters (:mod:`.on_engine`, :mod:`.sglang_engine`);
+- ``vllm``: the same with ``vllm serve`` and its per-request spec-decode metrics
+  (:mod:`.vllm_engine`).
 
 The evaluator resource's choices and :func:`measure` read this one dict, so a new evaluator
 is one module and one entry here. Importing this module loads no torch: an evaluator loads
@@ -84,9 +86,20 @@ def _sglang(storage: Storage, step: int, ids: list[list[int]], config: EvalConfi
                              evaluator.servers)
 
 
+def _vllm(storage: Storage, step: int, ids: list[list[int]], config: EvalConfig,
+          sampler: SamplingParams, source: str, drafters: Drafters,
+          evaluator: Evaluator) -> Measurement:
+    from pipeline.evaluation.on_engine import measure_on_engine
+    from pipeline.evaluation.vllm_engine import VLLM
+
+    return measure_on_engine(VLLM(), storage, step, ids, config, sampler, source, drafters,
+                             evaluator.servers)
+
+
 EVALUATORS: dict[str, EvaluatorKind] = {
     "inprocess": EvaluatorKind(_inprocess, engine=None),
     "sglang": EvaluatorKind(_sglang, engine="sglang"),
+    "vllm": EvaluatorKind(_vllm, engine="vllm"),
 }
 INPROCESS = Evaluator()
 

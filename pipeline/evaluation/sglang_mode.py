@@ -48,7 +48,6 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -60,6 +59,7 @@ from pipeline.capture.engine_http import (
     RetryPolicy,
     TransientFailure,
     call_with_retries,
+    post_each,
     raise_for_status,
 )
 from pipeline.eagle3.spec import SpecParams
@@ -341,30 +341,15 @@ def _decode_all(http: JsonHttp, urls: tuple[str, ...], prompts: list[list[int]],
                 stats: CallStats, parse: Callable[[Any], _Answer]
                 ) -> list[tuple[str, _Answer]]:
     """(answering URL, answer) per prompt, in prompt order; the first failure is raised."""
-
-    def one(i: int) -> tuple[str, _Answer]:
-        payload = {"input_ids": prompts[i], "sampling_params": requests[i]}
-
-        def attempt(url: str) -> tuple[str, _Answer]:
-            return url, parse(http.post_json(url, "/generate", payload))
-
-        try:
-            return call_with_retries(attempt, urls=urls, request_index=i, policy=policy,
-                                     stats=stats, what="acceptance request", samples=[i])
-        except EngineRequestError as e:
-            raise ServerAcceptanceError(f"prompt {i} (last server {e.url}): {e}", url=e.url,
-                                        prompt=i, attempts=e.attempts) from e
-
-    with ThreadPoolExecutor(concurrency, thread_name_prefix="sglang-accept") as pool:
-        futures = [pool.submit(one, i) for i in range(len(prompts))]
-        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in pending:
-            f.cancel()
-        for f in futures:  # the first failure in prompt order
-            error = f.exception() if f in done else None
-            if error is not None:
-                raise error
-        return [f.result() for f in futures]
+    payloads = [{"input_ids": p, "sampling_params": r}
+                for p, r in zip(prompts, requests, strict=True)]
+    try:
+        return post_each(http, urls, "/generate", payloads, parse, concurrency=concurrency,
+                         policy=policy, stats=stats, what="acceptance request")
+    except EngineRequestError as e:
+        i = e.samples[0]
+        raise ServerAcceptanceError(f"prompt {i} (last server {e.url}): {e}", url=e.url,
+                                    prompt=i, attempts=e.attempts) from e
 
 
 def _summarise(urls: tuple[str, ...], settings: dict[str, Any], max_new_tokens: int,

@@ -1,7 +1,8 @@
-"""The ``sglang`` evaluator against SGLang contract servers it starts itself: the same τ as
-the in-process engine on the same prompts and sampler (the contract server decodes with
-Aerie's engine, so the counts must agree exactly, per prompt), and every launch fault a
-named error or a failing lossless check, never a report the gate could promote on."""
+"""The engine evaluators against contract servers they start themselves (SGLang's
+``/generate``, vLLM's ``/v1/completions``): the same τ as the in-process engine on the same
+prompts and sampler (the contract servers decode with Aerie's engine, so the counts must
+agree exactly, per prompt), and every launch fault a named error or a failing lossless
+check, never a report the gate could promote on."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = (sys.executable, "-m", "tests.sglang_contract.server", "--model", "{policy_dir}",
           "--port", "{port}", "{speculative_args}")
+LAUNCHES = {"sglang": LAUNCH,
+            "vllm": (sys.executable, "-m", "tests.vllm_contract.completions_server",
+                     "{policy_dir}", "--port", "{port}", "{speculative_args}")}
+VERSIONS = {"sglang": "0.5.23", "vllm": "0.33.0"}
 CONFIG = EvalConfig(max_prompts=6, max_new_tokens=12, **SETTINGS)
 
 
@@ -56,9 +61,9 @@ def world(tmp_path_factory) -> World:
                  root / "candidate")
 
 
-def sglang(world: World, *extra: str, **kw) -> Evaluator:
-    return Evaluator("sglang", EngineServers(launch=LAUNCH + extra, log_dir=str(world.logs),
-                                             **{"health_timeout_s": 120.0, **kw}))
+def sglang(world: World, *extra: str, engine: str = "sglang", **kw) -> Evaluator:
+    return Evaluator(engine, EngineServers(launch=LAUNCHES[engine] + extra, **{
+        "log_dir": str(world.logs), "health_timeout_s": 120.0, **kw}))
 
 
 @pytest.fixture(autouse=True)
@@ -66,17 +71,22 @@ def _repo_root(monkeypatch):
     monkeypatch.chdir(ROOT)  # the template runs ``python -m tests.sglang_contract.server``
 
 
-@pytest.mark.parametrize("sampler", [{}, {"temperature": 0.03, "top_p": 0.9}],
-                         ids=["greedy", "sampled"])
-def test_the_engines_counts_are_the_in_process_engines(world, sampler):
+SAMPLED = {"temperature": 0.03, "top_p": 0.9}
+
+
+@pytest.mark.parametrize(("kind", "sampler"), [("sglang", {}), ("sglang", SAMPLED),
+                                               ("vllm", SAMPLED)],
+                         ids=["sglang-greedy", "sglang-sampled", "vllm-sampled"])
+def test_the_engines_counts_are_the_in_process_engines(world, kind, sampler):
     config = replace(CONFIG, **sampler)
     local = stage.run(world.storage, 2, world.candidate, world.champion, config)
     engine = stage.run(world.storage, 2, world.candidate, world.champion, config,
-                       sglang(world))
+                       sglang(world, engine=kind))
 
-    assert engine.evaluator_kind == "sglang" and local.evaluator_kind == "inprocess"
-    assert engine.evaluator["version"] == "0.5.23"
-    assert Path(engine.evaluator["server_args"]["model_path"], "config.json").is_file()
+    assert engine.evaluator_kind == kind and local.evaluator_kind == "inprocess"
+    assert engine.evaluator["version"] == VERSIONS[kind]
+    served = engine.evaluator["server_args"]["model_path" if kind == "sglang" else "model"]
+    assert Path(served, "config.json").is_file()  # the step's policy, fetched
     assert engine.fingerprint != local.fingerprint
     assert engine.sampler_key == local.sampler_key and engine.heldout_key == local.heldout_key
     assert engine.settings == local.settings
@@ -93,29 +103,32 @@ def test_the_engines_counts_are_the_in_process_engines(world, sampler):
                                       else len(local.reference["indices"]))
     outcome = evaluation_sound(engine)
     assert outcome.passed, outcome.description
-    assert "on sglang: the server without a drafter is the reference" in outcome.description
+    assert f"on {kind}: the server without a drafter is the reference" in outcome.description
     assert read_report(world.storage, 2) == engine  # published, and idempotent:
-    again = replace(sglang(world), servers=replace(sglang(world).servers,
-                                                   log_dir=str(world.logs / "again")))
+    again = sglang(world, engine=kind, log_dir=str(world.logs / "again"))
     assert stage.run(world.storage, 2, world.candidate, world.champion, config,
                      again) == engine
     assert not (world.logs / "again").exists()  # no server was started
     assert not _contract_servers_running()
 
 
-@pytest.mark.parametrize(("fault", "error", "match"), [
-    ("no_spec", SpeculativeConfigError, "came up without speculative decoding"),
-    ("wrong_drafter", DrafterNotDrafting, "accepted no draft token"),
-    ("dies", EngineDiedError, "exited with status 3 while it was being measured"),
-], ids=["no_speculation", "wrong_drafter", "dies_mid_evaluation"])
+@pytest.mark.parametrize(("kind", "fault", "error", "match"), [
+    ("sglang", "no_spec", SpeculativeConfigError, "came up without speculative decoding"),
+    ("vllm", "no_spec", SpeculativeConfigError, "no metrics.speculative_decoding"),
+    ("sglang", "wrong_drafter", DrafterNotDrafting, "accepted no draft token"),
+    ("vllm", "wrong_drafter", DrafterNotDrafting, "accepted no draft token"),
+    ("sglang", "dies", EngineDiedError, "exited with status 3 while it was being measured"),
+], ids=["sglang-no_speculation", "vllm-no_speculation", "sglang-wrong_drafter",
+        "vllm-wrong_drafter", "sglang-dies_mid_evaluation"])
 def test_a_misbehaving_server_is_a_named_error_and_nothing_is_published(
-        world, fault, error, match):
+        world, kind, fault, error, match):
     config = replace(CONFIG, max_prompts=4, max_new_tokens=10, seed=len(fault))
     before = read_report(world.storage, 2)
     with pytest.raises(error, match=match) as raised:
         stage.run(world.storage, 2, world.candidate, None, config,
-                  sglang(world, "--launch-fault", fault))
-    assert "sglang server for candidate" in str(raised.value)
+                  sglang(world, "--launch-fault", fault, engine=kind))
+    if kind == "sglang":  # vLLM's answers are judged by the client, not a server's label
+        assert "sglang server for candidate" in str(raised.value)
     assert read_report(world.storage, 2) == before
     assert not _contract_servers_running()
 
@@ -142,6 +155,14 @@ def test_output_that_is_not_lossless_fails_the_check_that_blocks_promotion(world
     assert wanted in outcome.description
 
 
+def test_vllm_refuses_a_tree_before_any_server_starts(world):
+    config = replace(CONFIG, num_steps=3, eagle_topk=2, num_draft_tokens=6, seed=13)
+    with pytest.raises(SpeculativeConfigError, match="vLLM drafts EAGLE-3 as a chain only"):
+        stage.run(world.storage, 2, world.candidate, None, config,
+                  sglang(world, engine="vllm", log_dir=str(world.logs / "tree")))
+    assert not list((world.logs / "tree").glob("*.log"))
+
+
 def test_a_template_that_cannot_start_a_contestant_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match="must use {speculative_args}"):
         Evaluator("sglang", EngineServers(launch=("sglang", "--model-path", "{policy_dir}",
@@ -162,7 +183,8 @@ def _contract_servers_running() -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"tests.sglang_contract.server" in cmd and b"--wait-for-model" not in cmd:
+        if (b"tests.sglang_contract.server" in cmd and b"--wait-for-model" not in cmd) \
+                or b"tests.vllm_contract.completions_server" in cmd:
             found.append(int(pid))
     return found
 

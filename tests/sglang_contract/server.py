@@ -207,6 +207,12 @@ class SpecDecoder:
     def generate(self, ids: list[int], max_new: int, stop: frozenset[int],
                  sampler: Any, seed: int | None) -> tuple[list[int], list[int]]:
         """(output ids, tokens emitted by each verify pass) of one prompt."""
+        out, trace = self.generate_traced(ids, max_new, stop, sampler, seed)
+        return out, [len(cycle.emitted) for cycle in trace]
+
+    def generate_traced(self, ids: list[int], max_new: int, stop: frozenset[int],
+                        sampler: Any, seed: int | None) -> tuple[list[int], list[Any]]:
+        """(output ids, the engine's trace: one ``CycleTrace`` per verify pass)."""
         from pipeline.evaluation.engine import CycleTrace, generate
         from pipeline.evaluation.target import TargetRunner
 
@@ -218,7 +224,7 @@ class SpecDecoder:
             out, _ = generate(runner, self.drafter, ids,
                               self.params if self.drafter is not None else None, max_new,
                               stop, sampler=sampler, generator=rng, trace=trace)
-        return out, [len(cycle.emitted) for cycle in trace]
+        return out, trace
 
 
 @dataclass
