@@ -39,7 +39,7 @@ LAUNCHES = {
     "vllm": (sys.executable, "-m", "tests.vllm_contract.completions_server", "{policy_dir}",
              "--port", "{port}", "{speculative_args}"),
 }
-SAMPLERS = {"greedy": {}, "sampled": {"temperature": 0.03, "top_p": 0.9}}
+SAMPLERS = ({}, {"temperature": 0.03, "top_p": 0.9})  # greedy, then sampled
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         kind: Evaluator(kind, EngineServers(launch=launch, health_timeout_s=300))
         for kind, launch in LAUNCHES.items()}}
     rows = []
-    for regime, sampler in SAMPLERS.items():
+    for sampler in SAMPLERS:
         config = EvalConfig(max_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                             **SETTINGS, **sampler)
         for kind, evaluator in evaluators.items():

@@ -90,16 +90,19 @@ def evaluation_sound(report: AcceptanceReport) -> CheckOutcome:
     is lossless), every contestant's equal the independent reference's on the sampled prompts
     (the engine is right), and each drafter was measured (cycles > 0, finite τ). In bf16 a
     divergence at a near-tie (``pipeline.evaluation.reference.TIE_TOLERANCE``) is counted,
-    not failed; fp32 is held exact. A failure means the
+    not failed; fp32 is held exact. On an engine the no-drafter server is the reference and
+    judges near-ties by its own log-probabilities (``pipeline.evaluation.on_engine``). A
+    failure means the
     measurement cannot be trusted, so nothing may be promoted on it. (Whether there were
     enough cycles for a decision is the gate's question, not this check's.)"""
     prompts, sampled = report.checked_prompts, report.reference.get("prompts", 0)
     problems = []
     ties = sum(c.ties for c in report.contestants.values())
+    kind = report.dtype if report.evaluator_kind == "inprocess" else report.evaluator_kind
     for name, c in sorted(report.contestants.items()):
         exact = c.outputs_match_baseline + c.outputs_match_reference
         if exact + c.ties < prompts + sampled:  # a mismatch that is not a near-tie (bf16)
-            tied = f" ({c.ties} diverged at {report.dtype} near-ties)" if c.ties else ""
+            tied = f" ({c.ties} diverged at {kind} near-ties)" if c.ties else ""
             if c.outputs_match_baseline != prompts:
                 problems.append(f"{name}: {c.outputs_match_baseline}/{prompts} prompts match "
                                 f"greedy decoding{tied}")
@@ -113,7 +116,7 @@ def evaluation_sound(report: AcceptanceReport) -> CheckOutcome:
             problems.append(f"{name}: τ {stats.tau:.3f} over {stats.cycles} cycles")
     text = "; ".join(problems) or (f"all {len(report.contestants)} contestants lossless on "
                                    f"{prompts} prompts (greedy, token for token"
-                                   + (f"; {ties} divergences at {report.dtype} near-ties"
+                                   + (f"; {ties} divergences at {kind} near-ties"
                                       if ties else "") + ")")
     if report.evaluator_kind != "inprocess":
         text += (f" (on {report.evaluator_kind}: the server without a drafter is the "

@@ -38,12 +38,17 @@ class EngineServersConfig(Config):
                              description="requests in flight at once")
     log_dir: str | None = Field(default=None, description="keep each server's output here "
                                                           "(unset: a temporary directory)")
+    tie_nats: float = Field(default=_S.tie_nats, ge=0,
+                            description="a greedy divergence at the no-drafter server's top "
+                                        "two tokens this close in log-probability is a "
+                                        "near-tie, not a failure (0: none is)")
 
     def to_core(self) -> EngineServers:
         return EngineServers(launch=tuple(self.launch), host=self.host,
                              health_timeout_s=self.health_timeout_s,
                              request_timeout_s=self.request_timeout_s,
-                             concurrency=self.concurrency, log_dir=self.log_dir)
+                             concurrency=self.concurrency, log_dir=self.log_dir,
+                             tie_nats=self.tie_nats)
 
 
 class EvaluatorResource(ConfigurableResource):

@@ -63,3 +63,9 @@ class EngineAPI(Protocol):
                timeout: float) -> tuple[tuple[int, ...], ...]:
         """Every prompt decoded without a drafter: the generated ids."""
         ...
+
+    def top2(self, url: str, ids: list[int], *, timeout: float
+             ) -> tuple[tuple[int, float], ...]:
+        """The two likeliest next tokens after ``ids`` with their log-probabilities, best
+        first, as the server computes them."""
+        ...

@@ -59,7 +59,7 @@ class Evaluator:
         if not self.engine:
             return None
         digest = hashlib.sha256(json.dumps(list(self.servers.launch)).encode()).hexdigest()
-        return {"kind": self.kind, "launch_sha256": digest}
+        return {"kind": self.kind, "launch_sha256": digest, "tie_nats": self.servers.tie_nats}
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,10 @@ class EngineServers:
     engine's parallelism and any other flags are the template's. ``host``: where the servers
     listen and are reached; ``health_timeout_s``: bound on a start; ``request_timeout_s``:
     bound on one request; ``concurrency``: requests in flight at once; ``log_dir``: where
-    each server's output is kept (unset: a temporary directory, removed afterwards).
+    each server's output is kept (unset: a temporary directory, removed afterwards);
+    ``tie_nats``: a greedy divergence from the no-drafter server is a near-tie, not a
+    failure, when the two tokens are that server's two likeliest and their
+    log-probabilities differ by at most this (0: none is).
     """
 
     launch: tuple[str, ...] = ()
@@ -68,11 +71,14 @@ class EngineServers:
     concurrency: int = 8
     stop_timeout_s: float = 30.0
     log_dir: str | None = None
+    tie_nats: float = 0.5
 
     def __post_init__(self) -> None:
         if self.health_timeout_s <= 0 or self.request_timeout_s <= 0 \
                 or self.stop_timeout_s <= 0 or self.concurrency < 1:
             raise ValueError("timeouts must be > 0 and concurrency >= 1")
+        if not 0 <= self.tie_nats < float("inf"):
+            raise ValueError(f"tie_nats must be a number >= 0, got {self.tie_nats}")
 
     def check(self, what: str) -> None:
         """Refuse a template that cannot start a contestant's server, naming ``what``."""
@@ -83,7 +89,7 @@ class EngineServers:
         """What the report keeps of this configuration: the executable's name, never the
         command line (it may carry tokens)."""
         return {"executable": Path(self.launch[0]).name if self.launch else None,
-                "host": self.host}
+                "host": self.host, "tie_nats": self.tie_nats}
 
 
 @dataclass

@@ -85,3 +85,18 @@ class SGLang:
                timeout: float) -> tuple[tuple[int, ...], ...]:
         return tuple(decode_plain(url, prompts, max_new_tokens, sampler=sampler, seed=seed,
                                   concurrency=concurrency, timeout=timeout))
+
+    def top2(self, url: str, ids: list[int], *, timeout: float
+             ) -> tuple[tuple[int, float], ...]:
+        r = requests.post(url + "/generate", timeout=timeout, json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True, "top_logprobs_num": 2})
+        r.raise_for_status()
+        body = r.json()
+        body = body[0] if isinstance(body, list) and len(body) == 1 else body
+        try:  # one entry per output token, each [logprob, token_id, text] best first
+            entries = body["meta_info"]["output_top_logprobs"][0]
+            return tuple((int(e[1]), float(e[0])) for e in entries[:2])
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise SpeculativeConfigError(f"{url}/generate returned no output_top_logprobs "
+                                         f"for a near-tie check ({str(body)[:80]})") from e

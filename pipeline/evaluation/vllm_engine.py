@@ -108,6 +108,25 @@ class VLLM:
                                  timeout, speculative=False)
         return tuple(ids for ids, _ in answers)
 
+    def top2(self, url: str, ids: list[int], *, timeout: float
+             ) -> tuple[tuple[int, float], ...]:
+        http = JsonHttp(timeout_s=timeout, connect_timeout_s=min(10.0, timeout))
+        try:
+            model = self.server_info(url)["model"]
+            body = http.post_json(url, "/v1/completions", {
+                "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                "logprobs": 2, "return_tokens_as_token_ids": True})
+        finally:
+            http.close()
+        try:  # one {"token_id:N": logprob} per output token
+            top = body["choices"][0]["logprobs"]["top_logprobs"][0]
+            ranked = sorted(((int(k.split(":", 1)[1]), float(v)) for k, v in top.items()),
+                            key=lambda t: -t[1])
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise SpeculativeConfigError(f"{url}/v1/completions returned no top_logprobs "
+                                         f"for a near-tie check ({str(body)[:80]})") from e
+        return tuple(ranked[:2])
+
     def _complete(self, url: str, prompts: list[list[int]], max_new_tokens: int,
                   sampler: SamplingParams, seed: int, concurrency: int, timeout: float, *,
                   speculative: bool) -> list[tuple[tuple[int, ...], int]]:

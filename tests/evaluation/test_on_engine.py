@@ -155,6 +155,27 @@ def test_output_that_is_not_lossless_fails_the_check_that_blocks_promotion(world
     assert wanted in outcome.description
 
 
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_a_divergence_at_the_targets_top_two_is_a_near_tie_within_the_bound(world, kind):
+    """The tied target's log-probabilities are all close: a greedy output that ends on the
+    target's second choice (the ``near_tie`` fault) is a near-tie at the default bound, and a
+    failure when none is tolerated."""
+    config = replace(CONFIG, max_prompts=4, max_new_tokens=10, seed=14)
+    fault = ("--launch-fault", "near_tie")
+    report = stage.run(world.storage, 2, world.candidate, None, config,
+                       sglang(world, *fault, engine=kind))
+    candidate = report.contestants["candidate"]
+    assert candidate.ties == report.checked_prompts - candidate.outputs_match_baseline > 0
+    outcome = evaluation_sound(report)
+    assert outcome.passed and f"at {kind} near-ties" in outcome.description
+    if kind == "vllm":
+        return  # the bound is the engine-independent part: checked once, on sglang
+    strict = stage.run(world.storage, 2, world.candidate, None, config,
+                       sglang(world, *fault, engine=kind, tie_nats=0.0))
+    assert strict.contestants["candidate"].ties == 0
+    assert not evaluation_sound(strict).passed
+
+
 def test_vllm_refuses_a_tree_before_any_server_starts(world):
     config = replace(CONFIG, num_steps=3, eagle_topk=2, num_draft_tokens=6, seed=13)
     with pytest.raises(SpeculativeConfigError, match="vLLM drafts EAGLE-3 as a chain only"):

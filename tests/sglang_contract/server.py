@@ -75,8 +75,11 @@ writes NaN), ``omit_hidden`` (no ``hidden_states``), ``omit_spec`` (no ``spec_ve
 ``--launch-fault`` makes a whole server misbehave from its start, as the engine evaluator's
 faults: ``unhealthy`` (``/health`` answers 503), ``no_spec`` (the speculative flags are
 ignored), ``wrong_drafter`` (the drafter drafts nothing: every verify pass emits one token),
-``lossy`` (greedy speculative outputs end on a token the target did not pick), ``dies``
-(the process exits on its third ``/generate``).
+``lossy`` (greedy speculative outputs end on a token the target did not pick),
+``near_tie`` (greedy speculative outputs end on the target's second choice), ``dies`` (the
+process exits on its third ``/generate``). A decoding request with ``return_logprob`` and
+``top_logprobs_num`` N gets ``meta_info.output_top_logprobs`` (per output token, N
+``[logprob, token_id, null]`` best first).
 ``POST /_reset`` clears faults, counters (speculative ones included) and the prefix cache
 and releases slow replies; ``GET /_stats``.
 """
@@ -109,7 +112,7 @@ NO_HIDDEN = ("The server is not configured to return the hidden states. "
 FAULT_KINDS = frozenset({"http500", "drop", "garbage", "slow", "short", "nan", "null",
                          "omit_hidden", "omit_spec", "short_output"})
 # how a launched server misbehaves from its start (the engine evaluator's faults)
-LAUNCH_FAULTS = ("unhealthy", "no_spec", "wrong_drafter", "lossy", "dies")
+LAUNCH_FAULTS = ("unhealthy", "no_spec", "wrong_drafter", "lossy", "near_tie", "dies")
 DIES_AT = 3  # "dies": the process exits on this /generate request
 SPEC_ALGORITHM = "EAGLE3"
 
@@ -209,6 +212,23 @@ class SpecDecoder:
         """(output ids, tokens emitted by each verify pass) of one prompt."""
         out, trace = self.generate_traced(ids, max_new, stop, sampler, seed)
         return out, [len(cycle.emitted) for cycle in trace]
+
+    def top_logprobs(self, ids: list[int], out: list[int], n: int
+                     ) -> list[list[tuple[float, int]]]:
+        """The ``n`` likeliest tokens with their log-probabilities, best first, at each
+        position of ``out`` (the continuation of ``ids``): one cache-free forward."""
+        seq = [*ids, *out[:-1]]
+        with self.model.lock, torch.inference_mode():
+            logits = self.model.model(torch.tensor([seq])).logits[0, len(ids) - 1:]
+        values, tokens = torch.log_softmax(logits.float(), -1).topk(n, -1)
+        return [[(float(v), int(t)) for v, t in zip(vs, ts, strict=True)]
+                for vs, ts in zip(values, tokens, strict=True)]
+
+    def runner_up_last(self, ids: list[int], out: list[int]) -> list[int]:
+        """``out`` with its last token replaced by the target's second choice there (the
+        ``near_tie`` fault: a divergence at the target's top two)."""
+        _, second = self.top_logprobs(ids, out, 2)[-1][1]
+        return [*out[:-1], second]
 
     def generate_traced(self, ids: list[int], max_new: int, stop: frozenset[int],
                         sampler: Any, seed: int | None) -> tuple[list[int], list[Any]]:
@@ -485,7 +505,8 @@ class Handler(BaseHTTPRequestHandler):
             self._speculate(batch, single, params, max_new, want_hidden, kind)
             return
         if not want_hidden:  # SGLang decodes: sampled by default, stopping at EOS
-            self._decode(batch, single, params, max_new)
+            top_n = body.get("top_logprobs_num") if body.get("return_logprob") else None
+            self._decode(batch, single, {**params, "_top_logprobs_num": top_n}, max_new)
             return
         outputs = []
         for n, ids_i in enumerate(batch):
@@ -541,13 +562,17 @@ class Handler(BaseHTTPRequestHandler):
             return
         sampler, stop = got
         outputs = []
+        top_n = int(body_top_n) if (body_top_n := params.get("_top_logprobs_num")) else 0
         for ids in batch:
             out, _ = decoder.generate(ids, max_new, stop, sampler, params.get("sampling_seed"))
             finish = ({"type": "length", "length": max_new} if len(out) >= max_new
                       else {"type": "stop", "matched": out[-1]})
-            outputs.append({"text": "", "output_ids": out, "meta_info": {
-                "id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(ids),
-                "completion_tokens": len(out), "cached_tokens": 0}})
+            meta = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(ids),
+                    "completion_tokens": len(out), "cached_tokens": 0}
+            if top_n:  # SGLang: per output token, [logprob, token_id, text] best first
+                meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in top]
+                                               for top in decoder.top_logprobs(ids, out, top_n)]
+            outputs.append({"text": "", "output_ids": out, "meta_info": meta})
         with self.server.state.lock:
             self.server.state.samples += len(batch)
         self._send(200, outputs[0] if single else outputs)
@@ -587,6 +612,8 @@ class Handler(BaseHTTPRequestHandler):
                 out = out[:-1]
             if state.config.launch_fault == "lossy" and sampler.greedy and len(out) > 1:
                 out = [*out[:-1], (out[-1] + 1) % spec.vocab]  # not what the target decodes
+            if state.config.launch_fault == "near_tie" and sampler.greedy and len(out) > 1:
+                out = spec.runner_up_last(ids, out)
             outputs.append({"text": "", "output_ids": out, "meta_info": meta})
         with state.lock:
             state.samples += len(batch)

@@ -18,7 +18,9 @@ As vLLM 0.33 (``vllm serve``; sources in docs/vllm.md):
 - ``POST /v1/completions``: ``model`` must name the served model (else 404); ``prompt`` a
   list of token ids; ``max_tokens`` (default 16), ``temperature``/``top_p``/``top_k``/
   ``min_p`` (unset: 1.0, 1.0, all, 0; 0 or -1 ``top_k``: all), ``seed``, ``stop_token_ids``,
-  ``ignore_eos``, ``n`` (1 only here), ``return_token_ids``. Decoding stops at
+  ``ignore_eos``, ``n`` (1 only here), ``return_token_ids``, ``logprobs`` N (with
+  ``return_tokens_as_token_ids``: ``choices[0].logprobs.top_logprobs``, per output token
+  ``{"token_id:ID": logprob}`` of the N likeliest). Decoding stops at
   ``max_tokens``, EOS (unless ``ignore_eos``) and ``stop_token_ids``. The answer:
   ``choices[0]`` with ``token_ids`` (null without ``return_token_ids``), ``finish_reason``
   ``length``/``stop``, ``usage``, and a top-level ``metrics`` that is null unless the
@@ -31,7 +33,8 @@ As vLLM 0.33 (``vllm serve``; sources in docs/vllm.md):
 - ``--launch-fault``: as the SGLang contract server's (``unhealthy``: ``/health`` 503;
   ``no_spec``: the speculative flags are ignored; ``wrong_drafter``: no draft token is ever
   accepted; ``lossy``: greedy speculative outputs end on a token the target did not pick;
-  ``dies``: the process exits on its third completion).
+  ``near_tie``: they end on the target's second choice; ``dies``: the process exits on its
+  third completion).
 """
 
 from __future__ import annotations
@@ -153,8 +156,16 @@ class Handler(BaseHTTPRequestHandler):
         out, trace = decoder.generate_traced(prompt, max_new, stop, sampler, body.get("seed"))
         if s.spec is not None and s.fault == "lossy" and sampler.greedy and len(out) > 1:
             out = [*out[:-1], (out[-1] + 1) % decoder.vocab]
+        if s.spec is not None and s.fault == "near_tie" and sampler.greedy and len(out) > 1:
+            out = decoder.runner_up_last(prompt, out)
+        logprobs = None
+        if body.get("logprobs"):  # vLLM: the top N per output token (ids as "token_id:N")
+            as_ids = body.get("return_tokens_as_token_ids")
+            logprobs = {"top_logprobs": [
+                {(f"token_id:{t}" if as_ids else str(t)): lp for lp, t in top}
+                for top in decoder.top_logprobs(prompt, out, int(body["logprobs"]))]}
         stopped = len(out) < max_new or out[-1] in stop
-        choice = {"index": 0, "text": "", "logprobs": None,
+        choice = {"index": 0, "text": "", "logprobs": logprobs,
                   "finish_reason": "stop" if stopped else "length",
                   "stop_reason": out[-1] if stopped and out[-1] in stop else None,
                   "token_ids": out if body.get("return_token_ids") else None,
