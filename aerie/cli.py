@@ -23,11 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.evaluation.evaluators import EVALUATORS
 from pipeline.records import to_json
 
 VERSION_TAG = "aerie/cli"  # runs the CLI launched itself: the command
-EVALUATOR_KINDS = tuple(EVALUATORS)
 
 log = logging.getLogger("aerie")
 
@@ -579,7 +577,9 @@ def parser() -> argparse.ArgumentParser:
                        ("min_p", float)):
         ev.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
                         help=f"override the recorded sampler's {name}")
-    ev.add_argument("--evaluator", choices=EVALUATOR_KINDS,
+    from pipeline.evaluation.evaluators import EVALUATORS
+
+    ev.add_argument("--evaluator", choices=tuple(EVALUATORS),
                     help="who decodes: inprocess (Aerie's engine), sglang or vllm (servers "
                          "from AERIE_EVALUATOR_<ENGINE>_LAUNCH); default: "
                          "AERIE_EVALUATOR_KIND, else inprocess")

@@ -28,7 +28,8 @@ class EngineServersConfig(Config):
         description="argv template of one server, no shell; placeholders "
                     + " ".join(f"{{{p}}}" for p in sorted(PLACEHOLDERS))
                     + " ({speculative_args} alone as one item: the drafter's flags, none for "
-                      "no drafter); tensor/expert parallel and other flags are yours")
+                      "no drafter); tensor/expert parallel and other flags are yours; no "
+                      "secrets here (the UI shows it): the servers inherit the environment")
     host: str = Field(default=_S.host, description="where the servers listen and are reached")
     health_timeout_s: float = Field(default=_S.health_timeout_s, gt=0,
                                     description="seconds a server may take to be healthy")

@@ -99,6 +99,6 @@ def measure_drafter(storage: Storage, step: int, drafter: Path | None,
         step=step, window=tuple(window), prompts=len(prompts),
         lossless_prompts=len(m.checked), reference_prompts=m.reference_prompts,
         sampler=sampler.label,
-        sampler_source=source, settings=m.settings, device=m.device, dtype=config.dtype,
+        sampler_source=source, settings=m.settings, device=m.device, dtype=m.dtype,
         confidence=config.confidence, contestants={k: m.contestants[k] for k in order},
         evaluator=label(m.evaluator))

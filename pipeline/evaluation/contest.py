@@ -1,8 +1,10 @@
 """What every evaluator returns: one :class:`Contestant` per drafter measured (no drafter
-included) and how they were measured (:class:`Measurement`). Torch-free."""
+included) and how they were measured (:class:`Measurement`), and which prompts every
+evaluator checks token for token (:func:`reference_sample`). Torch-free."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +12,7 @@ from pipeline.evaluation.metrics import AcceptanceStats
 from pipeline.records import from_dict
 
 NO_DRAFTER = "no_drafter"
+INPROCESS_RECORD = {"kind": "inprocess"}  # the report's evaluator record of Aerie's engine
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,8 @@ class Contestant:
     outputs_match_reference: int = 0  # reference prompts whose tokens equal the reference's
     per_prompt: list[list[int]] = field(default_factory=list)  # (emitted, cycles) per prompt
     tau_interval: list[float] = field(default_factory=list)  # [lo, hi] at report.confidence
-    ties: int = 0  # mismatches (either check) that diverged at a near-tie (bf16 only)
+    ties: int = 0  # mismatches (either check) that diverged at a near-tie (bf16 in process,
+    # or as the no-drafter server ranks them on an engine)
 
     @property
     def acceptance(self) -> AcceptanceStats:
@@ -52,5 +56,14 @@ class Measurement:
     checked: list[int]
     sample: list[int]
     reference_prompts: int
-    device: str
+    device: str  # where it ran: cpu/cuda in process, the engine's name on an engine
+    dtype: str  # the compute dtype (an engine's as it reports it, "unknown" if it does not)
     evaluator: dict[str, Any]
+
+
+def reference_sample(lengths: Sequence[int], k: int) -> list[int]:
+    """Indices of the ``k`` longest prompts (ties: the earlier), in prompt order: the ones
+    that reach furthest past a sliding window and exercise the cache the most."""
+    ranked = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return sorted(ranked[:k])
+

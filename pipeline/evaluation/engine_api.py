@@ -52,10 +52,15 @@ class EngineAPI(Protocol):
     def version(self, info: dict[str, Any]) -> str | None:
         ...
 
+    def dtype(self, info: dict[str, Any]) -> str:
+        """The compute dtype the server reports (``unknown`` when it does not say)."""
+        ...
+
     def speculate(self, url: str, prompts: list[list[int]], max_new_tokens: int,
-                  sampler: SamplingParams, seed: int, *, concurrency: int,
-                  timeout: float) -> EngineRun:
-        """Every prompt decoded with the drafter, prompt i seeded from ``seed`` and i."""
+                  sampler: SamplingParams, seed: int, params: SpecParams, *,
+                  concurrency: int, timeout: float) -> EngineRun:
+        """Every prompt decoded with the drafter at ``params`` (an answer at other settings
+        is refused), prompt i seeded from ``seed`` and i."""
         ...
 
     def decode(self, url: str, prompts: list[list[int]], max_new_tokens: int,

@@ -22,13 +22,18 @@ from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.confidence import tau_interval
 from pipeline.evaluation.config import EvalConfig
-from pipeline.evaluation.contest import NO_DRAFTER, Contestant, Measurement
+from pipeline.evaluation.contest import (
+    INPROCESS_RECORD,
+    NO_DRAFTER,
+    Contestant,
+    Measurement,
+    reference_sample,
+)
 from pipeline.evaluation.engine import EvalRun, evaluate
 from pipeline.evaluation.reference import (
     TIE_TOLERANCE,
     greedy_reference,
     is_near_tie,
-    reference_sample,
 )
 from pipeline.evaluation.target import TargetRunner
 from pipeline.layout import policy_prefix
@@ -41,7 +46,6 @@ from pipeline.verified import fetch
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-RECORD = {"kind": "inprocess"}
 
 
 def measure(storage: Storage, step: int, ids: list[list[int]], config: EvalConfig,
@@ -68,7 +72,7 @@ def measure(storage: Storage, step: int, ids: list[list[int]], config: EvalConfi
                                            base)
     return Measurement(results, settings, checked=contest.checked, sample=contest.sample,
                        reference_prompts=len(contest.sample), device=str(device),
-                       evaluator=dict(RECORD))
+                       dtype=config.dtype, evaluator=dict(INPROCESS_RECORD))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ Checks before a number counts (each failure a named error; nothing is published)
 
 - a drafter's server drafts with the drafter it was given at the settings asked for, and the
   no-drafter server does not draft (each engine's ``check_drafter``/``check_plain``);
-- every server reports the same engine version;
+- every server reports the same engine version (checked as each starts:
+  :class:`EngineVersionMismatch`);
 - a drafter that accepted no draft token in :data:`MIN_PASSES` or more verify passes is not
   drafting with what it was given (a wrong or broken load: τ = 1 exactly):
   :class:`DrafterNotDrafting`, never a number the gate could promote on;
@@ -33,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
@@ -42,12 +44,10 @@ from typing import Any, TypeVar
 from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.confidence import tau_interval
 from pipeline.evaluation.config import EvalConfig
-from pipeline.evaluation.contest import NO_DRAFTER, Contestant, Measurement
+from pipeline.evaluation.contest import NO_DRAFTER, Contestant, Measurement, reference_sample
 from pipeline.evaluation.engine_api import EngineAPI, EngineRun
 from pipeline.evaluation.metrics import AcceptanceStats
-from pipeline.evaluation.reference import reference_sample
 from pipeline.evaluation.servers import EngineServers, LaunchedServer, launched
-from pipeline.evaluation.sglang_mode import SpeculativeConfigError
 from pipeline.layout import policy_prefix
 from pipeline.records import to_dict
 from pipeline.sampling import GREEDY, SamplingParams
@@ -58,11 +58,15 @@ from pipeline.verified import fetch
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MIN_PASSES = 8  # verify passes after which accepting nothing means no drafting
+MIN_PASSES = 32  # verify passes after which accepting nothing means no drafting
 
 
 class DrafterNotDrafting(RuntimeError):
     """A drafter's server accepted no draft token at all: it is not drafting with it."""
+
+
+class EngineVersionMismatch(RuntimeError):
+    """The evaluation servers of one measurement run different engine versions."""
 
 
 def measure_on_engine(engine: EngineAPI, storage: Storage, step: int, ids: list[list[int]],
@@ -87,16 +91,18 @@ def measure_on_engine(engine: EngineAPI, storage: Storage, step: int, ids: list[
             with launched(servers, f"{engine.name} server for {name}", policy_dir,
                           engine.speculative_args(directory, params), logs) as server:
                 info = infos[name] = _checked(server, lambda s: engine.server_info(s.url))
+                _check_version(engine, server.label, infos)
                 engine.check_drafter(server.label, info, directory, params)
                 run = _checked(server, lambda s: engine.speculate(
-                    s.url, ids, max_new, sampler, config.seed, **client))
+                    s.url, ids, max_new, sampler, config.seed, params, **client))
                 greedy = run if sampler.greedy else _checked(server, lambda s: engine.speculate(
-                    s.url, subset, max_new, GREEDY, config.seed, **client))
+                    s.url, subset, max_new, GREEDY, config.seed, params, **client))
                 runs[name] = run, dict(zip(checked, greedy.outputs, strict=True))
-                _check_drafting(server.label, run)
+                _check_drafting(server.label, run, name)
         with launched(servers, f"{engine.name} server without a drafter", policy_dir, [],
                       logs) as server:
             info = infos[NO_DRAFTER] = _checked(server, lambda s: engine.server_info(s.url))
+            _check_version(engine, server.label, infos)
             engine.check_plain(server.label, info)
             base = _checked(server, lambda s: engine.decode(
                 s.url, ids, max_new, sampler, config.seed, **client))
@@ -113,7 +119,8 @@ def measure_on_engine(engine: EngineAPI, storage: Storage, step: int, ids: list[
                                         config.confidence, ties[name])
     return Measurement(contestants, {**asdict(params), "max_new_tokens": max_new},
                        checked=checked, sample=sample, reference_prompts=0,
-                       device=engine.name, evaluator=_record(engine, infos, servers))
+                       device=engine.name, dtype=str(engine.dtype(infos[NO_DRAFTER])),
+                       evaluator=_record(engine, infos, servers))
 
 
 def _architectures(policy_dir: Path) -> list[str] | None:
@@ -123,13 +130,16 @@ def _architectures(policy_dir: Path) -> list[str] | None:
 
 @contextlib.contextmanager
 def _log_dir(servers: EngineServers) -> Iterator[Path]:
+    """``servers.log_dir``, else a temporary directory removed on success only (an error
+    names a log in it)."""
     if servers.log_dir:
         path = Path(servers.log_dir)
         path.mkdir(parents=True, exist_ok=True)
         yield path
-    else:
-        with tempfile.TemporaryDirectory(prefix="aerie-eval-servers-") as tmp:
-            yield Path(tmp)
+        return
+    path = Path(tempfile.mkdtemp(prefix="aerie-eval-servers-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _checked(server: LaunchedServer, call: Callable[[LaunchedServer], T]) -> T:
@@ -144,12 +154,25 @@ def _checked(server: LaunchedServer, call: Callable[[LaunchedServer], T]) -> T:
         raise explained from e
 
 
-def _check_drafting(label: str, run: EngineRun) -> None:
+def _check_version(engine: EngineAPI, label: str, infos: Mapping[str, dict[str, Any]]
+                   ) -> None:
+    """Every server so far runs the first one's engine version (checked as each starts)."""
+    versions = {name: engine.version(info) for name, info in infos.items()}
+    if len(set(versions.values())) > 1:
+        raise EngineVersionMismatch(f"{label} runs {engine.name} {list(versions.values())[-1]}"
+                                    f", the servers before it {versions}: counts of "
+                                    f"different versions are not comparable")
+
+
+def _check_drafting(label: str, run: EngineRun, name: str) -> None:
     if run.passes >= MIN_PASSES and run.emitted == run.passes:
+        hint = (" If the champion really drafts nothing any more, measure the candidate "
+                "against no drafter (acceptance_eval's champion: none)"
+                if name == "champion" else "")
         raise DrafterNotDrafting(
             f"{label} accepted no draft token in {run.passes} verify passes (τ = 1 "
             f"exactly): it is not drafting with the drafter it was given (a wrong or broken "
-            f"load); no τ of it can be trusted")
+            f"load); no τ of it can be trusted.{hint}")
 
 
 def _near_ties(engine: EngineAPI, url: str, ids: list[list[int]],
@@ -206,11 +229,7 @@ def _baseline(outputs: Sequence[Sequence[int]], checked: int, confidence: float
 
 def _record(engine: EngineAPI, infos: Mapping[str, dict[str, Any]], servers: EngineServers
             ) -> dict[str, Any]:
-    versions = {name: engine.version(info) for name, info in infos.items()}
-    if len(set(versions.values())) > 1:
-        raise SpeculativeConfigError(f"the evaluation servers run different {engine.name} "
-                                     f"versions {versions}: their counts are not comparable")
     base = infos[NO_DRAFTER]
-    return {"kind": engine.name, "engine": engine.name, "version": versions[NO_DRAFTER],
+    return {"kind": engine.name, "engine": engine.name, "version": engine.version(base),
             **servers.record(),
             "server_args": {k: base[k] for k in engine.recorded_args if k in base}}

@@ -36,13 +36,6 @@ def greedy_reference(model: nn.Module, prompt: Sequence[int], max_new_tokens: in
     return out
 
 
-def reference_sample(lengths: Sequence[int], k: int) -> list[int]:
-    """Indices of the ``k`` longest prompts (ties: the earlier), in prompt order: the ones
-    that reach furthest past a sliding window and exercise the cache the most."""
-    ranked = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    return sorted(ranked[:k])
-
-
 # A divergence from the expected greedy tokens is a tie, not a bug, when the expected
 # token's logit beat the emitted one by at most this share of the top logit's magnitude
 # (at least 1) on the cache-free pass. fp32 is held exact. bf16 keeps 8 significant bits:

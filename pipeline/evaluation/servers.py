@@ -10,7 +10,15 @@ Invariants:
   ``health_timeout_s``; a process that exits first, or a server still unhealthy at the bound,
   is an :class:`EngineStartError` naming the contestant, with the tail of its log.
 - Stopped by PID: the process runs in its own session; on leaving :func:`launched`, also on
-  an error, its whole process group gets SIGTERM, then SIGKILL after ``stop_timeout_s``.
+  an error, its whole process group gets SIGTERM, then whatever is left of the group SIGKILL
+  after ``stop_timeout_s``; the next server starts only once the group is gone. (A template
+  that hands the server to another supervisor, e.g. ``docker run`` without ``--rm --init``
+  and a stop signal that reaches the container, escapes this: run the engine as a child.)
+- Secrets: the template and the servers' logs may name tokens. The filled command line is
+  never logged or recorded, and the log tail in an error has every ``api_key``/``token``/
+  ``secret``/``password`` value redacted (:func:`redact`). The template itself is resource
+  configuration, which Dagster shows: keep secrets in the servers' environment (they inherit
+  Aerie's), never in the template.
 - A request that fails while the process has exited is reported as
   :class:`EngineDiedError` (:meth:`LaunchedServer.explain`), not as a transport error.
 """
@@ -20,9 +28,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -48,6 +58,10 @@ class EngineStartError(RuntimeError):
 
 class EngineDiedError(RuntimeError):
     """An evaluation server's process exited while it was being measured."""
+
+
+class EngineStopError(RuntimeError):
+    """An evaluation server's processes outlived SIGKILL."""
 
 
 @dataclass(frozen=True)
@@ -105,11 +119,12 @@ class LaunchedServer:
         return self.proc.poll() is None
 
     def tail(self) -> str:
+        """The end of the server's log, secrets redacted (engines log their arguments)."""
         try:
             data = self.log_path.read_bytes()[-_TAIL:]
         except OSError:
             return ""
-        return data.decode(errors="replace").strip()
+        return redact(data.decode(errors="replace").strip())
 
     def explain(self, error: BaseException) -> BaseException:
         """``error`` as it should be reported: an :class:`EngineDiedError` with the log's
@@ -178,11 +193,44 @@ def _wait_healthy(server: LaunchedServer, timeout_s: float) -> None:
 
 
 def _stop(proc: subprocess.Popen, timeout_s: float) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    """SIGTERM to the server's process group, SIGKILL to what is left of the group after
+    ``timeout_s``; returns once the whole group is gone (the next contestant's server may
+    need its GPUs), else raises :class:`EngineStopError` naming the group, unless an error
+    is already on its way out."""
+    group = proc.pid  # the leader's pid: it started a session, so its group has this id
+    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)  # the server and everything it started
-        try:
-            proc.wait(timeout=timeout_s)
+            os.killpg(group, sig)  # the server and everything it started
+        deadline = time.monotonic() + wait_s
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait_s)  # reap the leader
+        while _group_alive(group) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not _group_alive(group):
             return
-        except subprocess.TimeoutExpired:
-            continue
+    message = (f"process group {group} of an evaluation server survived SIGKILL for 10 s; "
+               f"stop it by hand before the next evaluation")
+    if sys.exc_info()[1] is None:
+        raise EngineStopError(message)
+    log.error(message)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member changed its credentials: still there
+        return True
+    return True
+
+
+# what a server's log may print of its arguments: a secret's value after its name
+_SECRET = re.compile(r"(?i)((?:api[_-]?key|token|secret|password)['\"]?\s*[:=]?\s*['\"]?)"
+                     r"[^\s'\",)}]+")
+
+
+def redact(text: str) -> str:
+    """``text`` with the value of every ``api_key``/``--api-key``/``hf_token``/``password``
+    (and the like) it names replaced by ``***``."""
+    return _SECRET.sub(r"\1***", text)

@@ -72,12 +72,17 @@ class SGLang:
     def version(self, info: dict[str, Any]) -> str | None:
         return info.get("version")
 
+    def dtype(self, info: dict[str, Any]) -> str:
+        return str(info.get("dtype") or "unknown")
+
     def speculate(self, url: str, prompts: list[list[int]], max_new_tokens: int,
-                  sampler: SamplingParams, seed: int, *, concurrency: int,
-                  timeout: float) -> EngineRun:
+                  sampler: SamplingParams, seed: int, params: SpecParams, *,
+                  concurrency: int, timeout: float) -> EngineRun:
         run = measure_server_acceptance(url, prompts, max_new_tokens, sampler=sampler,
                                         seed=seed, return_outputs=True,
                                         concurrency=concurrency, timeout=timeout)
+        if run.spec_params != params:
+            raise SpeculativeConfigError(f"{url} drafted with {run.spec_params}, not {params}")
         return EngineRun(run.per_prompt, run.outputs or ())
 
     def decode(self, url: str, prompts: list[list[int]], max_new_tokens: int,

@@ -1,11 +1,13 @@
 """The ``acceptance_eval`` stage: candidate vs champion vs no drafter on held-out prompts.
 
-``run(storage, step, candidate, champion, config)`` loads the policy of RL step
-``step`` (the target whose rollouts the drafters will serve), picks the held-out prompts of
+``run(storage, step, candidate, champion, config, evaluator)`` picks the held-out prompts of
 the candidate's training window (:func:`pipeline.capture.heldout.heldout_prompts`: prompts no
-drafter trained on), runs speculative decoding with each drafter on the same prompts,
-settings and sampler, and publishes an :class:`AcceptanceReport` at ``evals/step=NNNNNN/``
-(JSON, manifest last).
+drafter trained on), has the evaluator decode them speculatively with each drafter, and no
+drafter, against the policy of RL step ``step`` (the target whose rollouts the drafters will
+serve) with the same settings and sampler, and publishes an :class:`AcceptanceReport` at
+``evals/step=NNNNNN/`` (JSON, manifest last). The evaluator (:mod:`.evaluators`) is
+Aerie's in-process engine (:mod:`.inprocess`) by default, or a serving engine's servers
+(:mod:`.on_engine`); the report records which.
 
 The sampler is the regime the rollouts were generated in: the settings the newest rollout
 snapshot up to ``step`` records (:mod:`.regime`), with the run config's
@@ -17,18 +19,20 @@ Invariants:
 
 - Same prompts, same settings, same sampler, same target for every contestant; the
   report's ``heldout_key``, ``settings_key`` and ``sampler_key`` say so, and the promotion
-  gate compares only reports whose keys agree.
-- Lossless, checked twice, token for token, with greedy decoding (sampled tokens are
-  checked in distribution by the tests, not per run): every contestant's greedy outputs must
-  equal the no-drafter greedy outputs (on every prompt when the regime is greedy, on the
-  reference sample when it is sampled: ``lossless_prompts``), and on the reference sample
-  (``reference_prompts``, the longest) every contestant, the baseline included, must equal an
-  independent reference, the target's plain cache-free greedy loop (:mod:`.reference`),
-  which catches a bug the engine shares with itself. Mismatches are counted (fp32 ties can
-  flip an argmax; more than that is a bug) and :func:`pipeline.checks.evaluation_sound`
-  blocks promotion on any.
+  gate compares only reports whose keys agree. τ of different evaluators are never one
+  curve (:attr:`AcceptanceReport.comparable_key`).
+- Lossless, token for token, with greedy decoding (sampled tokens are checked in
+  distribution by the tests, not per run): every contestant's greedy outputs must equal the
+  no-drafter greedy outputs (on every prompt when the regime is greedy, on the reference
+  sample when it is sampled: ``lossless_prompts``). In process, every contestant, the
+  baseline included, must also equal an independent reference on the reference sample
+  (``reference_prompts``, the longest): the target's plain cache-free greedy loop
+  (:mod:`.reference`), which catches a bug the engine shares with itself; on an engine the
+  no-drafter server is the reference. Mismatches are counted (near-ties apart, each
+  evaluator's own way) and :func:`pipeline.checks.evaluation_sound` blocks promotion on any.
 - Idempotent: a committed report with the same input fingerprint (policy, drafters,
-  prompts, settings, sampler) is returned as is.
+  prompts, settings, sampler, and for an engine the evaluator's kind, launch template
+  digest and near-tie bound) is returned as is.
 """
 
 from __future__ import annotations
@@ -43,9 +47,8 @@ from typing import Any, ClassVar
 from pipeline.capture.heldout import heldout_prompts
 from pipeline.contracts import Manifest
 from pipeline.evaluation.config import EvalConfig
-from pipeline.evaluation.contest import NO_DRAFTER, Contestant
+from pipeline.evaluation.contest import INPROCESS_RECORD, NO_DRAFTER, Contestant
 from pipeline.evaluation.evaluators import INPROCESS, Evaluator, measure
-from pipeline.evaluation.inprocess import RECORD as INPROCESS_RECORD
 from pipeline.evaluation.regime import resolve_sampler, sampler_key
 from pipeline.formats import REPORT_SCHEMA_VERSION
 from pipeline.layout import EVALS, eval_prefix, steps_of
@@ -115,10 +118,11 @@ class AcceptanceReport:
     @property
     def comparable_key(self) -> str:
         """Two τ are one curve only when this agrees: the sampler's key, and the evaluator
-        when it is an engine (the in-process key is the sampler's alone, as before
-        evaluators)."""
+        and its version when it is an engine (the in-process key is the sampler's alone, as
+        before evaluators)."""
         kind = self.evaluator_kind
-        return self.sampler_key if kind == "inprocess" else f"{kind}:{self.sampler_key}"
+        return self.sampler_key if kind == "inprocess" else \
+            f"{kind} {self.evaluator.get('version')}:{self.sampler_key}"
 
     @property
     def checked_prompts(self) -> int:
@@ -185,7 +189,7 @@ def run(storage: Storage, step: int, candidate: str,
         reference={"prompts": m.reference_prompts, "indices": m.sample},
         sampler=sampler.canonical().to_dict(), sampler_source=source,
         seed=config.seed, lossless_prompts=len(m.checked),
-        confidence=config.confidence, device=m.device, dtype=config.dtype,
+        confidence=config.confidence, device=m.device, dtype=m.dtype,
         evaluator=m.evaluator)
     _publish(storage, report)
     return report

@@ -16,8 +16,10 @@ server (vLLM 0.33, sources in docs/vllm.md):
   can exceed what was emitted);
 - the server says of itself only ``GET /version`` and ``GET /v1/models``; with
   ``VLLM_SERVER_DEV_MODE=1`` also ``GET /server_info?config_format=json``, whose
-  ``speculative_config`` names the drafter. Without it, a server that serves another drafter
-  can only be caught by its acceptance (:class:`.on_engine.DrafterNotDrafting`).
+  ``speculative_config`` names the drafter, checked with its method and
+  ``num_speculative_tokens``. Without it, every answer's ``num_spec_tokens`` must be the
+  ``num_steps`` asked for, and a server that serves another drafter can only be caught by its
+  acceptance (:class:`.on_engine.DrafterNotDrafting`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class VLLM:
 
     name = "vllm"
     recorded_args = ("model", "max_model_len")
+
+    def __init__(self) -> None:
+        self._models: dict[str, str] = {}  # url -> the served model's id
 
     def speculative_args(self, drafter: Path, params: SpecParams) -> list[str]:
         try:
@@ -82,6 +87,10 @@ class VLLM:
         if str(model) != str(drafter) and Path(str(model)).name != drafter.name:
             raise SpeculativeConfigError(f"{label} loaded the drafter {model}, not the one it "
                                          f"was given ({drafter})")
+        served = (spec.get("method"), spec.get("num_speculative_tokens"))
+        if served != ("eagle3", params.num_steps):
+            raise SpeculativeConfigError(f"{label} runs method/num_speculative_tokens "
+                                         f"{served}, not ('eagle3', {params.num_steps})")
 
     def check_plain(self, label: str, info: dict[str, Any]) -> None:
         spec = info.get("speculative_config")
@@ -93,11 +102,14 @@ class VLLM:
     def version(self, info: dict[str, Any]) -> str | None:
         return info.get("version")
 
+    def dtype(self, info: dict[str, Any]) -> str:
+        return "unknown"  # not said over HTTP
+
     def speculate(self, url: str, prompts: list[list[int]], max_new_tokens: int,
-                  sampler: SamplingParams, seed: int, *, concurrency: int,
-                  timeout: float) -> EngineRun:
+                  sampler: SamplingParams, seed: int, params: SpecParams, *,
+                  concurrency: int, timeout: float) -> EngineRun:
         answers = self._complete(url, prompts, max_new_tokens, sampler, seed, concurrency,
-                                 timeout, speculative=True)
+                                 timeout, speculative=params.num_steps)
         return EngineRun(tuple((len(ids) - 1, passes) for ids, passes in answers),
                          tuple(ids for ids, _ in answers))
 
@@ -105,14 +117,14 @@ class VLLM:
                sampler: SamplingParams, seed: int, *, concurrency: int,
                timeout: float) -> tuple[tuple[int, ...], ...]:
         answers = self._complete(url, prompts, max_new_tokens, sampler, seed, concurrency,
-                                 timeout, speculative=False)
+                                 timeout, speculative=None)
         return tuple(ids for ids, _ in answers)
 
     def top2(self, url: str, ids: list[int], *, timeout: float
              ) -> tuple[tuple[int, float], ...]:
         http = JsonHttp(timeout_s=timeout, connect_timeout_s=min(10.0, timeout))
         try:
-            model = self.server_info(url)["model"]
+            model = self._model(url)
             body = http.post_json(url, "/v1/completions", {
                 "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
                 "logprobs": 2, "return_tokens_as_token_ids": True})
@@ -127,13 +139,19 @@ class VLLM:
                                          f"for a near-tie check ({str(body)[:80]})") from e
         return tuple(ranked[:2])
 
+    def _model(self, url: str) -> str:
+        if url not in self._models:
+            self._models[url] = self.server_info(url)["model"]
+        return self._models[url]
+
     def _complete(self, url: str, prompts: list[list[int]], max_new_tokens: int,
                   sampler: SamplingParams, seed: int, concurrency: int, timeout: float, *,
-                  speculative: bool) -> list[tuple[tuple[int, ...], int]]:
-        """(generated ids, verify passes) per prompt, in prompt order."""
+                  speculative: int | None) -> list[tuple[tuple[int, ...], int]]:
+        """(generated ids, verify passes) per prompt, in prompt order; ``speculative``: the
+        draft tokens per pass a drafter's server must report (None: no drafter)."""
         http = JsonHttp(timeout_s=timeout, connect_timeout_s=min(10.0, timeout))
         try:
-            model = self.server_info(url)["model"]
+            model = self._model(url)
             payloads = [_request(model, p, max_new_tokens, sampler, prompt_seed(seed, i))
                         for i, p in enumerate(prompts)]
             answers = post_each(
@@ -161,7 +179,10 @@ def _request(model: str, prompt: list[int], max_new_tokens: int, sampler: Sampli
             "return_token_ids": True, **fields}
 
 
-def _parse(body: Any, max_new_tokens: int, speculative: bool) -> tuple[tuple[int, ...], int]:
+def _parse(body: Any, max_new_tokens: int, speculative: int | None
+           ) -> tuple[tuple[int, ...], int]:
+    """(generated ids, verify passes) of one answer; ``speculative``: the draft tokens per
+    pass a drafter's server must report, None for the no-drafter server."""
     choices = body.get("choices") if isinstance(body, dict) else None
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         raise TransientFailure(f"malformed answer: not one choice ({str(body)[:80]})")
@@ -173,8 +194,8 @@ def _parse(body: Any, max_new_tokens: int, speculative: bool) -> tuple[tuple[int
                                f"served?)")
     metrics = body.get("metrics")
     spec = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
-    if not speculative:
-        if spec is not None and spec.get("num_spec_steps"):
+    if speculative is None:
+        if isinstance(spec, dict) and spec.get("num_spec_steps"):
             raise SpeculativeConfigError("a server meant to decode without a drafter reports "
                                          "speculative steps: it drafts")
         return tuple(ids), len(ids) - 1
@@ -184,10 +205,13 @@ def _parse(body: Any, max_new_tokens: int, speculative: bool) -> tuple[tuple[int
             "speculative decoding, or without --per-request-spec-decode-metrics (the launch "
             "template must pass {speculative_args} to vllm serve)")
     passes, k = spec.get("num_spec_steps"), spec.get("num_spec_tokens")
+    if k != speculative:
+        raise SpeculativeConfigError(f"the server drafts num_spec_tokens {k!r} per pass, not "
+                                     f"the {speculative} asked for")
     if not _is_int(passes) or passes < (1 if len(ids) > 1 else 0):
         raise TransientFailure(f"inconsistent answer: num_spec_steps {passes!r} for "
                                f"{len(ids)} generated tokens")
-    if _is_int(k) and len(ids) - 1 > passes * (k + 1):
+    if len(ids) - 1 > passes * (k + 1):
         raise TransientFailure(f"inconsistent answer: {len(ids) - 1} tokens from {passes} "
                                f"verify passes of {k} draft tokens each")
     return tuple(ids), passes

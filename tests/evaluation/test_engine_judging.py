@@ -125,18 +125,20 @@ def _answer(ids, spec=None):
 
 def test_a_vllm_answer_gives_emitted_tokens_over_its_verify_passes():
     spec = {"num_spec_steps": 3, "num_spec_tokens": 3, "num_accepted_draft_tokens": 6}
-    assert _parse(_answer([5, 6, 7, 8, 9, 10], spec), 8, True) == ((5, 6, 7, 8, 9, 10), 3)
-    assert _parse(_answer([5], {"num_spec_steps": 0, "num_spec_tokens": 3}), 8, True) == \
+    assert _parse(_answer([5, 6, 7, 8, 9, 10], spec), 8, 3) == ((5, 6, 7, 8, 9, 10), 3)
+    assert _parse(_answer([5], {"num_spec_steps": 0, "num_spec_tokens": 3}), 8, 3) == \
         ((5,), 0)  # stopped at its prefill token
-    assert _parse(_answer([5, 6]), 8, False) == ((5, 6), 1)
+    assert _parse(_answer([5, 6]), 8, None) == ((5, 6), 1)
     with pytest.raises(SpeculativeConfigError, match="no metrics.speculative_decoding"):
-        _parse(_answer([5, 6]), 8, True)
+        _parse(_answer([5, 6]), 8, 3)
     with pytest.raises(SpeculativeConfigError, match="it drafts"):
-        _parse(_answer([5, 6], spec), 8, False)
+        _parse(_answer([5, 6], spec), 8, None)
+    with pytest.raises(SpeculativeConfigError, match="num_spec_tokens 3 per pass, not the 5"):
+        _parse(_answer([5, 6], spec), 8, 5)
     with pytest.raises(TransientFailure, match="from 1 verify passes of 3 draft tokens"):
-        _parse(_answer(list(range(7)), {"num_spec_steps": 1, "num_spec_tokens": 3}), 8, True)
+        _parse(_answer(list(range(7)), {"num_spec_steps": 1, "num_spec_tokens": 3}), 8, 3)
     with pytest.raises(TransientFailure, match="return_token_ids"):
-        _parse({"choices": [{"token_ids": None}]}, 8, True)
+        _parse({"choices": [{"token_ids": None}]}, 8, 3)
 
 
 def test_a_plain_sglang_answer_is_one_forward_per_token_and_must_not_draft():
@@ -178,8 +180,13 @@ def test_a_divergence_is_a_near_tie_only_at_the_top_two_within_the_bound():
 
 
 def test_a_drafter_that_accepts_nothing_in_enough_passes_is_not_drafting():
-    idle = EngineRun(((4, 4), (4, 4)), ((1,) * 5, (1,) * 5))
-    with pytest.raises(DrafterNotDrafting, match="accepted no draft token in 8 verify"):
-        on_engine._check_drafting("sglang server for candidate", idle)
-    on_engine._check_drafting("few passes", EngineRun(((3, 3),), ((1,) * 4,)))
-    on_engine._check_drafting("one accept", EngineRun(((5, 4), (4, 4)), ((1,) * 6, (1,) * 5)))
+    idle = EngineRun(((16, 16), (16, 16)), ((1,) * 17, (1,) * 17))
+    with pytest.raises(DrafterNotDrafting, match="accepted no draft token in 32 verify") as e:
+        on_engine._check_drafting("sglang server for candidate", idle, "candidate")
+    assert "champion: none" not in str(e.value)
+    with pytest.raises(DrafterNotDrafting, match="against no drafter .acceptance_eval's "
+                                                 "champion: none"):
+        on_engine._check_drafting("sglang server for champion", idle, "champion")
+    on_engine._check_drafting("few passes", EngineRun(((31, 31),), ((1,) * 32,)), "candidate")
+    on_engine._check_drafting("one accept", EngineRun(((17, 16), (16, 16)),
+                                                      ((1,) * 18, (1,) * 17)), "candidate")

@@ -78,10 +78,16 @@ SAMPLED = {"temperature": 0.03, "top_p": 0.9}
                                                ("vllm", SAMPLED)],
                          ids=["sglang-greedy", "sglang-sampled", "vllm-sampled"])
 def test_the_engines_counts_are_the_in_process_engines(world, kind, sampler):
+    """Also the benchmark of docs/benchmarks.md#engine-judge (``pytest -s``: both lines)."""
     config = replace(CONFIG, **sampler)
     local = stage.run(world.storage, 2, world.candidate, world.champion, config)
     engine = stage.run(world.storage, 2, world.candidate, world.champion, config,
                        sglang(world, engine=kind))
+    for r in (local, engine):
+        print(f"{r.regime} {r.evaluator_kind}: " + ", ".join(
+            f"{n} τ {c.tau:.4f} [{c.tau_interval[0]:.4f}, {c.tau_interval[1]:.4f}] over "
+            f"{sum(p[1] for p in c.per_prompt)} passes"
+            for n, c in r.contestants.items() if n != NO_DRAFTER) + f"; {r.seconds:.1f} s")
 
     assert engine.evaluator_kind == kind and local.evaluator_kind == "inprocess"
     assert engine.evaluator["version"] == VERSIONS[kind]
@@ -122,8 +128,8 @@ def test_the_engines_counts_are_the_in_process_engines(world, kind, sampler):
         "vllm-wrong_drafter", "sglang-dies_mid_evaluation"])
 def test_a_misbehaving_server_is_a_named_error_and_nothing_is_published(
         world, kind, fault, error, match):
-    config = replace(CONFIG, max_prompts=4, max_new_tokens=10, seed=len(fault))
-    before = read_report(world.storage, 2)
+    config = replace(CONFIG, max_prompts=4, max_new_tokens=16, seed=len(fault))  # > 32
+    before = read_report(world.storage, 2)  # verify passes
     with pytest.raises(error, match=match) as raised:
         stage.run(world.storage, 2, world.candidate, None, config,
                   sglang(world, "--launch-fault", fault, engine=kind))
@@ -174,6 +180,20 @@ def test_a_divergence_at_the_targets_top_two_is_a_near_tie_within_the_bound(worl
                        sglang(world, *fault, engine=kind, tie_nats=0.0))
     assert strict.contestants["candidate"].ties == 0
     assert not evaluation_sound(strict).passed
+
+
+def test_a_vllm_server_in_dev_mode_that_loads_another_drafter_is_refused(world,
+                                                                          monkeypatch):
+    """The template overrides the drafter (argparse keeps the last flag): the dev-mode
+    ``/server_info`` names the other one."""
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    other = '{{"method":"eagle3","model":"%s","num_speculative_tokens":3}}' % (
+        world.candidate_dir.parent / "champion")  # braces doubled: literal in a template
+    with pytest.raises(SpeculativeConfigError, match="vllm server for candidate loaded the "
+                                                     "drafter .*champion, not the one"):
+        stage.run(world.storage, 2, world.candidate, None, replace(CONFIG, seed=15),
+                  sglang(world, "--speculative-config", other, engine="vllm"))
+    assert not _contract_servers_running()
 
 
 def test_vllm_refuses_a_tree_before_any_server_starts(world):
