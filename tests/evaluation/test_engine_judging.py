@@ -190,3 +190,14 @@ def test_a_drafter_that_accepts_nothing_in_enough_passes_is_not_drafting():
     on_engine._check_drafting("few passes", EngineRun(((31, 31),), ((1,) * 32,)), "candidate")
     on_engine._check_drafting("one accept", EngineRun(((17, 16), (16, 16)),
                                                       ((1,) * 18, (1,) * 17)), "candidate")
+
+
+def test_a_server_logs_secrets_are_redacted_before_an_error_quotes_them():
+    from pipeline.evaluation.servers import redact
+
+    log = ("ServerArgs(model_path='/m', api_key='sk-1', tp_size=8)\n"
+           "non-default args: {'hf_token': 'hf_2', 'port': 1}\n"
+           "argv: --api-key s3 --port 9 password=p4 token: t5")
+    cleaned = redact(log)
+    assert not any(secret in cleaned for secret in ("sk-1", "hf_2", "s3 ", "p4", "t5"))
+    assert "model_path='/m'" in cleaned and "tp_size=8" in cleaned and "--port 9" in cleaned
