@@ -37,17 +37,22 @@ warnings.filterwarnings("ignore", message="Parameter `owners` of initializer "
                         "`SensorDefinition.__init__` is currently in beta", category=BetaWarning)
 SERVING = serving_from_env()
 SERVED = ("serving_drafter", "serving_acceptance")  # kinds: the engine the deployment serves
+EVALUATOR = evaluator_from_env()
 
 
 def _conventions(spec):
     """Owner and flow position of every asset (the catalog filters and sorts by them); the
     serving assets' kind is the serving mode's engine (``manifest`` when a file hands the
-    drafter over)."""
+    drafter over); ``acceptance_eval``'s is the engine that judges when it is not Aerie's."""
     name = spec.key.path[-1]
     stage = f"{(DATA_ASSETS + REFRESH_ASSETS + MONITOR_ASSETS).index(name) + 1}"
     kinds = {serving_kind(SERVING.mode)} if name in SERVED else spec.kinds
+    if name == "acceptance_eval" and EVALUATOR.build().engine:
+        kinds = {EVALUATOR.build().engine}
+    tags = {k: v for k, v in spec.tags.items()  # Dagster keeps kinds as tags too
+            if kinds == spec.kinds or not k.startswith("dagster/kind/")}
     return spec.replace_attributes(owners=OWNERS, kinds=kinds, tags={
-        **spec.tags, "aerie/stage": stage,
+        **tags, "aerie/stage": stage,
         "aerie/partitioned_by": "refresh_step" if name in REFRESH_ASSETS else "rl_step"})
 
 
@@ -62,5 +67,5 @@ defs = Definitions(
     resources={"storage": storage_from_env(), "capture": capture_from_env(),
                "trainer": trainer_from_env(), "mlflow": mlflow_from_env(),
                "serving": SERVING, "refresh": refresh_policy_from_env(),
-               "ingest": ingest_from_env(), "evaluator": evaluator_from_env()},
+               "ingest": ingest_from_env(), "evaluator": EVALUATOR},
 )

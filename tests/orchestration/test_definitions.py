@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,21 @@ def test_loading_the_definitions_imports_no_heavy_library():
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     assert json.loads(out.splitlines()[-1]) == []
+
+
+@pytest.mark.integration
+def test_acceptance_eval_is_of_the_kind_of_the_engine_that_judges():
+    """In process it is pytorch; with AERIE_EVALUATOR_KIND=vllm the catalog says vllm."""
+    probe = ("import definitions; from dagster import AssetKey; print(sorted(definitions.defs"
+             ".get_repository_def().asset_graph.get(AssetKey('acceptance_eval')).kinds))")
+    env = {**os.environ, "AERIE_EVALUATOR_KIND": "vllm",
+           "AERIE_EVALUATOR_VLLM_LAUNCH": '["vllm", "serve", "{policy_dir}", "--port", '
+                                          '"{port}", "{speculative_args}"]'}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                         text=True, check=True, env=env).stdout
+    assert out.splitlines()[-1] == "['vllm']"
+    graph = defs.get_repository_def().asset_graph
+    assert graph.get(AssetKey("acceptance_eval")).kinds == {"pytorch"}
 
 
 def test_refresh_assets_describe_their_window():
