@@ -443,8 +443,8 @@ def render_measurement(result) -> str:
                      f"{row['near_ties']:<4} {alpha}")
     lines += ["", "greedy: prompts whose greedy output equals no drafter's; reference: "
                   "prompts equal to the cache-free greedy reference (in process only); ties: "
-                  "mismatches at a bf16 near-tie; α: unknown (-) where an engine reports "
-                  "totals only"]
+                  "mismatches at a bf16 near-tie (on an engine: at the no-drafter server's "
+                  "top two); α: unknown (-) where an engine reports totals only"]
     return "\n".join(lines)
 
 
