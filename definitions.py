@@ -38,6 +38,7 @@ warnings.filterwarnings("ignore", message="Parameter `owners` of initializer "
 SERVING = serving_from_env()
 SERVED = ("serving_drafter", "serving_acceptance")  # kinds: the engine the deployment serves
 EVALUATOR = evaluator_from_env()
+JUDGE = EVALUATOR.build().engine  # acceptance_eval's kind when an engine judges
 
 
 def _conventions(spec):
@@ -47,8 +48,8 @@ def _conventions(spec):
     name = spec.key.path[-1]
     stage = f"{(DATA_ASSETS + REFRESH_ASSETS + MONITOR_ASSETS).index(name) + 1}"
     kinds = {serving_kind(SERVING.mode)} if name in SERVED else spec.kinds
-    if name == "acceptance_eval" and EVALUATOR.build().engine:
-        kinds = {EVALUATOR.build().engine}
+    if name == "acceptance_eval" and JUDGE:
+        kinds = {JUDGE}
     tags = {k: v for k, v in spec.tags.items()  # Dagster keeps kinds as tags too
             if kinds == spec.kinds or not k.startswith("dagster/kind/")}
     return spec.replace_attributes(owners=OWNERS, kinds=kinds, tags={

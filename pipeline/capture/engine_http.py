@@ -338,3 +338,8 @@ def post_each(http: JsonHttp, urls: Sequence[str], path: str, payloads: Sequence
             if error is not None:
                 raise error
         return [f.result() for f in futures]
+
+
+def json_int(x: Any) -> bool:
+    """Whether a decoded JSON value is an integer (``True``/``False`` are not counts)."""
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -1,22 +1,33 @@
 """SGLang as the engine evaluator's judge (:mod:`.on_engine`): its launch flags, what its
-``/server_info`` must say, and its counters (:mod:`.sglang_mode`)."""
+``/server_info`` must say, its counters (:mod:`.sglang_mode`), decoding without a drafter
+and its top log-probabilities."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import requests
-
+from pipeline.capture.engine_http import (
+    CallStats,
+    JsonHttp,
+    RetryPolicy,
+    TransientFailure,
+    json_int,
+)
 from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.engine_api import EngineRun
 from pipeline.evaluation.sglang_mode import (
+    Answer,
     SpeculativeConfigError,
-    decode_plain,
+    decode_all,
     measure_server_acceptance,
+    parse_spec_response,
+    sampling_params,
+    server_info,
 )
-from pipeline.sampling import SamplingParams
+from pipeline.sampling import GREEDY, SamplingParams
 
 
 class SGLang:
@@ -36,14 +47,11 @@ class SGLang:
                 "--speculative-num-draft-tokens", str(params.num_draft_tokens)]
 
     def server_info(self, url: str) -> dict[str, Any]:
-        r = requests.get(url + "/server_info", timeout=30)
-        if r.status_code == 404:
-            r = requests.get(url + "/get_server_info", timeout=30)
-        r.raise_for_status()
-        info = r.json()
-        if not isinstance(info, dict):
-            raise SpeculativeConfigError(f"{url}/server_info is not an object")
-        return info
+        http = JsonHttp(timeout_s=30.0, connect_timeout_s=10.0)
+        try:
+            return server_info(http, url)
+        finally:
+            http.close()
 
     def check_drafter(self, label: str, info: dict[str, Any], drafter: Path,
                       params: SpecParams) -> None:
@@ -78,11 +86,10 @@ class SGLang:
     def speculate(self, url: str, prompts: list[list[int]], max_new_tokens: int,
                   sampler: SamplingParams, seed: int, params: SpecParams, *,
                   concurrency: int, timeout: float) -> EngineRun:
+        # params: checked on /server_info by check_drafter (SGLang answers carry no settings)
         run = measure_server_acceptance(url, prompts, max_new_tokens, sampler=sampler,
                                         seed=seed, return_outputs=True,
                                         concurrency=concurrency, timeout=timeout)
-        if run.spec_params != params:
-            raise SpeculativeConfigError(f"{url} drafted with {run.spec_params}, not {params}")
         return EngineRun(run.per_prompt, run.outputs or ())
 
     def decode(self, url: str, prompts: list[list[int]], max_new_tokens: int,
@@ -93,11 +100,13 @@ class SGLang:
 
     def top2(self, url: str, ids: list[int], *, timeout: float
              ) -> tuple[tuple[int, float], ...]:
-        r = requests.post(url + "/generate", timeout=timeout, json={
-            "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-            "return_logprob": True, "top_logprobs_num": 2})
-        r.raise_for_status()
-        body = r.json()
+        http = JsonHttp(timeout_s=timeout, connect_timeout_s=min(10.0, timeout))
+        try:
+            body = http.post_json(url, "/generate", {
+                "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                "return_logprob": True, "top_logprobs_num": 2})
+        finally:
+            http.close()
         body = body[0] if isinstance(body, list) and len(body) == 1 else body
         try:  # one entry per output token, each [logprob, token_id, text] best first
             entries = body["meta_info"]["output_top_logprobs"][0]
@@ -105,3 +114,41 @@ class SGLang:
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise SpeculativeConfigError(f"{url}/generate returned no output_top_logprobs "
                                          f"for a near-tie check ({str(body)[:80]})") from e
+
+
+def decode_plain(url: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 sampler: SamplingParams = GREEDY, seed: int | None = 0,
+                 concurrency: int = 8, timeout: float = 600.0, retries: int = 3,
+                 backoff_s: float = 0.5) -> list[tuple[int, ...]]:
+    """The generated ids of each prompt on a server decoding *without* a drafter, at
+    ``sampler`` with the seeds :func:`.sglang_mode.measure_server_acceptance` sends. Each
+    answer is validated as there, less the speculative counters (an answer that carries
+    some is refused: the server drafts). Raises ``ServerAcceptanceError`` naming the
+    prompt."""
+    prompts = [[int(t) for t in p] for p in prompts]
+    http = JsonHttp(timeout_s=timeout, connect_timeout_s=min(10.0, timeout))
+    try:
+        requests = [sampling_params(sampler, seed, i, max_new_tokens, False)
+                    for i in range(len(prompts))]
+        answers = decode_all(http, (url.rstrip("/"),), prompts, requests, concurrency,
+                             RetryPolicy(max_retries=retries, backoff_s=backoff_s),
+                             CallStats(), lambda body: parse_plain(body, max_new_tokens))
+    finally:
+        http.close()
+    return [a.output_ids for _, a in answers]
+
+
+def parse_plain(body: Any, max_new_tokens: int) -> Answer:
+    """One answer of a server without a drafter: every token after the first is a forward."""
+    if isinstance(body, list) and len(body) == 1:
+        body = body[0]
+    meta = body.get("meta_info") if isinstance(body, dict) else None
+    if not isinstance(meta, dict):
+        raise TransientFailure(f"malformed answer: no meta_info object ({str(body)[:80]})")
+    if "spec_verify_ct" in meta:
+        raise SpeculativeConfigError("a server meant to decode without a drafter reports "
+                                     "spec_verify_ct: it drafts")
+    completion = meta.get("completion_tokens")
+    forwards = completion - 1 if json_int(completion) else None  # judged by the parser
+    return parse_spec_response({**body, "meta_info": {**meta, "spec_verify_ct": forwards}},
+                               max_new_tokens=max_new_tokens, num_steps=0)

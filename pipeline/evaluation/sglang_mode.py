@@ -59,6 +59,7 @@ from pipeline.capture.engine_http import (
     RetryPolicy,
     TransientFailure,
     call_with_retries,
+    json_int,
     post_each,
     raise_for_status,
 )
@@ -66,8 +67,8 @@ from pipeline.eagle3.spec import SpecParams
 from pipeline.sampling import GREEDY, SamplingParams, prompt_seed
 
 __all__ = ["SCHEMA_VERSION", "SPEC_FLAGS", "ServerAcceptance", "ServerAcceptanceError",
-           "ServerCounts", "SpeculativeConfigError", "decode_plain",
-           "measure_server_acceptance", "parse_spec_response"]
+           "ServerCounts", "SpeculativeConfigError", "decode_all", "measure_server_acceptance",
+           "parse_spec_response", "sampling_params", "server_info"]
 
 logger = logging.getLogger(__name__)
 
@@ -183,14 +184,14 @@ class ServerAcceptance:
 
 
 @dataclass(frozen=True)
-class _Answer:
+class Answer:
     completion_tokens: int
     spec_verify_ct: int
     stopped: bool
     output_ids: tuple[int, ...]
 
 
-def parse_spec_response(body: Any, *, max_new_tokens: int, num_steps: int) -> _Answer:
+def parse_spec_response(body: Any, *, max_new_tokens: int, num_steps: int) -> Answer:
     """Validate one ``/generate`` answer for a single prompt (module invariants).
 
     Raises :class:`TransientFailure` (retried by the caller) describing the first problem.
@@ -201,11 +202,11 @@ def parse_spec_response(body: Any, *, max_new_tokens: int, num_steps: int) -> _A
     if not isinstance(meta, dict):
         raise TransientFailure(f"malformed answer: no meta_info object ({str(body)[:80]})")
     completion = meta.get("completion_tokens")
-    if not _is_int(completion) or not 1 <= completion <= max_new_tokens:
+    if not json_int(completion) or not 1 <= completion <= max_new_tokens:
         raise TransientFailure(f"malformed answer: completion_tokens {completion!r} is not in "
                                f"[1, max_new_tokens={max_new_tokens}]")
     output = body.get("output_ids")
-    if not isinstance(output, list) or not all(_is_int(t) for t in output):
+    if not isinstance(output, list) or not all(json_int(t) for t in output):
         raise TransientFailure("malformed answer: output_ids is not a list of token ids")
     if len(output) != completion:
         raise TransientFailure(f"malformed answer: {len(output)} output_ids for "
@@ -214,7 +215,7 @@ def parse_spec_response(body: Any, *, max_new_tokens: int, num_steps: int) -> _A
     if verify is None:
         raise TransientFailure(f"malformed answer: no meta_info.spec_verify_ct for "
                                f"{completion} generated tokens (is speculative decoding on?)")
-    if not _is_int(verify) or verify < (1 if completion > 1 else 0):
+    if not json_int(verify) or verify < (1 if completion > 1 else 0):
         raise TransientFailure(f"malformed answer: spec_verify_ct {verify!r} for {completion} "
                                f"generated tokens (every token after the first comes from a "
                                f"verify pass)")
@@ -223,7 +224,7 @@ def parse_spec_response(body: Any, *, max_new_tokens: int, num_steps: int) -> _A
                                f"verify passes, more than num_steps + 1 = {num_steps + 1} each")
     reason = meta.get("finish_reason")
     stopped = isinstance(reason, dict) and reason.get("type") == "stop"
-    return _Answer(completion, verify, stopped, tuple(output))
+    return Answer(completion, verify, stopped, tuple(output))
 
 
 def measure_server_acceptance(urls: str | Sequence[str], prompts: Sequence[Sequence[int]],
@@ -266,24 +267,24 @@ def measure_server_acceptance(urls: str | Sequence[str], prompts: Sequence[Seque
                                       samples=[])
                     for url in urls]
 
-        infos = on_each("server info", lambda url: _server_info(http, url))
+        infos = on_each("server info", lambda url: server_info(http, url))
         settings = _check_settings(urls, infos)
         if flush:
             on_each("cache flush", lambda url: _flush(http, url))
-        requests = [_sampling_params(sampler, seed, i, max_new_tokens, ignore_eos)
+        requests = [sampling_params(sampler, seed, i, max_new_tokens, ignore_eos)
                     for i in range(len(prompts))]
         num_steps = settings["num_steps"]
-        answers = _decode_all(http, urls, prompts, requests, concurrency, policy, stats,
+        answers = decode_all(http, urls, prompts, requests, concurrency, policy, stats,
                               lambda body: parse_spec_response(
                                   body, max_new_tokens=max_new_tokens, num_steps=num_steps))
-        after = on_each("server info", lambda url: _server_info(http, url))
+        after = on_each("server info", lambda url: server_info(http, url))
     finally:
         http.close()
     return _summarise(urls, settings, max_new_tokens, answers, after, return_outputs,
                       sampler)
 
 
-def _sampling_params(sampler: SamplingParams, seed: int | None, index: int,
+def sampling_params(sampler: SamplingParams, seed: int | None, index: int,
                      max_new_tokens: int, ignore_eos: bool) -> dict[str, Any]:
     """Prompt ``index``'s ``sampling_params``: SGLang's names, greedy as ``temperature 0``."""
     out: dict[str, Any] = {"max_new_tokens": max_new_tokens}
@@ -298,48 +299,10 @@ def _sampling_params(sampler: SamplingParams, seed: int | None, index: int,
     return out
 
 
-def decode_plain(url: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                 sampler: SamplingParams = GREEDY, seed: int | None = 0,
-                 concurrency: int = 8, timeout: float = 600.0, retries: int = 3,
-                 backoff_s: float = 0.5) -> list[tuple[int, ...]]:
-    """The generated ids of each prompt on a server decoding *without* a drafter, at
-    ``sampler`` with the seeds :func:`measure_server_acceptance` sends. Each answer is
-    validated as there, less the speculative counters (an answer that carries some is
-    refused: the server drafts). Raises :class:`ServerAcceptanceError` naming the prompt."""
-    urls = _clean_urls([url])
-    prompts = [[int(t) for t in p] for p in prompts]
-    http = JsonHttp(timeout_s=timeout, connect_timeout_s=min(10.0, timeout))
-    try:
-        requests = [_sampling_params(sampler, seed, i, max_new_tokens, False)
-                    for i in range(len(prompts))]
-        answers = _decode_all(http, urls, prompts, requests, concurrency,
-                              RetryPolicy(max_retries=retries, backoff_s=backoff_s),
-                              CallStats(), lambda body: _parse_plain(body, max_new_tokens))
-    finally:
-        http.close()
-    return [a.output_ids for _, a in answers]
-
-
-def _parse_plain(body: Any, max_new_tokens: int) -> _Answer:
-    """One answer of a server without a drafter: every token after the first is a forward."""
-    if isinstance(body, list) and len(body) == 1:
-        body = body[0]
-    meta = body.get("meta_info") if isinstance(body, dict) else None
-    if not isinstance(meta, dict):
-        raise TransientFailure(f"malformed answer: no meta_info object ({str(body)[:80]})")
-    if "spec_verify_ct" in meta:
-        raise SpeculativeConfigError("a server meant to decode without a drafter reports "
-                                     "spec_verify_ct: it drafts")
-    completion = meta.get("completion_tokens")
-    forwards = completion - 1 if _is_int(completion) else None  # judged by the parser
-    return parse_spec_response({**body, "meta_info": {**meta, "spec_verify_ct": forwards}},
-                               max_new_tokens=max_new_tokens, num_steps=0)
-
-
-def _decode_all(http: JsonHttp, urls: tuple[str, ...], prompts: list[list[int]],
+def decode_all(http: JsonHttp, urls: tuple[str, ...], prompts: list[list[int]],
                 requests: list[dict[str, Any]], concurrency: int, policy: RetryPolicy,
-                stats: CallStats, parse: Callable[[Any], _Answer]
-                ) -> list[tuple[str, _Answer]]:
+                stats: CallStats, parse: Callable[[Any], Answer]
+                ) -> list[tuple[str, Answer]]:
     """(answering URL, answer) per prompt, in prompt order; the first failure is raised."""
     payloads = [{"input_ids": p, "sampling_params": r}
                 for p, r in zip(prompts, requests, strict=True)]
@@ -353,7 +316,7 @@ def _decode_all(http: JsonHttp, urls: tuple[str, ...], prompts: list[list[int]],
 
 
 def _summarise(urls: tuple[str, ...], settings: dict[str, Any], max_new_tokens: int,
-               answers: list[tuple[str, _Answer]], after: list[Any], return_outputs: bool,
+               answers: list[tuple[str, Answer]], after: list[Any], return_outputs: bool,
                sampler: SamplingParams) -> ServerAcceptance:
     per_server = []
     for url, info in zip(urls, after, strict=True):
@@ -389,7 +352,7 @@ def _summarise(urls: tuple[str, ...], settings: dict[str, Any], max_new_tokens: 
 # -- server calls ----------------------------------------------------------------------
 
 
-def _server_info(http: JsonHttp, url: str) -> dict[str, Any]:
+def server_info(http: JsonHttp, url: str) -> dict[str, Any]:
     info = http.get_json(url, "/server_info") or http.get_json(url, "/get_server_info")
     if not isinstance(info, dict):
         raise SpeculativeConfigError(f"server at {url} exposes no /server_info: cannot check "
@@ -420,7 +383,7 @@ def _check_settings(urls: tuple[str, ...], infos: list[dict[str, Any]]) -> dict[
                 f"speculative_draft_model_path={draft!r}); launch it with {SPEC_FLAGS} "
                 f"(docs/sglang.md)")
         numbers = [info.get(k) for k in _SETTING_KEYS]
-        if not all(_is_int(n) and n >= 1 for n in numbers):
+        if not all(json_int(n) and n >= 1 for n in numbers):
             raise SpeculativeConfigError(
                 f"server at {url} reports speculative settings "
                 f"{dict(zip(_SETTING_KEYS, numbers, strict=True))}; expected positive integers")
@@ -460,7 +423,3 @@ def _clean_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
     if not cleaned or not all(u.startswith(("http://", "https://")) for u in cleaned):
         raise ValueError(f"urls must be a non-empty list of http(s) URLs, got {cleaned}")
     return cleaned
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

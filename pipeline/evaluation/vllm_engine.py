@@ -33,6 +33,7 @@ from pipeline.capture.engine_http import (
     JsonHttp,
     RetryPolicy,
     TransientFailure,
+    json_int,
     post_each,
 )
 from pipeline.eagle3.spec import SpecParams
@@ -187,7 +188,7 @@ def _parse(body: Any, max_new_tokens: int, speculative: int | None
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         raise TransientFailure(f"malformed answer: not one choice ({str(body)[:80]})")
     ids = choices[0].get("token_ids")
-    if not isinstance(ids, list) or not all(_is_int(t) for t in ids) \
+    if not isinstance(ids, list) or not all(json_int(t) for t in ids) \
             or not 1 <= len(ids) <= max_new_tokens:
         raise TransientFailure(f"malformed answer: choices[0].token_ids {str(ids)[:60]} is "
                                f"not 1 to {max_new_tokens} token ids (is return_token_ids "
@@ -208,7 +209,7 @@ def _parse(body: Any, max_new_tokens: int, speculative: int | None
     if k != speculative:
         raise SpeculativeConfigError(f"the server drafts num_spec_tokens {k!r} per pass, not "
                                      f"the {speculative} asked for")
-    if not _is_int(passes) or passes < (1 if len(ids) > 1 else 0):
+    if not json_int(passes) or passes < (1 if len(ids) > 1 else 0):
         raise TransientFailure(f"inconsistent answer: num_spec_steps {passes!r} for "
                                f"{len(ids)} generated tokens")
     if len(ids) - 1 > passes * (k + 1):
@@ -227,7 +228,3 @@ def _dev_speculative_config(dev: Any) -> dict[str, Any] | None:
         return None
     spec = config["speculative_config"]
     return spec if isinstance(spec, dict) else {}
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

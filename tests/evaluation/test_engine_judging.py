@@ -18,8 +18,8 @@ from pipeline.evaluation.evaluators import EVALUATORS, Evaluator, label
 from pipeline.evaluation.metrics import AcceptanceStats
 from pipeline.evaluation.on_engine import DrafterNotDrafting
 from pipeline.evaluation.servers import EngineServers
-from pipeline.evaluation.sglang_engine import SGLang
-from pipeline.evaluation.sglang_mode import SpeculativeConfigError, _parse_plain
+from pipeline.evaluation.sglang_engine import SGLang, parse_plain
+from pipeline.evaluation.sglang_mode import SpeculativeConfigError
 from pipeline.evaluation.vllm_engine import VLLM, _parse, _request
 from pipeline.sampling import GREEDY, SamplingParams, prompt_seed
 from resources.evaluator import EngineServersConfig, EvaluatorResource
@@ -143,11 +143,11 @@ def test_a_vllm_answer_gives_emitted_tokens_over_its_verify_passes():
 
 def test_a_plain_sglang_answer_is_one_forward_per_token_and_must_not_draft():
     body = {"output_ids": [4, 5, 6], "meta_info": {"completion_tokens": 3}}
-    assert _parse_plain(body, 8).output_ids == (4, 5, 6)
+    assert parse_plain(body, 8).output_ids == (4, 5, 6)
     with pytest.raises(SpeculativeConfigError, match="it drafts"):
-        _parse_plain({**body, "meta_info": {"completion_tokens": 3, "spec_verify_ct": 1}}, 8)
+        parse_plain({**body, "meta_info": {"completion_tokens": 3, "spec_verify_ct": 1}}, 8)
     with pytest.raises(TransientFailure, match="completion_tokens"):
-        _parse_plain({"output_ids": [], "meta_info": {"completion_tokens": 0}}, 8)
+        parse_plain({"output_ids": [], "meta_info": {"completion_tokens": 0}}, 8)
 
 
 class FakeEngine:
