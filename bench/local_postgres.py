@@ -57,13 +57,18 @@ class PostgresServer:
             f"local all all trust\nhost all {SUPERUSER} 127.0.0.1/32 trust\n"
             f"host all all 127.0.0.1/32 scram-sha-256\n")
         self.log = open(self.root / "server.log", "wb")
-        self.proc = subprocess.Popen(
-            [postgres_bin("postgres"), "-D", str(data), "-h", "127.0.0.1",
-             "-p", str(port), "-k", str(self.root), "-c", "fsync=off",
-             "-c", "full_page_writes=off", "-c", "synchronous_commit=off",
-             "-c", f"max_connections={max_connections}"],
-            stdout=self.log, stderr=subprocess.STDOUT, **self._as)
+        self._cmd = [postgres_bin("postgres"), "-D", str(data), "-h", "127.0.0.1",
+                     "-p", str(port), "-k", str(self.root), "-c", "fsync=off",
+                     "-c", "full_page_writes=off", "-c", "synchronous_commit=off",
+                     "-c", f"max_connections={max_connections}"]
+        self.start()
+
+    def start(self) -> None:
+        """Start the server (again: after :meth:`shutdown`, on the same port and data)."""
+        self.proc = subprocess.Popen(self._cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     **self._as)
         self._wait_ready()
+
 
     def _wait_ready(self, timeout_s: float = 60.0) -> None:
         import psycopg2
@@ -102,10 +107,14 @@ class PostgresServer:
 
     def stop(self) -> None:
         """Fast shutdown (SIGINT) by PID, then the cluster's directory goes."""
+        self.shutdown()
+        self.log.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def shutdown(self) -> None:
+        """Fast shutdown (SIGINT) by PID; the cluster stays for :meth:`start`."""
         try:
             os.kill(self.proc.pid, signal.SIGINT)
             self.proc.wait(timeout=30)
         except ProcessLookupError:
             pass
-        self.log.close()
-        shutil.rmtree(self.root, ignore_errors=True)

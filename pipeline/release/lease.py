@@ -33,6 +33,13 @@ Invariants:
   check refuses every later write of the stale holder.
 - Waits at most ``timeout_s`` (polling), then raises
   :class:`~pipeline.release.lock.LockTimeout` naming the holder.
+- **No statement waits for ever.** Every round trip to the database (connecting included)
+  has a client-side deadline of ``io_timeout_s``: the connection is asynchronous and each
+  answer is awaited with ``select``. A server that stops answering (hung, or a proxy in
+  between that keeps the TCP connection up, so keepalives see nothing wrong) costs an
+  acquisition :class:`LeaseUnavailable` and a fenced write :class:`LeaseLost` within that
+  bound, and the session is closed, instead of a promotion that hangs holding the lease
+  (found by the fault campaign, tests/reliability/test_fault_campaign.py).
 - The connection URL may carry a password: it is never logged or put in an error (libpq's
   ``PGPASSWORD`` keeps it out of the URL altogether).
 """
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import select
 import socket
 import time
 from collections.abc import Iterable, Iterator
@@ -60,19 +68,49 @@ _TAKE = (f"INSERT INTO {TABLE} (name, token, holder, acquired_at) VALUES "
          f" holder = EXCLUDED.holder, acquired_at = EXCLUDED.acquired_at RETURNING token")
 
 
+_CONNECT_TIMEOUT_S = 10
 # the server probes an idle lease session after 30 s (TCP keepalives every 10 s, 3 probes),
 # so a host that crashed or dropped off the network releases the lease in about a minute
 _SERVER_SIDE_PROBES = ("-c tcp_keepalives_idle=30 -c tcp_keepalives_interval=10 "
                        "-c tcp_keepalives_count=3")
 
 
-def _create_table(cur) -> None:
+class _Deadline(Exception):
+    """The database did not answer within the client's deadline."""
+
+
+def _wait(conn, timeout_s: float) -> None:
+    """Drive the asynchronous ``conn`` until its connection or statement is done, for at
+    most ``timeout_s`` (:class:`_Deadline`)."""
+    import psycopg2.extensions as ext
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = conn.poll()
+        if state == ext.POLL_OK:
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _Deadline(f"no answer within {timeout_s:g}s")
+        wants = ([conn.fileno()], []) if state == ext.POLL_READ else ([], [conn.fileno()])
+        select.select(*wants, [], left)
+
+
+def _execute(conn, timeout_s: float, sql: str, args: tuple = ()) -> tuple | None:
+    """``sql`` on the asynchronous ``conn`` within ``timeout_s``; its first row, if any."""
+    with conn.cursor() as cur:
+        cur.execute(sql, args)
+        _wait(conn, timeout_s)
+        return cur.fetchone() if cur.description is not None else None
+
+
+def _create_table(conn, timeout_s: float) -> None:
     """The lease table, once per database; a promoter of another model creating it at the
     same moment is no error."""
     import psycopg2
 
     try:
-        cur.execute(_CREATE)
+        _execute(conn, timeout_s, _CREATE)
     except psycopg2.errors.UniqueViolation:  # the concurrent CREATE won: the table is there
         pass
 
@@ -112,11 +150,12 @@ class PostgresLease:
     ``lease.token`` is its fencing token and ``with lease.fenced():`` guards each write."""
 
     def __init__(self, url: str, name: str, *, timeout_s: float = 120.0, poll_s: float = 0.05,
-                 holder: str | None = None):
+                 holder: str | None = None, io_timeout_s: float = 30.0):
         self.url = url
         self.name = name
         self.timeout_s = timeout_s
         self.poll_s = poll_s
+        self.io_timeout_s = io_timeout_s
         self.holder = holder or f"{socket.gethostname()} pid {os.getpid()}"
         self.token: int | None = None
         self._conn = None
@@ -129,49 +168,48 @@ class PostgresLease:
 
         if self._conn is not None:
             raise RuntimeError(f"the promotion lease of {self.name} is already held here")
+        conn = None
         try:
-            conn = psycopg2.connect(self.url, connect_timeout=10,
+            conn = psycopg2.connect(self.url, connect_timeout=_CONNECT_TIMEOUT_S, async_=True,
                                     application_name="aerie-promotion-lease",
                                     keepalives=1, keepalives_idle=30, keepalives_interval=10,
                                     keepalives_count=3, options=_SERVER_SIDE_PROBES)
-        except psycopg2.Error as e:
-            raise LeaseUnavailable(f"promotion lease of {self.name}: cannot connect to "
-                                   f"{redacted(self.url)}: {_first_line(e)}") from None
-        conn.autocommit = True
-        try:
+            _wait(conn, min(_CONNECT_TIMEOUT_S, self.io_timeout_s))  # asynchronous: every
+            # statement autocommits
             self._wait_for_advisory_lock(conn)
-            with conn.cursor() as cur:
-                cur.execute("SELECT to_regclass(%s)", (TABLE,))
-                if cur.fetchone()[0] is None:
-                    _create_table(cur)
-                cur.execute(_TAKE, (self.name, self.holder))
-                self.token = int(cur.fetchone()[0])
+            if _execute(conn, self.io_timeout_s, "SELECT to_regclass(%s)", (TABLE,))[0] is None:
+                _create_table(conn, self.io_timeout_s)
+            self.token = int(_execute(conn, self.io_timeout_s, _TAKE,
+                                      (self.name, self.holder))[0])
+        except (psycopg2.OperationalError, psycopg2.InterfaceError, _Deadline) as e:
+            _close(conn)  # ends the session: the advisory lock goes with it
+            raise LeaseUnavailable(f"promotion lease of {self.name}: the database at "
+                                   f"{redacted(self.url)} did not serve it: {_first_line(e)}"
+                                   ) from None
         except BaseException:
-            conn.close()  # ends the session: the advisory lock goes with it
+            _close(conn)
             raise
         self._conn = conn
 
     def _wait_for_advisory_lock(self, conn) -> None:
         key = advisory_key(self.name)
         deadline = time.monotonic() + self.timeout_s
-        with conn.cursor() as cur:
-            while True:
-                cur.execute("SELECT pg_try_advisory_lock(%s)", (key,))
-                if cur.fetchone()[0]:
-                    return
-                if time.monotonic() >= deadline:
-                    raise LockTimeout(f"the promotion lease of {self.name} is held by "
-                                      f"{self._holder_now(cur)} (waited {self.timeout_s}s)")
-                time.sleep(self.poll_s)
+        while True:
+            if _execute(conn, self.io_timeout_s, "SELECT pg_try_advisory_lock(%s)", (key,))[0]:
+                return
+            if time.monotonic() >= deadline:
+                raise LockTimeout(f"the promotion lease of {self.name} is held by "
+                                  f"{self._holder_now(conn)} (waited {self.timeout_s}s)")
+            time.sleep(self.poll_s)
 
-    def _holder_now(self, cur) -> str:
+    def _holder_now(self, conn) -> str:
         import psycopg2
 
         try:
-            cur.execute(f"SELECT holder, token, acquired_at FROM {TABLE} WHERE name = %s",
-                        (self.name,))
-            row = cur.fetchone()
-        except psycopg2.Error:
+            row = _execute(conn, self.io_timeout_s,
+                           f"SELECT holder, token, acquired_at FROM {TABLE} WHERE name = %s",
+                           (self.name,))
+        except (psycopg2.Error, _Deadline):
             return "another promoter"
         return f"{row[0]} (token {row[1]}, since {row[2]:%Y-%m-%d %H:%M:%S %Z})" if row \
             else "another promoter"
@@ -185,9 +223,13 @@ class PostgresLease:
         if self._conn is None or self.token is None:
             raise LeaseLost(f"the promotion lease of {self.name} is not held here")
         try:
-            with self._conn.cursor() as cur:
-                cur.execute(f"SELECT token FROM {TABLE} WHERE name = %s", (self.name,))
-                row = cur.fetchone()
+            row = _execute(self._conn, self.io_timeout_s,
+                           f"SELECT token FROM {TABLE} WHERE name = %s", (self.name,))
+        except _Deadline as e:
+            self.release()  # a session that stopped answering is given up, lock and all
+            raise LeaseLost(f"the promotion lease of {self.name} (token {self.token}) could "
+                            f"not be checked: the database gave {e}, so nothing more is "
+                            f"written") from None
         except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
             raise LeaseLost(f"the promotion lease of {self.name} (token {self.token}) was "
                             f"lost: its database session ended ({_first_line(e)}); another "
@@ -243,6 +285,11 @@ class _Fenced:
             with self._lease.fenced():
                 return attr(*args, **self._bound, **kwargs)
         return write
+
+
+def _close(conn) -> None:
+    if conn is not None:
+        conn.close()
 
 
 def _first_line(error: BaseException) -> str:
