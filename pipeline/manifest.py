@@ -47,11 +47,16 @@ def entry_for(prefix: str, written: WrittenObject, rows: int | None = None) -> F
 
 
 def write_manifest(storage: Storage, prefix: str, manifest: Manifest) -> str:
-    """Commit the dataset at ``prefix``; returns the manifest's URL."""
+    """Commit the dataset at ``prefix``; returns the manifest's URL. What its writer left
+    unfinished under ``prefix`` is swept once the manifest is written (every file of the
+    dataset is written by then): on S3 an upload that a retried request orphaned (a lost
+    answer to CreateMultipartUpload, say) would otherwise stay, billed, until the dataset
+    is rewritten."""
     key = manifest_key(prefix)
     storage.write_bytes(key, to_json(manifest).encode())
     if storage.exists(rewriting_key(prefix)):
         storage.delete(rewriting_key(prefix))
+    storage.sweep_temporary(prefix)
     return storage.url(key)
 
 

@@ -20,7 +20,15 @@ Invariants every caller relies on:
   while it is copied, and nothing but regular files is read.
 - **Crashes leave no litter for long.** A local temporary file is named after its host and
   process; :meth:`Storage.sweep_temporary` removes those of dead processes under a prefix
-  (and, on S3, aborts the multipart uploads left under it) before a dataset is rewritten.
+  (and, on S3, aborts the multipart uploads left under it) before a dataset is rewritten
+  and once it is committed.
+
+- **Bounded waits on S3.** A store that stops answering fails each operation within its
+  clients' deadlines (``config_kwargs`` connect and read timeouts and retry attempts, set by
+  the storage resource), never hangs: uploads are sent without ``Expect: 100-continue``,
+  which aiohttp awaits with no timeout at all (found by the fault campaign:
+  tests/reliability/test_fault_campaign.py), and s3fs's own retry loop, which multiplies
+  botocore's, makes :data:`S3FS_ATTEMPTS` attempts.
 
 Keys are ``/``-separated paths relative to the root. This module never reads the
 environment: credentials and endpoints arrive as ``storage_options``.
@@ -29,6 +37,7 @@ environment: credentials and endpoints arrive as ``storage_options``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import posixpath
@@ -49,6 +58,9 @@ _CHUNK = 1 << 20
 DURABLE_PROTOCOLS = frozenset({"file", "local", "s3", "s3a", "gs", "gcs", "az", "abfs",
                                "abfss", "adl"})
 _STALE_TMP_S = 24 * 3600  # a temporary file of another host is abandoned after a day
+# s3fs's own retry loop around botocore's (which retries by config_kwargs["retries"]): one
+# more attempt for what botocore does not retry (a truncated or unparseable answer)
+S3FS_ATTEMPTS = 2
 
 
 class StorageError(RuntimeError):
@@ -131,7 +143,10 @@ class Storage:
             raise StorageError(f"{self.root_url}: {protocol}:// is not a durable store; use "
                                f"one of {sorted(DURABLE_PROTOCOLS)}")
         self._options = dict(storage_options or {})
-        self.fs, root_path = fsspec.core.url_to_fs(self.root_url, **self._options)
+        session = {"session": _s3_session()} if protocol in ("s3", "s3a") else {}
+        self.fs, root_path = fsspec.core.url_to_fs(self.root_url, **self._options, **session)
+        if session:
+            self.fs.retries = S3FS_ATTEMPTS
         self._root = root_path.rstrip("/")
         self.is_local = "file" in _protocols(self.fs)
         if self.is_local:
@@ -400,6 +415,21 @@ class Storage:
     def local_path(self, key: str) -> Path | None:
         """The local filesystem path of ``key`` for ``file://`` roots, else None."""
         return Path(self.path(key)) if self.is_local else None
+
+
+@functools.cache
+def _s3_session() -> Any:
+    """The aiobotocore session of every S3 storage: its clients send no
+    ``Expect: 100-continue`` (botocore adds it to every upload with a body; aiohttp then
+    waits for the server's "100 Continue" without any timeout, so a store that stopped
+    answering hung the upload for ever). Uploads are sent whole and their answer awaited
+    within the read timeout."""
+    from aiobotocore.session import AioSession
+    from botocore.handlers import add_expect_header
+
+    session = AioSession()
+    session.unregister("before-call.s3", add_expect_header)
+    return session
 
 
 def _abandoned(tmp: Path) -> bool:

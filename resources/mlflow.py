@@ -12,7 +12,12 @@ Secrets never pass through this resource: MLflow reads ``MLFLOW_TRACKING_TOKEN``
 ``MLFLOW_TRACKING_USERNAME``/``PASSWORD`` and ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``
 from the environment itself. ``build`` sets ``MLFLOW_DISABLE_TELEMETRY=true`` unless the
 environment already says otherwise, and exports ``s3_endpoint_url`` as
-``MLFLOW_S3_ENDPOINT_URL`` (the only way MLflow's S3 artifact store takes an endpoint).
+``MLFLOW_S3_ENDPOINT_URL`` (the only way MLflow's S3 artifact store takes an endpoint) and
+the client's HTTP bounds as MLflow's own ``MLFLOW_HTTP_REQUEST_TIMEOUT`` and
+``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` (read from them too). With MLflow's defaults (8
+attempts of up to 120 s, backing off up to 256 s) a server that stops answering or resets
+every connection held a registration past the fault campaign's 60 s bound
+(tests/reliability/test_fault_campaign.py); with these it fails named, and is retried.
 """
 
 
@@ -39,6 +44,8 @@ _ENV = {
     "lock_url": "AERIE_PROMOTION_LOCK_URL",
     "lock_dir": "AERIE_PROMOTION_LOCK_DIR",
     "lock_timeout_s": "AERIE_PROMOTION_LOCK_TIMEOUT_S",
+    "request_timeout_s": "MLFLOW_HTTP_REQUEST_TIMEOUT",
+    "request_retries": "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
 }
 log = logging.getLogger(__name__)
 # MLflow 3's UI opens every page in its GenAI view (traces, "Evaluation runs") unless the URL
@@ -77,6 +84,13 @@ class MlflowResource(ConfigurableResource):
         default=None, description="directory of the one-host promotion lock files; unset: "
                                   "$AERIE_HOME/mlflow")
     lock_timeout_s: float = Field(default=120.0, description="wait for the promotion lock")
+    request_timeout_s: int = Field(
+        default=30, ge=1, description="seconds MLflow's client waits for each answer of an "
+                                      "MLflow server (MLflow's own default: 120)")
+    request_retries: int = Field(
+        default=3, ge=0, description="retries of a failed request to an MLflow server, "
+                                     "backing off 2, 4, 8 s (MLflow's own default: 7, "
+                                     "about 4 minutes of backoff alone)")
     ui_url: str | None = Field(
         default=None, description="where users open MLflow, for the links in Dagster's "
                                   "metadata; unset: the tracking URI when it is http(s), else "
@@ -145,6 +159,9 @@ class MlflowResource(ConfigurableResource):
     def build(self, family: str | None = None) -> DrafterRegistry:
         """The registry of ``family`` (default: ``target_family``)."""
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        # MLflow's client reads its HTTP settings from these variables at every request
+        os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(self.request_timeout_s)
+        os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(self.request_retries)
         if self.s3_endpoint_url:
             os.environ["MLFLOW_S3_ENDPOINT_URL"] = self.s3_endpoint_url
         tracking = self.resolved_tracking_uri()

@@ -16,6 +16,8 @@ _ENV = {
     "secret_access_key": "AWS_SECRET_ACCESS_KEY",
     "cache_dir": "AERIE_CACHE_DIR",
     "cache_max_gb": "AERIE_CACHE_MAX_GB",
+    "timeout_s": "AERIE_STORAGE_TIMEOUT_S",
+    "attempts": "AERIE_STORAGE_ATTEMPTS",
 }
 _SECRETS = ("access_key_id", "secret_access_key")
 
@@ -46,6 +48,13 @@ class StorageResource(ConfigurableResource):
     cache_max_gb: str | None = Field(
         default=None, description="size bound of the cache (least recently used entries go "
                                   "first); unset: 64")
+    timeout_s: float = Field(
+        default=20.0, gt=0, description="S3: seconds to connect, and to wait for each answer; "
+                                        "a store that stops answering fails an operation "
+                                        "within about 2 x attempts x timeout_s")
+    attempts: int = Field(
+        default=3, ge=1, description="S3: attempts per request (botocore's standard retry "
+                                     "mode: connection errors, timeouts, 5xx, throttling)")
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
         """Fail the run before any step (and without retries) if the root is unusable."""
@@ -74,6 +83,9 @@ class StorageResource(ConfigurableResource):
                 options["key"] = self.access_key_id
             if self.secret_access_key:
                 options["secret"] = self.secret_access_key
+            options["config_kwargs"] = {
+                "connect_timeout": self.timeout_s, "read_timeout": self.timeout_s,
+                "retries": {"max_attempts": self.attempts, "mode": "standard"}}
         cache_dir = self.cache_dir or aerie_home() / "cache"
         max_bytes = _gigabytes(self.cache_max_gb) if self.cache_max_gb else None
         return Storage(url, options, cache_dir=cache_dir, cache_max_bytes=max_bytes)

@@ -34,7 +34,7 @@ from tests.reliability.fault_proxy import Fault, FaultProxy
 RESTART = "restart"
 MID_RUN_S = 0.5  # a "mid-run" fault starts this long after the stage, on its open connections
 FAULTS: dict[str, Fault | str] = {
-    "latency 0.2 s": Fault("latency", delay_s=0.2),
+    "latency 50 ms": Fault("latency", delay_s=0.05),
     "reset once": Fault("reset", count=1),
     "resets": Fault("reset"),
     "resets mid-run": Fault("reset"),

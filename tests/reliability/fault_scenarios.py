@@ -83,7 +83,7 @@ class SnapshotOnS3(Scenario):
         endpoint = self.direct if direct else f"http://{self.proxies[0].url_host}"
         url = f"s3://{self.bucket}/root" if root else f"s3://{self.bucket}"
         return StorageResource(url=url, endpoint_url=endpoint, access_key_id=KEY,
-                               secret_access_key=SECRET,
+                               secret_access_key=SECRET, timeout_s=S3_TIMEOUT_S,
                                cache_dir=str(self.work / "cache")).build()
 
     def run(self) -> None:
@@ -173,7 +173,8 @@ class PromotionOnMlflow(Scenario):
 
         url = self.direct if direct else f"http://{self.proxies[0].url_host}"
         return MlflowResource(tracking_uri=url, target_family=self.family,
-                              lock_dir=str(self.work)).build()
+                              lock_dir=str(self.work), request_timeout_s=MLFLOW_TIMEOUT_S,
+                              request_retries=MLFLOW_RETRIES).build()
 
     def prepare(self) -> None:
         from tests.release.helpers import publish_drafter
@@ -320,7 +321,7 @@ class CaptureOnSGLang(Scenario):
         from tests.capture.helpers import lengths, write_tokenized
 
         self.storage = Storage((self.work / f"storage-{uuid.uuid4().hex[:8]}").as_uri())
-        self.samples = len(write_tokenized(self.storage, STEP, lengths(12)))
+        self.samples = len(write_tokenized(self.storage, STEP, lengths(SGLANG_SAMPLES)))
 
     def run(self) -> None:
         from pipeline.capture import stage
@@ -365,7 +366,16 @@ class CaptureOnSGLang(Scenario):
         self.sglang.stop()
 
 
+# MLflow's per-request deadline and retries in this campaign; a deployment's defaults are
+# 30 s and 3 (a server that stops answering costs a request (retries + 1) x the deadline,
+# plus 2 + 4 + ... s of backoff).
+MLFLOW_TIMEOUT_S, MLFLOW_RETRIES = 3, 2
+# S3's per-request deadline in this campaign; a deployment's default is 20 s (the bound a
+# store that stops answering costs an operation is about 2 x attempts x this).
+S3_TIMEOUT_S = 2.0
 # The capture's per-call deadline in this campaign. A deployment's default is 600 s (a
 # prefill of a long batch on a large target may take minutes); the bound a hung server
 # costs is this deadline times the attempts (max_retries + 1), whatever it is set to.
 CAPTURE_TIMEOUT_S = 5.0
+# enough samples that the capture still runs when a mid-run fault starts (about 4 s here)
+SGLANG_SAMPLES = 96
