@@ -37,6 +37,7 @@ environment: credentials and endpoints arrive as ``storage_options``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import os
@@ -70,6 +71,11 @@ class StorageError(RuntimeError):
 
 class StorageUnavailable(StorageError):
     """The store could not be reached or refused a transient request: worth retrying."""
+
+
+class StorageFull(StorageUnavailable):
+    """The storage root's filesystem (or quota) is full: retried, since retention or an
+    operator may free space; the message names the object that did not fit."""
 
 
 class StorageAccessError(StorageError):
@@ -247,7 +253,7 @@ class Storage:
         """
         target = self.path(key)
         if self.is_local:
-            with self._local_atomic(target) as raw:
+            with self._local_atomic(target, key) as raw:
                 writer = _HashingWriter(raw)
                 yield writer
             return
@@ -266,7 +272,7 @@ class Storage:
             raise
 
     @contextlib.contextmanager
-    def _local_atomic(self, target: str) -> Iterator[BinaryIO]:
+    def _local_atomic(self, target: str, key: str) -> Iterator[BinaryIO]:
         directory = os.path.dirname(target)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".{os.path.basename(target)}.{owner_tag()}"
@@ -277,6 +283,13 @@ class Storage:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, target)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StorageFull(f"cannot write {self.url(key)}: the storage root's "
+                                  f"filesystem is full ({e.strerror}); free space (the "
+                                  f"refresh policy's retain_steps, AERIE_RETAIN_STEPS, "
+                                  f"bounds what shards keep) and run again") from e
+            raise
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

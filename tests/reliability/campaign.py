@@ -32,6 +32,7 @@ from assets.retry import is_permanent
 from tests.reliability.fault_proxy import Fault, FaultProxy
 
 RESTART = "restart"
+DISK_FULL = "disk full"
 MID_RUN_S = 0.5  # a "mid-run" fault starts this long after the stage, on its open connections
 FAULTS: dict[str, Fault | str] = {
     "latency 50 ms": Fault("latency", delay_s=0.05),
@@ -44,9 +45,17 @@ FAULTS: dict[str, Fault | str] = {
     "slow 64 KiB/s": Fault("slow", rate=65536),
     "refused": Fault("refuse"),
     "service restarted": RESTART,
+    "storage root fills up": DISK_FULL,
 }
-SAMPLE = ("reset once", "resets mid-run", "black hole", "black hole mid-run", "truncated once",
-          "service restarted")
+# what CI runs: every fault class at least once, and every service under a black hole (the
+# costliest fault: it lasts the scenario's whole bound) and a reset mid-run or a restart
+SAMPLE = {
+    "s3": ("black hole", "truncated once"),
+    "mlflow": ("black hole", "service restarted"),
+    "postgres": ("black hole mid-run", "service restarted", "refused"),
+    "sglang": ("resets mid-run", "black hole mid-run"),
+    "disk": ("storage root fills up",),
+}
 
 
 class Scenario:
@@ -75,6 +84,21 @@ class Scenario:
 
     restart_after_s = MID_RUN_S
     down_s = 1.0
+
+    def supports(self, fault_name: str) -> bool:
+        fault = FAULTS[fault_name]
+        if fault == RESTART:
+            return self.restartable
+        if fault == DISK_FULL:
+            return False
+        return bool(self.proxies)
+
+    def fill_disk(self) -> None:
+        """Fill the storage root's filesystem (all but a little of it)."""
+        raise NotImplementedError
+
+    def free_disk(self) -> None:
+        raise NotImplementedError
 
     def stop_service(self) -> None:
         raise NotImplementedError
@@ -136,7 +160,7 @@ def _watched(fn: Callable[[], None], hang_s: float, on_hang: Callable[[], None])
 def describe(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     first = text[0] if text else ""
-    return f"{type(error).__name__}: {first[:160]}"
+    return f"{type(error).__name__}: {first[:90]}"
 
 
 def run_case(scenario: Scenario, fault_name: str, *, hang_s: float = 60.0) -> Outcome:
@@ -148,6 +172,8 @@ def run_case(scenario: Scenario, fault_name: str, *, hang_s: float = 60.0) -> Ou
     restarter = None
     if fault == RESTART:
         restarter = threading.Thread(target=_restart, args=(scenario,), daemon=True)
+    elif fault == DISK_FULL:
+        scenario.fill_disk()
     elif fault_name.endswith("mid-run"):
         restarter = threading.Timer(MID_RUN_S, proxy.set, args=(fault,))
     else:
@@ -158,6 +184,8 @@ def run_case(scenario: Scenario, fault_name: str, *, hang_s: float = 60.0) -> Ou
     if restarter is not None:
         restarter.join()
     proxy.clear()
+    if fault == DISK_FULL:
+        scenario.free_disk()
     outcome.hit = proxy.hit()
     if first.hung:
         outcome.outcome, outcome.error = "hung", f"no answer in {hang_s:g} s"
@@ -208,8 +236,7 @@ def _restart(scenario: Scenario) -> None:
 
 def run_campaign(scenarios: Sequence[Scenario], faults: Sequence[str], *,
                  hang_s: float = 60.0) -> list[Outcome]:
-    return [run_case(s, f, hang_s=hang_s) for s in scenarios for f in faults
-            if f != "service restarted" or s.restartable]
+    return [run_case(s, f, hang_s=hang_s) for s in scenarios for f in faults if s.supports(f)]
 
 
 HEADER = ("| service | stage | fault | outcome | first error | connections hit | "

@@ -55,12 +55,44 @@ def _exe(name: str) -> str:
 # -- S3 -------------------------------------------------------------------------------------
 
 
-class SnapshotOnS3(Scenario):
-    service = "S3 (moto_server)"
-    stage = "snapshot write, then ingest"
-    restartable = False  # moto keeps its objects in memory: a restart loses them all
+class _Snapshot(Scenario):
+    """The RL trainer's snapshot writer, then the ingest stage, on :meth:`storage`."""
 
+    stage = "snapshot write, then ingest"
     RECORDS = 40
+
+    def storage(self, *, direct: bool = False) -> Storage:
+        raise NotImplementedError
+
+    def run(self) -> None:
+        from pipeline.snapshot import stage
+        from pipeline.snapshot.writer import SnapshotWriter
+        from tests.snapshot.conftest import good_record
+
+        storage = self.storage()
+        records = [good_record(i, STEP) for i in range(self.RECORDS)]
+        SnapshotWriter(storage, rows_per_file=8).write_step(STEP, records, self.policy_dir,
+                                                            STEP)
+        stage.run(storage, STEP, rows_per_file=8)
+
+    def partial(self) -> list[str]:
+        from pipeline.layout import raw_prefix, snapshot_prefix
+
+        return _unverified(self.storage(direct=True), (raw_prefix(STEP), snapshot_prefix(STEP)))
+
+    def settled(self) -> list[str]:
+        from pipeline.snapshot.stage import read_accepted
+
+        problems = self.partial()
+        rows = read_accepted(self.storage(direct=True), STEP).num_rows
+        if rows != self.RECORDS:
+            problems.append(f"{rows} of {self.RECORDS} records ingested")
+        return problems
+
+
+class SnapshotOnS3(_Snapshot):
+    service = "S3 (moto_server)"
+    restartable = False  # moto keeps its objects in memory: a restart loses them all
 
     def __init__(self, work: Path):
         port = free_port()
@@ -84,33 +116,13 @@ class SnapshotOnS3(Scenario):
         url = f"s3://{self.bucket}/root" if root else f"s3://{self.bucket}"
         return StorageResource(url=url, endpoint_url=endpoint, access_key_id=KEY,
                                secret_access_key=SECRET, timeout_s=S3_TIMEOUT_S,
+                               attempts=S3_ATTEMPTS,
                                cache_dir=str(self.work / "cache")).build()
 
-    def run(self) -> None:
-        from pipeline.snapshot import stage
-        from pipeline.snapshot.writer import SnapshotWriter
-        from tests.snapshot.conftest import good_record
-
-        storage = self.storage()
-        records = [good_record(i, STEP) for i in range(self.RECORDS)]
-        SnapshotWriter(storage, rows_per_file=8).write_step(STEP, records, self.policy_dir,
-                                                            STEP)
-        stage.run(storage, STEP, rows_per_file=8)
-
-    def partial(self) -> list[str]:
-        from pipeline.layout import raw_prefix, snapshot_prefix
-
-        return _unverified(self.storage(direct=True), (raw_prefix(STEP), snapshot_prefix(STEP)))
-
     def settled(self) -> list[str]:
-        from pipeline.snapshot.stage import read_accepted
-
-        storage = self.storage(direct=True)
-        problems = self.partial()
-        rows = read_accepted(storage, STEP).num_rows
-        if rows != self.RECORDS:
-            problems.append(f"{rows} of {self.RECORDS} records ingested")
-        uploads = storage.fs.call_s3("list_multipart_uploads", Bucket=self.bucket)
+        problems = super().settled()
+        uploads = self.storage(direct=True).fs.call_s3("list_multipart_uploads",
+                                                       Bucket=self.bucket)
         if uploads.get("Uploads"):
             problems.append(f"{len(uploads['Uploads'])} multipart uploads left open")
         return problems
@@ -118,6 +130,61 @@ class SnapshotOnS3(Scenario):
     def close(self) -> None:
         self.proxies[0].stop()
         self.moto.stop()
+
+
+class DiskUnavailable(RuntimeError):
+    """No small filesystem can be mounted here (mounting needs root)."""
+
+
+class SnapshotOnFullDisk(_Snapshot):
+    service = "local storage (a 1 MiB tmpfs)"
+    restartable = False
+
+    def __init__(self, work: Path):
+        import subprocess
+
+        self.work, self.mount = work, work / "disk"
+        self.mount.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs",
+                               str(self.mount)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise DiskUnavailable(f"cannot mount a tmpfs: {done.stderr.strip()}")
+
+    def supports(self, fault_name: str) -> bool:
+        from tests.reliability.campaign import DISK_FULL, FAULTS
+
+        return FAULTS[fault_name] == DISK_FULL
+
+    def prepare(self) -> None:
+        from tests.snapshot.conftest import make_policy_dir
+
+        self.root = self.mount / f"storage-{uuid.uuid4().hex[:8]}"
+        self.policy_dir = make_policy_dir(self.work / f"policy-{self.root.name}")
+
+    def storage(self, *, direct: bool = False) -> Storage:
+        return Storage(self.root.as_uri(), cache_dir=self.work / "cache")
+
+    def fill_disk(self) -> None:
+        """All but 24 KiB taken: the policy and the first parts fit, the rest does not."""
+        import os
+
+        free = os.statvfs(self.mount).f_bavail * os.statvfs(self.mount).f_frsize
+        (self.mount / "filler").write_bytes(b"\0" * max(0, free - 24 * 1024))
+
+    def free_disk(self) -> None:
+        (self.mount / "filler").unlink(missing_ok=True)
+
+    def settled(self) -> list[str]:
+        problems = super().settled()
+        litter = [p.name for p in self.root.rglob("*.tmp")]
+        if litter:
+            problems.append(f"temporary files left: {litter}")
+        return problems
+
+    def close(self) -> None:
+        import subprocess
+
+        subprocess.run(["umount", str(self.mount)], check=False, capture_output=True)
 
 
 def _unverified(storage: Storage, prefixes) -> list[str]:
@@ -262,13 +329,14 @@ class LeaseOnPostgres(Scenario):
         self.name = f"faults-{uuid.uuid4().hex[:10]}"
 
     def run(self) -> None:
-        from pipeline.release.lease import PostgresLease
-
         import time
+
+        from pipeline.release.lease import PostgresLease
 
         # held for about a second, as a promotion holds it across the serving update and the
         # alias move: one fenced write every 0.2 s
-        with PostgresLease(self._url(direct=False), self.name, timeout_s=10) as lease:
+        with PostgresLease(self._url(direct=False), self.name, timeout_s=10,
+                           io_timeout_s=LEASE_IO_TIMEOUT_S) as lease:
             for _ in range(6):
                 with lease.fenced():
                     time.sleep(0.2)
@@ -370,12 +438,16 @@ class CaptureOnSGLang(Scenario):
 # 30 s and 3 (a server that stops answering costs a request (retries + 1) x the deadline,
 # plus 2 + 4 + ... s of backoff).
 MLFLOW_TIMEOUT_S, MLFLOW_RETRIES = 3, 2
-# S3's per-request deadline in this campaign; a deployment's default is 20 s (the bound a
-# store that stops answering costs an operation is about 2 x attempts x this).
-S3_TIMEOUT_S = 2.0
+# S3's per-request deadline and attempts in this campaign; a deployment's defaults are 20 s
+# and 3 (a store that stops answering costs an operation about 2 x attempts x the deadline,
+# plus backoff).
+S3_TIMEOUT_S, S3_ATTEMPTS = 2.0, 2
 # The capture's per-call deadline in this campaign. A deployment's default is 600 s (a
 # prefill of a long batch on a large target may take minutes); the bound a hung server
 # costs is this deadline times the attempts (max_retries + 1), whatever it is set to.
-CAPTURE_TIMEOUT_S = 5.0
+CAPTURE_TIMEOUT_S = 2.0
+# The lease's deadline for each round trip to the database in this campaign (a
+# deployment's default: 30 s).
+LEASE_IO_TIMEOUT_S = 3.0
 # enough samples that the capture still runs when a mid-run fault starts (about 4 s here)
 SGLANG_SAMPLES = 96

@@ -270,3 +270,26 @@ def test_fetch_uses_the_storage_cache_settings(tmp_path):
     storage = Storage((tmp_path / "s").as_uri(), cache_dir=tmp_path / "c", cache_max_bytes=10**6)
     publish(storage, "d", {"a": b"a"})
     assert fetch(storage, "d", label="x").parent == tmp_path / "c"
+
+
+def test_a_full_disk_is_a_retried_error_naming_the_object_and_leaves_nothing(tmp_path,
+                                                                            monkeypatch):
+    import errno
+    import os
+
+    from assets.retry import is_permanent
+    from pipeline.storage import Storage, StorageFull
+
+    storage = Storage(tmp_path.as_uri())
+    storage.write_bytes("ds/old.bin", b"old")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(StorageFull, match=r"ds/old\.bin: the storage root's filesystem is "
+                                          r"full") as caught:
+        storage.write_bytes("ds/old.bin", b"new")
+    assert not is_permanent(caught.value)  # space may be freed: Dagster retries
+    assert storage.read_bytes("ds/old.bin") == b"old"
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == ["old.bin"]
