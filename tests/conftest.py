@@ -33,6 +33,8 @@ from tests.tiers import (
 USER_STATE_ENV = ("AERIE_HOME", "DAGSTER_HOME", "AERIE_STORAGE_URL", "MLFLOW_TRACKING_URI",
                   "MLFLOW_REGISTRY_URI", "AERIE_CACHE_DIR", "AERIE_MLFLOW_UI_URL")
 USER_HOME = CHECKOUT / ".aerie"  # the embedded default's state, e.g. after `aerie demo`
+# where MLflow writes when nothing names a tracking store (its default: the working directory)
+STRAY_MLFLOW = (CHECKOUT / "mlflow.db", CHECKOUT / "mlruns")
 _USER_STATE = pytest.StashKey[dict]()
 
 
@@ -56,7 +58,7 @@ def pytest_configure(config):
     # where MLflow links point (the UI tests start MLflow there): a free port, not the 5000 a
     # user's own MLflow may hold; set before anything loads the definitions, which read it
     os.environ["AERIE_MLFLOW_UI_URL"] = f"http://127.0.0.1:{free_port()}"
-    config.stash[_USER_STATE] = state_digest(USER_HOME)
+    config.stash[_USER_STATE] = _user_state()
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
@@ -69,13 +71,26 @@ def pytest_sessionfinish(session, exitstatus):
     before = session.config.stash.get(_USER_STATE, None)
     if before is None:
         return
-    after = state_digest(USER_HOME)
+    after = _user_state()
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     if changed:
         session.config.get_terminal_writer().line(
-            f"the tests changed {len(changed)} files of the user's state {USER_HOME}: "
+            f"the tests changed {len(changed)} files of the user's state ({USER_HOME}, or "
+            f"MLflow's default store in the checkout): "
             f"{changed[:5]}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _user_state() -> dict[str, tuple[int, int]]:
+    """:func:`state_digest` of the user's ``.aerie``, and of MLflow's default store in the
+    checkout (a test that used MLflow without naming a store would write there)."""
+    state = state_digest(USER_HOME)
+    for stray in STRAY_MLFLOW:
+        if stray.is_file():
+            state[stray.name] = (stray.stat().st_size, stray.stat().st_mtime_ns)
+        elif stray.is_dir():
+            state.update({f"{stray.name}/{k}": v for k, v in state_digest(stray).items()})
+    return state
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent under -p no:xdist
