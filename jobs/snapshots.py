@@ -19,13 +19,23 @@ Only step directories as the layout writes them count (``step=NNNNNN``,
 ``step=²``, a stray file) is skipped with a warning naming a few of them, never requested and
 never a reason to fail the tick.
 
+A step the trainer **rewrites** after it was requested (a trainer restarted from a
+checkpoint writes the step again: a new completion marker) is ingested again, so that its
+snapshot, tokens and shards follow the policy directory that now holds the second write:
+the listing gives each marker's version (its ETag on S3), the cursor remembers the version
+of the newest :data:`SEEN_STEPS` steps, and a step whose marker changed is requested with
+the run key ``step-NNNNNN@<version digest>`` once no ingest of it is queued or running
+(two runs never write one step's datasets at once). A rewrite of an older step, or one made
+while the cursor was lost, is not seen: re-run that partition by hand.
+
 Per tick: one listing of the snapshot root, one query of the job's runs by partition and one
 query of materialized partitions per data asset, however long the history (no per-step
-lookups). The cursor only holds the steps requested by the previous tick whose run did not
-exist yet (a daemon creates them at once; in-process callers may not), so a lost cursor can
-repeat only those, which run keys deduplicate.
+lookups). Besides the versions, the cursor holds the steps requested by the previous tick
+whose run did not exist yet (a daemon creates them at once; in-process callers may not), so
+a lost cursor can repeat only those, which run keys deduplicate.
 """
 
+import hashlib
 import json
 from collections.abc import Iterable, Mapping
 
@@ -50,7 +60,7 @@ from assets.partitions import (
     rl_steps,
     step_key,
 )
-from pipeline.layout import ROLLOUTS, committed_steps, odd_entries
+from pipeline.layout import ROLLOUTS, committed_versions, odd_entries
 from resources.run_config import run_config_from_env
 from resources.storage import StorageResource
 
@@ -64,7 +74,9 @@ ingest_step = define_asset_job(
                 "observed with the serving drafter (partition = step).")
 
 NOT_DONE = (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED, DagsterRunStatus.CANCELING)
+FINISHED = (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
 ODD_NAMES_SHOWN = 5
+SEEN_STEPS = 64  # the newest steps whose marker versions the cursor keeps
 
 
 def plan_ingest(completed: Iterable[int], runs: Mapping[int, DagsterRunStatus],
@@ -77,6 +89,32 @@ def plan_ingest(completed: Iterable[int], runs: Mapping[int, DagsterRunStatus],
     waiting = {s for s in pending if s not in runs and s not in ingested}
     request = [s for s in sorted(set(completed)) if s not in done and s not in waiting]
     return request, sorted(waiting | set(request))
+
+
+def plan_rewrites(versions: Mapping[int, str], seen: Mapping[int, str],
+                  runs: Mapping[int, DagsterRunStatus], pending: Iterable[int]
+                  ) -> tuple[list[int], dict[int, str]]:
+    """``(rewritten steps to ingest again, the versions to remember)`` from the marker
+    version of every completed step, the versions remembered by the previous tick, the
+    newest ingest run's status per step and the steps requested but not yet run. A step
+    seen for the first time is only remembered (:func:`plan_ingest` requests it); a changed
+    one is requested once its newest run finished, and remembered at its new version then."""
+    waiting = set(pending)
+    rewritten, remembered = [], {}
+    for step in sorted(versions)[-SEEN_STEPS:]:
+        version, before = versions[step], seen.get(step)
+        if before is None or before == version:
+            remembered[step] = version
+        elif step in runs and runs[step] in FINISHED and step not in waiting:
+            rewritten.append(step)
+            remembered[step] = version
+        else:  # its ingest is queued or running (or not created yet): look again next tick
+            remembered[step] = before
+    return rewritten, remembered
+
+
+def rewrite_run_key(step: int, version: str) -> str:
+    return f"{step_key(step)}@{hashlib.sha256(version.encode()).hexdigest()[:12]}"
 
 
 def ingest_runs(instance) -> dict[int, DagsterRunStatus]:
@@ -101,6 +139,13 @@ def _pending(cursor: str | None) -> list[int]:
     return list(value.get("pending", [])) if isinstance(value, dict) else []
 
 
+def _seen(cursor: str | None) -> dict[int, str]:
+    """The marker versions the cursor remembers (none in an older cursor)."""
+    value = json.loads(cursor) if cursor else None
+    seen = value.get("seen", {}) if isinstance(value, dict) else {}
+    return {int(k): str(v) for k, v in seen.items()} if isinstance(seen, dict) else {}
+
+
 @sensor(job=ingest_step, minimum_interval_seconds=30,
         default_status=DefaultSensorStatus.STOPPED,
         description="Every 30 s: finds the RL steps whose snapshot the trainer finished "
@@ -108,27 +153,34 @@ def _pending(cursor: str | None) -> list[int]:
 def snapshot_sensor(context: SensorEvaluationContext, storage: StorageResource):
     """Adds a partition and requests one ingest run per completed, not yet ingested snapshot
     step (see the module docstring); the run key is the partition key."""
-    keys = storage.checked().list(ROLLOUTS)
-    completed = committed_steps(keys, ROLLOUTS)  # the completion markers of step dirs
-    odd = odd_entries(keys, ROLLOUTS)
+    versions = storage.checked().list_versions(ROLLOUTS)
+    markers = committed_versions(versions, ROLLOUTS)  # the completion markers of step dirs
+    odd = odd_entries(versions, ROLLOUTS)
     if odd:
         context.log.warning(skipped_note(odd))
     odd_keys = odd_partition_keys(context.instance)
     if odd_keys:
         context.log.warning(odd_keys_note(odd_keys))
-    steps, pending = plan_ingest(completed, ingest_runs(context.instance),
-                                 ingested_steps(context.instance), _pending(context.cursor))
-    cursor = json.dumps({"pending": pending})
-    if not steps:
+    runs, previous = ingest_runs(context.instance), _pending(context.cursor)
+    steps, pending = plan_ingest(markers, runs, ingested_steps(context.instance), previous)
+    rewritten, seen = plan_rewrites(markers, _seen(context.cursor), runs, previous)
+    if rewritten:
+        context.log.info(f"steps rewritten since they were ingested, ingested again: "
+                         f"{rewritten}")
+    requests = {s: step_key(s) for s in steps} | {
+        s: rewrite_run_key(s, markers[s]) for s in rewritten}
+    cursor = json.dumps({"pending": sorted(set(pending) | set(rewritten)),
+                         "seen": {str(k): v for k, v in sorted(seen.items())}})
+    if not requests:
         note = "".join(f"; {n}" for n in ([skipped_note(odd)] if odd else [])
                        + ([odd_keys_note(odd_keys)] if odd_keys else []))
         return SensorResult(skip_reason=SkipReason(
-            f"all {len(completed)} completed snapshot steps are ingested or being "
+            f"all {len(markers)} completed snapshot steps are ingested or being "
             f"ingested{note}"), cursor=cursor)
-    keys = [step_key(s) for s in steps]
+    keys = [step_key(s) for s in sorted(requests)]
     return SensorResult(
-        run_requests=[RunRequest(run_key=k, partition_key=k, run_config=INGEST_RUN_CONFIG or {})
-                      for k in keys],
+        run_requests=[RunRequest(run_key=requests[s], partition_key=step_key(s),
+                                 run_config=INGEST_RUN_CONFIG or {}) for s in sorted(requests)],
         dynamic_partitions_requests=[rl_steps.build_add_request(keys)],
         cursor=cursor,
     )

@@ -23,7 +23,7 @@ zero-padded, or more without padding (:func:`parse_step_dir` refuses anything el
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from pipeline.contracts import MANIFEST_NAME
 
@@ -122,6 +122,13 @@ def committed_steps(keys: Iterable[str], root: str) -> list[int]:
             if step is not None:
                 steps.add(step)
     return sorted(steps)
+
+
+def committed_versions(versions: Mapping[str, str], root: str) -> dict[int, str]:
+    """``{step: version of its completion marker}`` from :meth:`Storage.list_versions` of
+    ``root``: a step whose marker was rewritten has another version."""
+    return {s: versions[f"{root}/{step_dir(s)}/{MANIFEST_NAME}"]
+            for s in committed_steps(versions, root)}
 
 
 def odd_entries(keys: Iterable[str], root: str) -> list[str]:

@@ -403,6 +403,25 @@ class Storage:
         keys = [p[len(root) :] if p.startswith(root) else p for p in found]
         return sorted(k for k in keys if not posixpath.basename(k).endswith(".tmp"))
 
+    def list_versions(self, prefix: str = "") -> dict[str, str]:
+        """:meth:`list` with a version of each object, from the same one listing: its size
+        and ETag on S3, its size, inode and mtime locally. An object rewritten with other
+        bytes has another version (locally, any rewrite: another file renamed into
+        place)."""
+        base = self.path(prefix)
+        self.fs.invalidate_cache(base)
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        root = self._root + "/"
+        out = {}
+        for path, info in found.items():
+            key = path[len(root) :] if path.startswith(root) else path
+            if not posixpath.basename(key).endswith(".tmp"):
+                out[key] = _version(info)
+        return dict(sorted(out.items()))
+
     def list_dirs(self, prefix: str = "") -> list[str]:
         """Names of the immediate sub-directories of ``prefix``."""
         base = self.path(prefix)
@@ -428,6 +447,14 @@ class Storage:
     def local_path(self, key: str) -> Path | None:
         """The local filesystem path of ``key`` for ``file://`` roots, else None."""
         return Path(self.path(key)) if self.is_local else None
+
+
+def _version(info: Mapping[str, Any]) -> str:
+    """An object's version from its listing entry (fsspec's ``info``)."""
+    etag = info.get("ETag") or info.get("etag")
+    if etag:
+        return f"{info.get('size')}-{str(etag).strip(chr(34))}"
+    return f"{info.get('size')}-{info.get('ino')}-{info.get('mtime')}"
 
 
 @functools.cache

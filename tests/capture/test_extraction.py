@@ -148,6 +148,23 @@ def test_identical_inputs_give_identical_names_and_bytes(tmp_path, model):
     assert results[0] == results[1] and len(results[0]) > 2
 
 
+def test_a_step_tokenized_again_with_other_rows_is_captured_again(tmp_path, model):
+    """A rewritten snapshot step (the snapshot sensor ingests it again) is tokenized again;
+    the committed shards of the first write must not be kept for the second."""
+    storage = Storage((tmp_path / "s").as_uri())
+    write_tokenized(storage, STEP, lengths(20))
+    capture_stage.run(storage, STEP, backend(model), CONFIG)
+    first = shard_files(storage)
+    rows = write_tokenized(storage, STEP, lengths(12, seed=5), seed=5)
+    again = backend(model)
+    summary = capture_stage.run(storage, STEP, again, CONFIG)
+    assert again.calls > 0 and summary.shards_reused == 0
+    assert shard_files(storage) != first
+    captured = sorted(s.sample_id for e in read_shards_manifest(storage, STEP).files
+                      for s in iter_shard(storage, f"{shards_prefix(STEP)}/{e.path}"))
+    assert captured == sorted(r["sample_id"] for r in rows)
+
+
 def test_resume_after_a_crash_keeps_finished_shards(tmp_path, model):
     clean = Storage((tmp_path / "clean").as_uri())
     write_tokenized(clean, STEP, lengths(20))

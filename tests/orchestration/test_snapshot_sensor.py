@@ -4,6 +4,7 @@ which steps complete and whatever became of the cursor."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -16,7 +17,7 @@ from dagster import (
 )
 
 from assets.groups import DATA_ASSETS
-from jobs.snapshots import plan_ingest, snapshot_sensor
+from jobs.snapshots import SEEN_STEPS, plan_ingest, plan_rewrites, snapshot_sensor
 from pipeline.contracts import MANIFEST_NAME
 from pipeline.layout import odd_entries, raw_prefix
 from pipeline.storage import Storage
@@ -74,7 +75,7 @@ def test_sensor_discovers_each_completed_step_once(instance, local_storage, tmp_
     assert tick(instance, resource, first.cursor).skip_reason is not None
     launch(instance, first)
     again = tick(instance, resource, first.cursor)
-    assert again.skip_reason is not None and again.cursor == '{"pending": []}'
+    assert again.skip_reason is not None and json.loads(again.cursor)["pending"] == []
 
     storage.write_bytes(f"{raw_prefix(3)}/part-00000.parquet", b"unfinished")  # no marker
     write_step(storage, tmp_path, 2)
@@ -121,7 +122,7 @@ def test_each_tick_lists_the_snapshot_root_once(instance, local_storage, monkeyp
             instance.report_runless_asset_event(
                 AssetMaterialization(AssetKey(name), partition=f"step-{s:06d}"))
     calls: dict[str, int] = {}
-    for method in ("list", "list_dirs", "exists", "read_bytes", "open_read"):
+    for method in ("list", "list_versions", "list_dirs", "exists", "read_bytes", "open_read"):
         original = getattr(Storage, method)
 
         def counted(self, *args, _name=method, _original=original, **kwargs):
@@ -131,7 +132,7 @@ def test_each_tick_lists_the_snapshot_root_once(instance, local_storage, monkeyp
         monkeypatch.setattr(Storage, method, counted)
     result = tick(instance, resource, None)
     assert requested(result) == [f"step-{s:06d}" for s in range(30, 40)]
-    assert calls == {"list": 1}
+    assert calls == {"list_versions": 1}
 
 
 class _Records(logging.Handler):
@@ -199,3 +200,46 @@ def test_plan_ingest():
     assert plan_ingest([0, 1, 2, 3], {0: ok, 1: failed}, [2], [3]) == ([1], [1, 3])
     assert plan_ingest([3, 0], {3: DagsterRunStatus.STARTED}, [], [0]) == ([], [0])
     assert plan_ingest([], {}, [], [7]) == ([], [7])  # requested, its run not created yet
+
+
+def test_a_rewritten_step_is_ingested_again_once_its_ingest_finished(instance, local_storage,
+                                                                    tmp_path):
+    """A trainer restarted from a checkpoint writes step 1 again (other rollouts): its
+    snapshot, tokens and shards must follow, so the step is requested again, once."""
+    storage, resource = local_storage
+    write_step(storage, tmp_path, 0)
+    write_step(storage, tmp_path, 1)
+    first = tick(instance, resource, None)
+    launch(instance, first, DagsterRunStatus.STARTED)
+    write_step(storage, tmp_path, 1, n_good=5)  # rewritten while its first ingest runs
+    running = tick(instance, resource, first.cursor)
+    assert running.run_requests == []  # never two ingests of one step at once
+    for run in instance.get_runs():  # the first ingests finish
+        instance.delete_run(run.run_id)
+    launch(instance, first, DagsterRunStatus.SUCCESS)
+    again = tick(instance, resource, running.cursor)
+    assert requested(again) == ["step-000001"]
+    (request,) = again.run_requests
+    assert request.run_key.startswith("step-000001@")  # a new run key: the daemon runs it
+    launch(instance, again, DagsterRunStatus.SUCCESS)
+    quiet = tick(instance, resource, again.cursor)
+    assert quiet.run_requests == []  # once
+    write_step(storage, tmp_path, 1, n_good=6)  # and again: another version, another run
+    third = tick(instance, resource, quiet.cursor)
+    assert requested(third) == ["step-000001"]
+    assert third.run_requests[0].run_key not in (request.run_key, "step-000001")
+    assert tick(instance, resource, None).run_requests == []  # a lost cursor: none twice
+
+
+def test_plan_rewrites():
+    ok, running = DagsterRunStatus.SUCCESS, DagsterRunStatus.STARTED
+    # first sight: remembered only; a changed marker whose ingest finished: requested
+    assert plan_rewrites({0: "a", 1: "b"}, {}, {}, []) == ([], {0: "a", 1: "b"})
+    assert plan_rewrites({0: "a", 1: "c"}, {0: "a", 1: "b"}, {0: ok, 1: ok}, []) == (
+        [1], {0: "a", 1: "c"})
+    # its ingest is running, or requested and not yet run: the old version is kept
+    assert plan_rewrites({1: "c"}, {1: "b"}, {1: running}, []) == ([], {1: "b"})
+    assert plan_rewrites({1: "c"}, {1: "b"}, {1: ok}, [1]) == ([], {1: "b"})
+    # only the newest SEEN_STEPS steps are remembered
+    many = {s: "v" for s in range(SEEN_STEPS + 5)}
+    assert sorted(plan_rewrites(many, {}, {}, [])[1]) == list(range(5, SEEN_STEPS + 5))

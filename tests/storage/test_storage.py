@@ -120,3 +120,16 @@ def test_directory_upload_and_download(storage, tmp_path):
     assert (out / "nested" / "w.bin").read_bytes() == b"\0" * 1000
     assert (out / "config.json").read_text() == "{}"
 
+
+
+def test_listed_versions_change_when_an_object_is_rewritten(storage):
+    storage.write_bytes("ds/a.json", b'{"v": 1}')
+    storage.write_bytes("ds/b.json", b"{}")
+    storage.write_bytes("ds/.c.json.tmp", b"partial")
+    first = storage.list_versions("ds")
+    assert list(first) == storage.list("ds") == ["ds/a.json", "ds/b.json"]
+    storage.write_bytes("ds/a.json", b'{"v": 2}')
+    second = storage.list_versions("ds")
+    assert second["ds/a.json"] != first["ds/a.json"]
+    assert second["ds/b.json"] == first["ds/b.json"]
+    assert storage.list_versions("none") == {}
