@@ -111,10 +111,11 @@ def _refuse(what: str):
 
 def guard_unit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forbid, for the test that runs now, what a ``unit`` test must not do."""
-    from dagster import DagsterInstance  # before the patches: importing it runs `file`
-    # the same for matplotlib: the first import on a machine builds its font cache with
-    # `fc-list` (a fresh clone's first `pytest -m unit`, before any chart was drawn)
+    # imported before the patches: importing dagster runs `file`, and matplotlib's first
+    # import on a machine builds its font cache with `fc-list` (a fresh clone's first
+    # `pytest -m unit`, before any chart was drawn)
     import matplotlib.font_manager  # noqa: F401
+    from dagster import DagsterInstance
 
     monkeypatch.setattr(DagsterInstance, "__init__", _refuse("created a Dagster instance"))
     monkeypatch.setattr(subprocess.Popen, "_execute_child", _refuse("started a process"))
