@@ -125,7 +125,34 @@ def validate_record(raw: Mapping[str, Any], *, vocab_size: int, step: int | None
     ``defaults`` fill fields the record does not have at all (a field present as ``None``
     stays missing).
     """
-    record = _read_mapping("<record>", raw)
+    record = _Reads(_read_mapping("<record>", raw))
+    try:
+        return _checked(record, vocab_size=vocab_size, step=step, limits=limits,
+                        defaults=defaults)
+    except RecordError:
+        raise
+    except Exception as e:  # a value whose reading raises (a float subclass, say): its field
+        raise RecordError(record.last, f"unreadable: {type_name(e)}: "
+                                       f"{quote(safe_repr(e), 100)}") from None
+
+
+class _Reads(dict):
+    """A record's fields, remembering the one read last: the field whose value was being
+    checked when something other than a :class:`RecordError` was raised."""
+
+    last = "<record>"
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.last = key
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.last = key
+        return super().__getitem__(key)
+
+
+def _checked(record: _Reads, *, vocab_size: int, step: int | None, limits: Limits,
+             defaults: Mapping[str, Any] | None) -> dict[str, Any]:
     for key in record:
         if not isinstance(key, str):
             raise RecordError(safe_repr(key), f"field name is {type_name(key)}, not text")
@@ -171,6 +198,7 @@ def validate_record(raw: Mapping[str, Any], *, vocab_size: int, step: int | None
     rec["speculative"] = _speculative(record.get("speculative"))
     _check_counters_fit_response(rec)
     return rec
+
 
 
 _FIELDS = frozenset(ROLLOUT_SCHEMA.names)

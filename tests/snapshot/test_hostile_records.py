@@ -142,6 +142,28 @@ def test_a_mapping_that_raises_while_read_is_quarantined_with_the_error_type(whe
     json.loads(rejection["record_json"])
 
 
+class RaisingFloat(float):
+    """A number whose conversion raises."""
+
+    def __float__(self):
+        raise RuntimeError("no float")
+
+
+class RaisingList(list):
+    def __iter__(self):
+        raise RuntimeError("no items")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("reward", RaisingFloat(1.0)), ("prompt_token_ids", RaisingList([1])),
+    ("response_token_ids", RaisingList([4, 5])),
+    ("messages", RaisingList([{"role": "user", "content": "hi"}]))])
+def test_a_value_that_raises_is_quarantined_under_its_own_field(field, value):
+    rec, rejection = check({**good_record(0), field: value})
+    assert rec is None and rejection["field"] == field
+    assert "RuntimeError" in rejection["reason"]
+
+
 @pytest.mark.parametrize("where", ["get", "len"])
 def test_a_mapping_read_through_its_protocol_needs_no_get_or_len(where):
     rec, rejection = check(RaisingMapping(good_record(0), where))
@@ -171,6 +193,7 @@ class BadRepr:
 def test_values_that_raise_are_quarantined_with_the_error_type():
     rec, rejection = check({**good_record(0), "response_token_ids": [1, BadIndex()]})
     assert rec is None and "ArithmeticError" in rejection["reason"]
+    assert rejection["field"] == "response_token_ids"  # its field, not <record>
     rec, rejection = check({**good_record(0), "reward": BadRepr()})
     assert rec is None and rejection["field"] == "reward"
     assert "BadRepr" in json.loads(rejection["record_json"])["reward"]["$repr"]
