@@ -9,12 +9,15 @@ and sha256 with the manifest (Parquet page checksums do not cover footers).
 from __future__ import annotations
 
 import json
+import logging
 from datetime import UTC, datetime
 from typing import Any
 
 from pipeline.contracts import MANIFEST_NAME, FileEntry, Manifest
 from pipeline.records import RecordError, from_json, to_json
-from pipeline.storage import Storage, WrittenObject
+from pipeline.storage import Storage, StorageUnavailable, WrittenObject
+
+log = logging.getLogger(__name__)
 
 
 class ManifestError(ValueError):
@@ -51,12 +54,18 @@ def write_manifest(storage: Storage, prefix: str, manifest: Manifest) -> str:
     unfinished under ``prefix`` is swept once the manifest is written (every file of the
     dataset is written by then): on S3 an upload that a retried request orphaned (a lost
     answer to CreateMultipartUpload, say) would otherwise stay, billed, until the dataset
-    is rewritten."""
+    is rewritten. The commit stands if that sweep fails (a store that refuses to list
+    uploads, say): a warning names the prefix, and the next rewrite sweeps again."""
     key = manifest_key(prefix)
     storage.write_bytes(key, to_json(manifest).encode())
     if storage.exists(rewriting_key(prefix)):
         storage.delete(rewriting_key(prefix))
-    storage.sweep_temporary(prefix)
+    try:
+        storage.sweep_temporary(prefix)
+    except StorageUnavailable as e:
+        log.warning("committed %s, but what its writer left unfinished there was not swept "
+                    "(%s): a bucket lifecycle rule that aborts incomplete multipart uploads "
+                    "removes it", storage.url(prefix), e)
     return storage.url(key)
 
 

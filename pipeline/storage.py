@@ -60,7 +60,8 @@ DURABLE_PROTOCOLS = frozenset({"file", "local", "s3", "s3a", "gs", "gcs", "az", 
                                "abfss", "adl"})
 _STALE_TMP_S = 24 * 3600  # a temporary file of another host is abandoned after a day
 # s3fs's own retry loop around botocore's (which retries by config_kwargs["retries"]): one
-# more attempt for what botocore does not retry (a truncated or unparseable answer)
+# more attempt for what botocore does not retry (an answer cut or unparseable, a body cut
+# while it is read); its default of 5 multiplied every bound by five
 S3FS_ATTEMPTS = 2
 
 
@@ -149,7 +150,8 @@ class Storage:
             raise StorageError(f"{self.root_url}: {protocol}:// is not a durable store; use "
                                f"one of {sorted(DURABLE_PROTOCOLS)}")
         self._options = dict(storage_options or {})
-        session = {"session": _s3_session()} if protocol in ("s3", "s3a") else {}
+        session = ({"session": _s3_session(self._options.get("profile"))}
+                   if protocol in ("s3", "s3a") else {})
         self.fs, root_path = fsspec.core.url_to_fs(self.root_url, **self._options, **session)
         if session:
             self.fs.retries = S3FS_ATTEMPTS
@@ -337,7 +339,8 @@ class Storage:
         """Remove what writers that died left under ``prefix``: local temporary files of
         dead processes (or older than a day, from another host), and on S3 the unfinished
         multipart uploads of keys under it started before now. Returns how many. Call it
-        before rewriting a dataset only one writer writes at a time."""
+        before rewriting a dataset only one writer writes at a time, and once it is
+        committed (:func:`pipeline.manifest.write_manifest` does both)."""
         if self.is_local:
             base = Path(self.path(prefix))
             stale = [p for p in base.rglob(".*.tmp") if _abandoned(p)] if base.is_dir() else []
@@ -458,8 +461,9 @@ def _version(info: Mapping[str, Any]) -> str:
 
 
 @functools.cache
-def _s3_session() -> Any:
-    """The aiobotocore session of every S3 storage: its clients send no
+def _s3_session(profile: str | None) -> Any:
+    """The aiobotocore session of the S3 storages of ``profile`` (the one session option
+    Aerie's storages take; s3fs makes none of its own once given one): its clients send no
     ``Expect: 100-continue`` (botocore adds it to every upload with a body; aiohttp then
     waits for the server's "100 Continue" without any timeout, so a store that stopped
     answering hung the upload for ever). Uploads are sent whole and their answer awaited
@@ -467,7 +471,7 @@ def _s3_session() -> Any:
     from aiobotocore.session import AioSession
     from botocore.handlers import add_expect_header
 
-    session = AioSession()
+    session = AioSession(profile=profile)
     session.unregister("before-call.s3", add_expect_header)
     return session
 

@@ -35,11 +35,15 @@ Invariants:
   :class:`~pipeline.release.lock.LockTimeout` naming the holder.
 - **No statement waits for ever.** Every round trip to the database (connecting included)
   has a client-side deadline of ``io_timeout_s``: the connection is asynchronous and each
-  answer is awaited with ``select``. A server that stops answering (hung, or a proxy in
+  answer is awaited with ``poll``. A server that stops answering (hung, or a proxy in
   between that keeps the TCP connection up, so keepalives see nothing wrong) costs an
   acquisition :class:`LeaseUnavailable` and a fenced write :class:`LeaseLost` within that
-  bound, and the session is closed, instead of a promotion that hangs holding the lease
-  (found by the fault campaign, tests/reliability/test_fault_campaign.py).
+  bound, instead of a promotion that hangs (found by the fault campaign,
+  tests/reliability/test_fault_campaign.py). The holder then closes its side: a server
+  that is still up ends the session, and its advisory lock, at once; a hung one holds it
+  until it notices, and other promoters wait for it (:class:`LockTimeout`), never share it.
+  Host names are resolved before the deadline applies (use an address or a resolver that
+  answers).
 - The connection URL may carry a password: it is never logged or put in an error (libpq's
   ``PGPASSWORD`` keeps it out of the URL altogether).
 """
@@ -92,8 +96,10 @@ def _wait(conn, timeout_s: float) -> None:
         left = deadline - time.monotonic()
         if left <= 0:
             raise _Deadline(f"no answer within {timeout_s:g}s")
-        wants = ([conn.fileno()], []) if state == ext.POLL_READ else ([], [conn.fileno()])
-        select.select(*wants, [], left)
+        waiting = select.poll()  # not select.select: that refuses descriptors past 1023
+        waiting.register(conn.fileno(), select.POLLIN if state == ext.POLL_READ
+                         else select.POLLOUT)
+        waiting.poll(left * 1000)
 
 
 def _execute(conn, timeout_s: float, sql: str, args: tuple = ()) -> tuple | None:
@@ -174,8 +180,9 @@ class PostgresLease:
                                     application_name="aerie-promotion-lease",
                                     keepalives=1, keepalives_idle=30, keepalives_interval=10,
                                     keepalives_count=3, options=_SERVER_SIDE_PROBES)
-            _wait(conn, min(_CONNECT_TIMEOUT_S, self.io_timeout_s))  # asynchronous: every
-            # statement autocommits
+            # asynchronous (every statement autocommits): libpq's connect_timeout does not
+            # apply, this wait does
+            _wait(conn, min(_CONNECT_TIMEOUT_S, self.io_timeout_s))
             self._wait_for_advisory_lock(conn)
             if _execute(conn, self.io_timeout_s, "SELECT to_regclass(%s)", (TABLE,))[0] is None:
                 _create_table(conn, self.io_timeout_s)
@@ -231,6 +238,7 @@ class PostgresLease:
                             f"not be checked: the database gave {e}, so nothing more is "
                             f"written") from None
         except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
+            self.release()  # the session is gone: nothing is held here any more
             raise LeaseLost(f"the promotion lease of {self.name} (token {self.token}) was "
                             f"lost: its database session ended ({_first_line(e)}); another "
                             f"promoter may hold it now, so nothing more is written") from None

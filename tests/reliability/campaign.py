@@ -16,9 +16,11 @@ A case is one scenario (a stage against one service) under one fault. It runs li
 Outcomes: ``completed`` (on the first attempt: the client's own retries or patience were
 enough), ``retried`` (a transient, named error that Dagster retries, then completed),
 ``permanent`` (an error no retry fixes, and the next run completed), ``hung``. A case
-*holds* when it did not hang, its error (if any) was one of Aerie's or a transport error
-that Dagster retries, and no problem was found. The docs' fault table is
-:func:`markdown_table` of a full run.
+*holds* when no problem was found. Problems: it hung; its error was not a named one (Aerie's
+own, or the service client's: see :func:`named`) but, say, an ``AttributeError``; its error
+was permanent although every fault here passes (Dagster would not have retried it); a proxy
+fault never reached the stage (the case tested nothing); something was committed partially,
+lost, doubled or left held. The docs' fault table is :func:`markdown_table` of a full run.
 """
 
 from __future__ import annotations
@@ -157,6 +159,20 @@ def _watched(fn: Callable[[], None], hang_s: float, on_hang: Callable[[], None])
     return result
 
 
+# where a named error comes from: Aerie's core, and the clients of the services it talks to
+NAMED_ORIGINS = ("pipeline.", "botocore.", "aiobotocore.", "aiohttp.", "fsspec.", "s3fs.",
+                 "mlflow.", "psycopg2.", "requests.", "urllib3.")
+
+
+def named(error: BaseException) -> bool:
+    """The error says what failed: one of Aerie's, a service client's, or a builtin I/O
+    error (``ConnectionError``, ``TimeoutError``: ``OSError``s name the call)."""
+    module = type(error).__module__ + "."
+    return module.startswith(NAMED_ORIGINS) or type(error) in (ConnectionResetError,
+                                                                ConnectionRefusedError,
+                                                                TimeoutError)
+
+
 def describe(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     first = text[0] if text else ""
@@ -192,6 +208,13 @@ def run_case(scenario: Scenario, fault_name: str, *, hang_s: float = 60.0) -> Ou
     elif first.error is not None:
         outcome.outcome = "permanent" if is_permanent(first.error) else "retried"
         outcome.error = describe(first.error)
+        if not named(first.error):
+            outcome.problems.append(f"an unnamed error: {outcome.error}")
+        if outcome.outcome == "permanent":
+            outcome.problems.append("a passing fault ended in an error Dagster does not retry")
+    reaches = isinstance(fault, Fault) and fault.kind != "refuse"  # refusing has no links
+    if reaches and outcome.hit == 0:
+        outcome.problems.append("the fault never reached the stage: the case tested nothing")
     if first.hung or first.error is not None:
         outcome.problems += [f"after the failed attempt: {p}" for p in scenario.partial()]
         second = _watched(scenario.run, hang_s, lambda: proxy.set(Fault("reset")))

@@ -53,11 +53,16 @@ class _Link:
         self.fault: Fault | None = None
         self.answered = 0  # bytes sent back to the client since the fault reached it
         self.closed = threading.Event()
+        self._closing = threading.Lock()
 
     def close(self, reset: bool = False) -> None:
-        if self.closed.is_set():
-            return
-        self.closed.set()
+        with self._closing:  # two threads may close it at once (a pump and set())
+            if self.closed.is_set():
+                return
+            self.closed.set()
+            self._close(reset)
+
+    def _close(self, reset: bool) -> None:
         if reset:
             self.client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
                                    struct.pack("ii", 1, 0))

@@ -1,7 +1,7 @@
 """The campaign's scenarios: Aerie's stages against the real services, each service behind a
-fault proxy. Every client is built the way the resources build it, with the settings a
-deployment would give, so the campaign measures Aerie's own defaults (timeouts below are
-the scenarios' only changes, and each says why).
+fault proxy. Every client is built the way the resources build it; the only settings
+changed are the deadlines and attempts, shortened (each constant below says from what) so
+that a black hole costs seconds: the outcomes are Aerie's, the times scale with those.
 
 - S3 (``moto_server``): the RL trainer's snapshot writer, then the ingest stage
   (``pipeline.snapshot``), through :class:`~resources.storage.StorageResource`.

@@ -60,7 +60,6 @@ def test_every_fault_ends_named_and_the_next_run_completes(name, tmp_path, reque
     print(f"\n{table}")
     failed = [o for o in outcomes if not o.holds]
     assert not failed, f"cases that do not hold:\n{markdown_table(failed)}"
-    assert {o.outcome for o in outcomes} - {"completed", "retried", "permanent"} == set()
 
 
 # ---- the proxy does what each fault says ---------------------------------------------------
