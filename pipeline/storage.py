@@ -172,8 +172,15 @@ class Storage:
 
         It carries the storage options, credentials included: hand it over a pipe, never
         on a command line, in a log or in metadata."""
-        return {"root_url": self.root_url, "storage_options": self._options,
+        return {"root_url": self.root_url, "storage_options": self.storage_options,
                 "cache_dir": str(self.cache_dir), "cache_max_bytes": self.cache_max_bytes}
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The options this storage was built from, as JSON (credentials included: hand them
+        over a pipe or the environment, never a log); not ``fs.storage_options``, which also
+        holds the S3 session object."""
+        return dict(self._options)
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> Storage:

@@ -91,7 +91,7 @@ class TrainerResource(ConfigurableResource):
         return training_stage.run(storage, step, self.apply(config), work_root=self.work_root(),
                                warm_start=warm_start, serving_name=serving_name,
                                launcher=self.launch_with(),
-                               storage_options=dict(storage.fs.storage_options),
+                               storage_options=storage.storage_options,
                                on_line=on_line, observer=observer)
 
 
