@@ -145,8 +145,11 @@ class SnapshotOnFullDisk(_Snapshot):
 
         self.work, self.mount = work, work / "disk"
         self.mount.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs",
-                               str(self.mount)], capture_output=True, text=True)
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs",
+                                   str(self.mount)], capture_output=True, text=True)
+        except OSError as e:  # no mount command at all
+            raise DiskUnavailable(f"cannot mount a tmpfs: {e}") from e
         if done.returncode != 0:
             raise DiskUnavailable(f"cannot mount a tmpfs: {done.stderr.strip()}")
 
