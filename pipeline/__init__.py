@@ -18,7 +18,8 @@ whose ``run`` is what the stage's Dagster asset calls:
 
 Below the stages sits the foundation every stage may use: :mod:`storage` (the fsspec
 storage layer; :mod:`owners`: which process a temporary file belongs to;
-:mod:`local_tree`: a local directory read for publishing, nothing from outside it), :mod:`layout`
+:mod:`local_tree`: a local directory read for publishing, nothing from outside it;
+:mod:`s3_client`: S3 clients that never hang), :mod:`layout`
 (every path of the storage tree), :mod:`formats` (the version of each format a stage
 writes), :mod:`records` (versioned JSON records), :mod:`contracts`
 + :mod:`manifest` (dataset manifests), :mod:`verified` (reading committed datasets, every
@@ -38,7 +39,7 @@ promotion: acceptance as the RL engine saw it, verification, drift) sit on top.
 """
 
 STAGES = ("snapshot", "tokenize", "capture", "vocab", "training", "evaluation", "release")
-FOUNDATION = ("owners", "local_tree", "storage", "layout", "formats", "records", "contracts",
-              "manifest", "verified", "parquet", "serving_now", "eagle3", "sampling",
+FOUNDATION = ("owners", "local_tree", "s3_client", "storage", "layout", "formats", "records",
+              "contracts", "manifest", "verified", "parquet", "serving_now", "eagle3", "sampling",
               "attention_kernels", "argv_template")
 ON_TOP = ("checks", "demo", "adapters", "monitor")

@@ -26,9 +26,8 @@ Invariants every caller relies on:
 - **Bounded waits on S3.** A store that stops answering fails each operation within its
   clients' deadlines (``config_kwargs`` connect and read timeouts and retry attempts, set by
   the storage resource), never hangs: uploads are sent without ``Expect: 100-continue``,
-  which aiohttp awaits with no timeout at all (found by the fault campaign:
-  tests/reliability/test_fault_campaign.py), and s3fs's own retry loop, which multiplies
-  botocore's, makes :data:`S3FS_ATTEMPTS` attempts.
+  which aiohttp awaits with no timeout at all, and s3fs's own retry loop, which multiplies
+  botocore's, is bounded (:mod:`pipeline.s3_client`).
 
 Keys are ``/``-separated paths relative to the root. This module never reads the
 environment: credentials and endpoints arrive as ``storage_options``.
@@ -38,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import hashlib
 import os
 import posixpath
@@ -54,15 +52,12 @@ import fsspec
 
 from pipeline.local_tree import UnsafeTree, read_tree
 from pipeline.owners import older_than, owner_gone, owner_tag
+from pipeline.s3_client import S3FS_ATTEMPTS, s3_session
 
 _CHUNK = 1 << 20
 DURABLE_PROTOCOLS = frozenset({"file", "local", "s3", "s3a", "gs", "gcs", "az", "abfs",
                                "abfss", "adl"})
 _STALE_TMP_S = 24 * 3600  # a temporary file of another host is abandoned after a day
-# s3fs's own retry loop around botocore's (which retries by config_kwargs["retries"]): one
-# more attempt for what botocore does not retry (an answer cut or unparseable, a body cut
-# while it is read); its default of 5 multiplied every bound by five
-S3FS_ATTEMPTS = 2
 
 
 class StorageError(RuntimeError):
@@ -150,7 +145,7 @@ class Storage:
             raise StorageError(f"{self.root_url}: {protocol}:// is not a durable store; use "
                                f"one of {sorted(DURABLE_PROTOCOLS)}")
         self._options = dict(storage_options or {})
-        session = ({"session": _s3_session(self._options.get("profile"))}
+        session = ({"session": s3_session(self._options.get("profile"))}
                    if protocol in ("s3", "s3a") else {})
         self.fs, root_path = fsspec.core.url_to_fs(self.root_url, **self._options, **session)
         if session:
@@ -465,22 +460,6 @@ def _version(info: Mapping[str, Any]) -> str:
     if etag:
         return f"{info.get('size')}-{str(etag).strip(chr(34))}"
     return f"{info.get('size')}-{info.get('ino')}-{info.get('mtime')}"
-
-
-@functools.cache
-def _s3_session(profile: str | None) -> Any:
-    """The aiobotocore session of the S3 storages of ``profile`` (the one session option
-    Aerie's storages take; s3fs makes none of its own once given one): its clients send no
-    ``Expect: 100-continue`` (botocore adds it to every upload with a body; aiohttp then
-    waits for the server's "100 Continue" without any timeout, so a store that stopped
-    answering hung the upload for ever). Uploads are sent whole and their answer awaited
-    within the read timeout."""
-    from aiobotocore.session import AioSession
-    from botocore.handlers import add_expect_header
-
-    session = AioSession(profile=profile)
-    session.unregister("before-call.s3", add_expect_header)
-    return session
 
 
 def _abandoned(tmp: Path) -> bool:
