@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -116,7 +117,39 @@ def read_manifest(storage: Storage, prefix: str, *, kind: str | None = None,
     if kind_versions is not None and manifest.kind_version not in kind_versions:
         raise ManifestError(url, "kind_version", f"{manifest.kind_version} is not one this "
                                                  f"release reads ({list(kind_versions)})")
+    _check_fields(url, manifest)
     return manifest
+
+
+_INT64 = 2**63 - 1  # what Parquet, Arrow and the stores' sizes hold
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _check_fields(url: str, manifest: Manifest) -> None:
+    """Every field of every manifest, whatever its kind: the ranges and forms the types
+    alone do not say. A file entry names one file of the dataset (a relative key, not the
+    manifest, named once), its size and row count are 0..2⁶³-1, its sha256 a hex digest."""
+    if not 0 <= manifest.kind_version <= _INT64:
+        raise ManifestError(url, "kind_version", f"{manifest.kind_version} is out of range")
+    seen: set[str] = set()
+    for i, entry in enumerate(manifest.files):
+        where = f"files[{i}]"
+        parts = entry.path.split("/")
+        if not entry.path or any(p in ("", ".", "..") for p in parts) or "\\" in entry.path:
+            raise ManifestError(url, f"{where}.path", f"{_short(entry.path)} is not a "
+                                                      f"relative key inside the dataset")
+        if entry.path in (MANIFEST_NAME, REWRITING_NAME):
+            raise ManifestError(url, f"{where}.path", f"{entry.path} is not a data file")
+        if entry.path in seen:
+            raise ManifestError(url, f"{where}.path", f"{_short(entry.path)} is listed twice")
+        seen.add(entry.path)
+        if not 0 <= entry.bytes <= _INT64:
+            raise ManifestError(url, f"{where}.bytes", f"{_short(entry.bytes)} is out of range")
+        if not _SHA256.fullmatch(entry.sha256):
+            raise ManifestError(url, f"{where}.sha256", f"{_short(entry.sha256)} is not a "
+                                                        f"sha256 hex digest")
+        if entry.rows is not None and not 0 <= entry.rows <= _INT64:
+            raise ManifestError(url, f"{where}.rows", f"{_short(entry.rows)} is out of range")
 
 
 def meta_value(storage: Storage, prefix: str, manifest: Manifest, name: str,

@@ -56,6 +56,7 @@ SAMPLE = {
     "mlflow": ("black hole", "service restarted"),
     "postgres": ("black hole mid-run", "service restarted", "refused"),
     "sglang": ("resets mid-run", "black hole mid-run"),
+    "vllm": ("black hole mid-run", "truncated once"),
     "disk": ("storage root fills up",),
 }
 

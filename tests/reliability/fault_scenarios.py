@@ -8,8 +8,8 @@ that a black hole costs seconds: the outcomes are Aerie's, the times scale with 
 - The MLflow server: a drafter registered from its run and promoted by the gate
   (``DrafterRegistry.publish`` and ``pipeline.release.promotion.promote``).
 - PostgreSQL: the promotion lease (``PostgresLease``: acquire, a fenced write, release).
-- SGLang (the contract server): hidden-state capture of one RL step
-  (``pipeline.capture.stage.run`` with the ``sglang`` backend).
+- SGLang and vLLM (the contract servers): hidden-state capture of one RL step
+  (``pipeline.capture.stage.run`` with the ``sglang`` and ``vllm`` backends).
 """
 
 from __future__ import annotations
@@ -367,46 +367,28 @@ class LeaseOnPostgres(Scenario):
 # -- SGLang -----------------------------------------------------------------------------------
 
 
-class CaptureOnSGLang(Scenario):
-    service = "SGLang (contract server)"
+class _Capture(Scenario):
+    """Hidden-state capture of one RL step against an engine's servers, behind proxies."""
+
     stage = "hidden-state capture of one RL step"
-
-    def __init__(self, work: Path):
-        import json
-
-        from tests.sglang_contract.fixtures import save_tiny_llama
-
-        self.work = work
-        model_dir = save_tiny_llama(work / "tiny_llama")
-        ports = {"aux": free_port(), "final": free_port()}
-        cmd = [sys.executable, "-m", "tests.sglang_contract.server", "--model", str(model_dir)]
-        for mode, port in ports.items():
-            cmd += ["--endpoint", json.dumps({"port": port, "mode": mode})]
-        self.sglang = _Service(cmd, max(ports.values()), work / "sglang.log", cwd=ROOT)
-        for port in ports.values():
-            self.sglang.server.wait_ready([port], timeout=120)
-        self.ports = ports
-        self.proxies = [FaultProxy(ports["aux"]), FaultProxy(ports["final"])]
+    engine: _Service
+    ports: dict[str, int]
 
     def prepare(self) -> None:
         from tests.capture.helpers import lengths, write_tokenized
 
         self.storage = Storage((self.work / f"storage-{uuid.uuid4().hex[:8]}").as_uri())
-        self.samples = len(write_tokenized(self.storage, STEP, lengths(SGLANG_SAMPLES)))
+        self.samples = len(write_tokenized(self.storage, STEP, lengths(CAPTURE_SAMPLES)))
 
     def run(self) -> None:
         from pipeline.capture import stage
-        from pipeline.capture.sglang import SGLangCaptureConfig
         from tests.capture.helpers import CONFIG
-        from tests.sglang_contract.fixtures import AUX_IDS, HIDDEN, LAYERS
 
-        backend = SGLangCaptureConfig(
-            aux_urls=[f"http://{self.proxies[0].url_host}"],
-            final_urls=[f"http://{self.proxies[1].url_host}"], hidden_size=HIDDEN,
-            aux_layer_ids=AUX_IDS, num_target_layers=LAYERS, timeout_s=CAPTURE_TIMEOUT_S,
-        ).build()
-        with backend:
+        with self.backend() as backend:
             stage.run(self.storage, STEP, backend, CONFIG)
+
+    def backend(self):
+        raise NotImplementedError
 
     def partial(self) -> list[str]:
         from pipeline.layout import shards_prefix
@@ -424,17 +406,93 @@ class CaptureOnSGLang(Scenario):
         return problems
 
     def stop_service(self) -> None:
-        self.sglang.stop()
+        self.engine.stop()
 
     def start_service(self) -> None:
-        self.sglang.start()
+        self.engine.start()
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
         for port in self.ports.values():
-            self.sglang.server.wait_ready([port], timeout=120)
+            self.engine.server.wait_ready([port], timeout=120)
 
     def close(self) -> None:
         for p in self.proxies:
             p.stop()
-        self.sglang.stop()
+        self.engine.stop()
+
+
+class CaptureOnSGLang(_Capture):
+    service = "SGLang (contract server)"
+
+    def __init__(self, work: Path):
+        import json
+
+        from tests.sglang_contract.fixtures import save_tiny_llama
+
+        self.work = work
+        model_dir = save_tiny_llama(work / "tiny_llama")
+        ports = {"aux": free_port(), "final": free_port()}
+        cmd = [sys.executable, "-m", "tests.sglang_contract.server", "--model", str(model_dir)]
+        for mode, port in ports.items():
+            cmd += ["--endpoint", json.dumps({"port": port, "mode": mode})]
+        self.engine = _Service(cmd, max(ports.values()), work / "sglang.log", cwd=ROOT)
+        self.ports = ports
+        self.wait_ready()
+        self.proxies = [FaultProxy(ports["aux"]), FaultProxy(ports["final"])]
+
+    def backend(self):
+        from pipeline.capture.sglang import SGLangCaptureConfig
+        from tests.sglang_contract.fixtures import AUX_IDS, HIDDEN, LAYERS
+
+        return SGLangCaptureConfig(
+            aux_urls=[f"http://{self.proxies[0].url_host}"],
+            final_urls=[f"http://{self.proxies[1].url_host}"], hidden_size=HIDDEN,
+            aux_layer_ids=AUX_IDS, num_target_layers=LAYERS, timeout_s=CAPTURE_TIMEOUT_S,
+        ).build()
+
+
+class CaptureOnVLLM(_Capture):
+    """vLLM's hidden-state export: one server that answers over HTTP and writes each
+    request's states to a file (its stand-in computes them with the real model). Besides
+    the shards, nothing of the server's files may be left once the capture completes."""
+
+    service = "vLLM (contract server)"
+
+    def __init__(self, work: Path):
+        from tests.sglang_contract.fixtures import AUX_IDS, LAYERS, save_tiny_llama
+        from tests.vllm_contract.fixtures import capture_command
+
+        self.work = work
+        self.model_dir = save_tiny_llama(work / "tiny_llama")
+        self.files = work / "hidden-states"
+        self.files.mkdir()
+        port = free_port()
+        self.ports = {"vllm": port}
+        self.engine = _Service(capture_command(self.model_dir, self.files, AUX_IDS, LAYERS,
+                                               port), port, work / "vllm.log", cwd=ROOT)
+        self.proxies = [FaultProxy(port)]
+
+    def prepare(self) -> None:
+        from pipeline.snapshot.policy import publish_policy
+
+        super().prepare()
+        publish_policy(self.storage, STEP, self.model_dir)
+
+    def backend(self):
+        from pipeline.capture.final_norm import load_final_norm
+        from pipeline.capture.vllm import VLLMCaptureConfig
+        from tests.sglang_contract.fixtures import AUX_IDS, HIDDEN, LAYERS
+
+        return VLLMCaptureConfig(
+            urls=[f"http://{self.proxies[0].url_host}"], files_dir=str(self.files),
+            hidden_size=HIDDEN, aux_layer_ids=AUX_IDS, num_target_layers=LAYERS,
+            final_norm=load_final_norm(self.storage, STEP), timeout_s=CAPTURE_TIMEOUT_S,
+            file_timeout_s=CAPTURE_TIMEOUT_S, cleanup_timeout_s=CAPTURE_TIMEOUT_S).build()
+
+    def settled(self) -> list[str]:
+        left = sorted(p.name for p in self.files.iterdir())
+        return super().settled() + ([f"server files left: {left[:4]}"] if left else [])
 
 
 # MLflow's per-request deadline and retries in this campaign; a deployment's defaults are
@@ -453,4 +511,4 @@ CAPTURE_TIMEOUT_S = 2.0
 # deployment's default: 30 s).
 LEASE_IO_TIMEOUT_S = 3.0
 # enough samples that the capture still runs when a mid-run fault starts (about 4 s here)
-SGLANG_SAMPLES = 96
+CAPTURE_SAMPLES = 96

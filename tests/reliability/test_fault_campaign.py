@@ -31,7 +31,7 @@ FULL = os.environ.get("AERIE_FAULT_MATRIX") == "full"
 HANG_S = 60.0  # above every bound the scenarios configure (the slowest: S3, about 20 s)
 SCENARIOS = {"s3": "SnapshotOnS3", "mlflow": "PromotionOnMlflow",
              "postgres": "LeaseOnPostgres", "sglang": "CaptureOnSGLang",
-             "disk": "SnapshotOnFullDisk"}
+             "vllm": "CaptureOnVLLM", "disk": "SnapshotOnFullDisk"}
 _TABLE: list = []
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.contracts import FileEntry, Manifest
-from pipeline.manifest import entry_for, withdraw_manifest, write_manifest
+from pipeline.manifest import ManifestError, entry_for, withdraw_manifest, write_manifest
 from pipeline.storage import Storage, StorageError
 from pipeline.verified import DatasetCache, IntegrityError, committed, fetch, read_verified
 from tests.conftest import s3_options
@@ -183,7 +183,7 @@ def test_unsafe_manifest_paths_never_leave_the_cache(tmp_path):
     bad = Manifest(kind="test_data", kind_version=1,
                    files=(FileEntry("../escape", 1, "0" * 64),))
     write_manifest(storage, "d", bad)
-    with pytest.raises(IntegrityError, match="unsafe path"):
+    with pytest.raises(ManifestError, match=r"files\[0\]\.path: '\.\./escape' is not a relative"):
         DatasetCache(tmp_path / "cache").fetch(storage, "d")
     assert not (tmp_path / "escape").exists()
 

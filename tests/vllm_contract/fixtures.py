@@ -46,6 +46,14 @@ def capture_stand_in(policy_dir: Path, files: Path, aux_layer_ids: Sequence[int]
     """The hidden-state capture stand-in serving ``policy_dir`` (``num_layers`` layers),
     exporting ``aux_layer_ids`` as files into ``files``; its base URL."""
     port = free_port()
+    cmd = capture_command(policy_dir, files, aux_layer_ids, num_layers, port, api_key)
+    with local_server(cmd, files.parent / f"vllm-capture-{port}.log", [port], timeout=120):
+        yield f"http://127.0.0.1:{port}"
+
+
+def capture_command(policy_dir: Path, files: Path, aux_layer_ids: Sequence[int],
+                    num_layers: int, port: int, api_key: str | None = None) -> list[str]:
+    """The command line of the capture stand-in (:func:`capture_stand_in`) on ``port``."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {
                 "eagle_aux_hidden_state_layer_ids": engine_layer_ids(aux_layer_ids,
@@ -56,7 +64,4 @@ def capture_stand_in(policy_dir: Path, files: Path, aux_layer_ids: Sequence[int]
     cmd = [sys.executable, "-m", "tests.vllm_contract.capture_server", str(policy_dir),
            "--port", str(port), "--dtype", "float32", "--speculative-config", json.dumps(spec),
            "--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
-    if api_key is not None:
-        cmd += ["--api-key", api_key]
-    with local_server(cmd, files.parent / f"vllm-capture-{port}.log", [port], timeout=120):
-        yield f"http://127.0.0.1:{port}"
+    return cmd if api_key is None else [*cmd, "--api-key", api_key]
