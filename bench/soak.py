@@ -182,11 +182,13 @@ def run(home: Path, steps: int, every: int, window: int, retain: int, rollback_a
                         "champion": champion(storage), **process_sample(),
                         "disk": disk_sample(home), "rows": rows_sample(home)})
         s = samples[-1]
-        print(f"step {out.step:>3}: {s['ticks_s']:>5.1f} s ticks, {s['fds']} fds {s['fd_kinds']}, "
+        print(f"step {out.step:>3}: {s['ticks_s']:>5.1f} s ticks, {s['fds']} fds "
+              f"{s['fd_kinds']}, "
               f"{s['rss_mib']} MiB, champion v{s['champion']}"
               + (f", refreshed {refreshed}" if refreshed else ""), flush=True)
     outcomes = refresh_outcomes(driver.instance, driver.refreshed)
-    return {"steps": steps, "every": every, "window": window, "retain_steps": retain, "world_s": round(world_s, 1),
+    return {"steps": steps, "every": every, "window": window, "retain_steps": retain,
+            "world_s": round(world_s, 1),
             "seconds": round(time.perf_counter() - started, 1),
             "refreshes": [{"partition": o.partition, "action": o.action, "version": o.version,
                            "candidate_tau": o.candidate_tau, "champion_tau": o.champion_tau,
