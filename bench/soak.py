@@ -37,16 +37,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.closed_loop import REPORTED_PROMPTS, SMALL_TRAIN  # noqa: E402
+from bench.retention import tree_bytes  # noqa: E402
 from resources.run_config import deep_merge  # noqa: E402
 
 # a gate that promotes any strictly better drafter, so that a small world's refreshes,
 # whose gains are a few percent, promote several times over the run
 SOAK_TRAIN = deep_merge(SMALL_TRAIN, {"ops": {"serving_drafter": {"config": {
     "min_relative_gain": 0.0}}}})
-
-
-def tree_bytes(root: Path) -> int:
-    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
 
 
 def process_sample() -> dict[str, int]:
