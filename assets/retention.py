@@ -1,5 +1,6 @@
 """``storage_retention``: after a refresh, delete the hidden-state shards and training work
-dirs of RL steps older than the refresh policy's ``retain_steps``
+dirs (and, with the refresh policy's ``prune_policies``, the policy checkpoints) of RL steps
+older than the refresh policy's ``retain_steps``
 (:func:`pipeline.capture.retention.apply_retention`), never a step that a queued or running
 run reads, whatever launched it: a ``drafter_refresh`` or a run of ``vocab_mapping`` /
 ``drafter_checkpoint`` (its window), an ``ingest_step`` or a run of ``hidden_state_shards``
@@ -43,7 +44,8 @@ _STEP_WRITERS = {"hidden_state_shards"}
        retry_policy=SERVICE_RETRY,  # storage may be S3; a pass is idempotent
        description="Storage retention after the refresh: shards and training work dirs of RL "
                    "steps older than the last retain_steps (refresh resource, "
-                   "AERIE_RETAIN_STEPS; 0 keeps everything) are deleted, their manifests "
+                   "AERIE_RETAIN_STEPS; 0 keeps everything) are deleted, with "
+                   "AERIE_PRUNE_POLICIES their policy checkpoints too, their manifests "
                    "kept and marked deleted; steps queued or running runs read are kept.")
 def storage_retention(context: AssetExecutionContext, storage: StorageResource,
                       refresh: RefreshPolicyResource, trainer: TrainerResource
@@ -57,16 +59,18 @@ def storage_retention(context: AssetExecutionContext, storage: StorageResource,
     protected = in_flight_steps(context.instance, context.run.run_id, refresh.window)
     retain = max(refresh.retain_steps, window_of(context.run, refresh.window))
     with fail_fast_on_permanent_errors():
-        report = apply_retention(storage.build(), step, retain,
-                                 protected=protected, work_root=trainer.work_root())
+        report = apply_retention(storage.build(), step, retain, protected=protected,
+                                 work_root=trainer.work_root(),
+                                 policies=refresh.prune_policies)
     for deleted in report.deleted_steps:
         context.log_event(AssetObservation(
             asset_key=AssetKey("hidden_state_shards"), partition=step_key(deleted),
             metadata={"deleted_by_retention": True, "by_refresh": step}))
     context.log.info(f"kept steps >= {keep_from(step, refresh.retain_steps)} and "
                      f"{list(report.protected)}; deleted the shards of "
-                     f"{list(report.deleted_steps)} and {len(report.work_dirs_deleted)} work "
-                     f"dir(s): {report.bytes_freed} bytes")
+                     f"{list(report.deleted_steps)}, {len(report.work_dirs_deleted)} work "
+                     f"dir(s) and the policies of {list(report.policy_steps_deleted)}: "
+                     f"{report.bytes_freed} bytes")
     return MaterializeResult(metadata={
         "retain_steps": refresh.retain_steps,
         "keep_from_step": report.keep_from,
@@ -77,6 +81,9 @@ def storage_retention(context: AssetExecutionContext, storage: StorageResource,
         "shard_bytes_freed": report.shard_bytes_freed,
         "work_dirs_deleted": MetadataValue.json(list(report.work_dirs_deleted)),
         "work_bytes_freed": report.work_bytes_freed,
+        "prune_policies": refresh.prune_policies,
+        "policies_deleted": MetadataValue.json(list(report.policy_steps_deleted)),
+        "policy_bytes_freed": report.policy_bytes_freed,
         "bytes_freed": report.bytes_freed,
     })
 

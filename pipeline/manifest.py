@@ -30,6 +30,27 @@ class ManifestError(ValueError):
         self.url, self.field, self.reason = url, field, reason
 
 
+class DeletedByRetention(FileNotFoundError):
+    """The dataset's files were deleted by storage retention; its manifest remains, marked
+    ``meta.deleted`` (see :mod:`pipeline.capture.retention`)."""
+
+
+def deleted_record(manifest: Manifest) -> dict[str, Any] | None:
+    """``meta.deleted`` of a manifest whose files retention deleted (``{}`` when the marker
+    is not an object), else None."""
+    value = manifest.meta.get("deleted")
+    if value is None:
+        return None
+    return value if isinstance(value, dict) else {}
+
+
+def deleted_note(url: str, deleted: dict[str, Any]) -> str:
+    """``<url>: files deleted by storage retention at <when> (after the refresh at step N;
+    manifest kept)``."""
+    return (f"{url}: files deleted by storage retention at {deleted.get('at', 'an unknown time')}"
+            f" (after the refresh at step {deleted.get('by_refresh', '?')}; manifest kept)")
+
+
 REWRITING_NAME = "_rewriting.json"  # present while a committed dataset is being rewritten
 
 

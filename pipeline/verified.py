@@ -29,7 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.contracts import FileEntry, Manifest
-from pipeline.manifest import read_manifest, rewrite_started
+from pipeline.manifest import (
+    DeletedByRetention,
+    deleted_note,
+    deleted_record,
+    read_manifest,
+    rewrite_started,
+)
 from pipeline.owners import older_than, owner_gone, owner_tag
 from pipeline.records import to_json
 from pipeline.storage import Storage, StorageError
@@ -48,8 +54,9 @@ class IntegrityError(StorageError):
 
 
 def committed(storage: Storage, prefix: str, kind: str | None = None) -> Manifest:
-    """The committed manifest at ``prefix`` (of ``kind`` when given); FileNotFoundError
-    naming the prefix when there is none."""
+    """The committed manifest at ``prefix`` (of ``kind`` when given), for reading its files:
+    FileNotFoundError naming the prefix when there is none, :class:`DeletedByRetention`
+    when storage retention deleted its files."""
     manifest = read_manifest(storage, prefix, kind=kind)
     if manifest is None:
         since = rewrite_started(storage, prefix)
@@ -57,6 +64,9 @@ def committed(storage: Storage, prefix: str, kind: str | None = None) -> Manifes
             raise FileNotFoundError(f"{storage.url(prefix)}: being rewritten (since {since}); "
                                     "its manifest returns when the rewrite commits")
         raise FileNotFoundError(f"{storage.url(prefix)}: no committed {kind or 'dataset'}")
+    deleted = deleted_record(manifest)
+    if deleted is not None:
+        raise DeletedByRetention(deleted_note(storage.url(prefix), deleted))
     return manifest
 
 

@@ -1,5 +1,6 @@
 """Storage retention: after a refresh commits, the hidden-state shards and training work
-directories of RL steps older than the retention window are deleted.
+directories of RL steps older than the retention window are deleted, and, when asked
+(``policies``), their policy checkpoints too.
 
 At H = 4096 a step's shards cost ~32 KiB per token; without retention every step ever
 extracted stays. :func:`apply_retention` keeps steps ``[refresh_step - retain_steps + 1,
@@ -19,6 +20,14 @@ Invariants:
   resuming, the export) of refresh steps before the cutoff are removed once that step's
   drafter is committed in this storage (its work directory is then only a copy). A refresh
   that failed keeps its directory: it is the point a re-run resumes from.
+- Policy checkpoints (``policies/step=NNNNNN/``, one per step: the largest thing Aerie
+  stores, a whole model) go only when asked, and only of steps whose shards are committed
+  (ingested; a step still waiting to be extracted keeps its policy): extracting a step
+  again needs its policy, so a step whose policy went can no longer be extracted. They are
+  marked and deleted as shards are; readers of the files refuse them by name
+  (:class:`~pipeline.manifest.DeletedByRetention` from :func:`pipeline.verified.committed`),
+  while the manifest's metadata (sha256, vocab size, tokenizer fingerprint) still reads,
+  so the lineage of drafters trained on them stays whole.
 - Idempotent, and safe beside another pass: a file already gone counts as deleted.
 """
 
@@ -31,16 +40,19 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pipeline.capture.shards import SHARDS_KIND, deleted_record
+from pipeline.capture.shards import SHARDS_KIND
 from pipeline.contracts import MANIFEST_NAME
 from pipeline.layout import (
+    POLICIES,
     SHARDS,
     committed_steps,
     drafter_prefix,
     parse_step_dir,
+    policy_prefix,
     shards_prefix,
 )
-from pipeline.manifest import read_manifest, write_manifest
+from pipeline.manifest import deleted_record, read_manifest, write_manifest
+from pipeline.snapshot.policy import POLICY_KIND
 from pipeline.storage import Storage
 
 __all__ = ["RetentionReport", "apply_retention", "keep_from"]
@@ -60,10 +72,12 @@ class RetentionReport:
     work_dirs_deleted: tuple[str, ...]
     work_bytes_freed: int
     protected: tuple[int, ...]  # older steps kept because a queued/running refresh reads them
+    policy_steps_deleted: tuple[int, ...] = ()
+    policy_bytes_freed: int = 0
 
     @property
     def bytes_freed(self) -> int:
-        return self.shard_bytes_freed + self.work_bytes_freed
+        return self.shard_bytes_freed + self.work_bytes_freed + self.policy_bytes_freed
 
 
 def keep_from(refresh_step: int, retain_steps: int) -> int:
@@ -75,36 +89,53 @@ def keep_from(refresh_step: int, retain_steps: int) -> int:
 
 def apply_retention(storage: Storage, refresh_step: int, retain_steps: int, *,
                     protected: Iterable[int] = (), work_root: Path | None = None,
-                    now: datetime | None = None) -> RetentionReport:
-    """Delete the shards (and, under ``work_root``, the training work directories) of steps
-    before ``keep_from(refresh_step, retain_steps)`` that are not ``protected``."""
+                    policies: bool = False, now: datetime | None = None) -> RetentionReport:
+    """Delete the shards (and, under ``work_root``, the training work directories; with
+    ``policies``, the policy checkpoints of ingested steps) of steps before
+    ``keep_from(refresh_step, retain_steps)`` that are not ``protected``."""
     cutoff = keep_from(refresh_step, retain_steps)
     keep = set(protected)
     at = (now or datetime.now(UTC)).isoformat(timespec="seconds")
-    old = [s for s in committed_steps(storage.list(SHARDS), SHARDS) if s < cutoff]
-    deleted, files, freed = [], 0, 0
-    for step in old:
-        if step in keep:
-            continue
-        n, size = _delete_step(storage, step, refresh_step, at)
-        if n:
-            deleted.append(step)
-            files, freed = files + n, freed + size
+    ingested = committed_steps(storage.list(SHARDS), SHARDS)
+    old = [s for s in ingested if s < cutoff and s not in keep]
+    deleted, files, freed = _delete_steps(storage, old, shards_prefix, SHARDS_KIND,
+                                          refresh_step, at)
     dirs, work_freed = (_delete_work_dirs(storage, work_root, cutoff, keep) if work_root
                         else ((), 0))
-    report = RetentionReport(refresh_step, cutoff, tuple(deleted), files, freed, dirs,
-                             work_freed, tuple(sorted(s for s in keep if s < cutoff)))
-    if deleted or dirs:
-        log.info("retention after the refresh at step %d: shards of steps %s (%d bytes) and "
-                 "%d work dir(s) (%d bytes) deleted", refresh_step, list(deleted), freed,
-                 len(dirs), work_freed)
+    gone, policy_freed = (), 0
+    if policies:
+        extracted = set(ingested)
+        old = [s for s in committed_steps(storage.list(POLICIES), POLICIES)
+               if s < cutoff and s not in keep and s in extracted]
+        gone, _, policy_freed = _delete_steps(storage, old, policy_prefix, POLICY_KIND,
+                                              refresh_step, at)
+    report = RetentionReport(refresh_step, cutoff, deleted, files, freed, dirs,
+                             work_freed, tuple(sorted(s for s in keep if s < cutoff)),
+                             gone, policy_freed)
+    if deleted or dirs or gone:
+        log.info("retention after the refresh at step %d: shards of steps %s (%d bytes), "
+                 "%d work dir(s) (%d bytes) and the policies of steps %s (%d bytes) deleted",
+                 refresh_step, list(deleted), freed, len(dirs), work_freed, list(gone),
+                 policy_freed)
     return report
 
 
-def _delete_step(storage: Storage, step: int, refresh_step: int, at: str) -> tuple[int, int]:
-    """Mark the step deleted (first), then delete every file of it but the manifest."""
-    prefix = shards_prefix(step)
-    manifest = read_manifest(storage, prefix, kind=SHARDS_KIND)
+def _delete_steps(storage: Storage, steps: Iterable[int], prefix_of, kind: str,
+                  refresh_step: int, at: str) -> tuple[tuple[int, ...], int, int]:
+    """(steps whose files went, files deleted, bytes freed) over the datasets of ``steps``."""
+    deleted, files, freed = [], 0, 0
+    for step in steps:
+        n, size = _delete_dataset(storage, prefix_of(step), kind, refresh_step, at)
+        if n:
+            deleted.append(step)
+            files, freed = files + n, freed + size
+    return tuple(deleted), files, freed
+
+
+def _delete_dataset(storage: Storage, prefix: str, kind: str, refresh_step: int, at: str
+                    ) -> tuple[int, int]:
+    """Mark the dataset deleted (first), then delete every file of it but the manifest."""
+    manifest = read_manifest(storage, prefix, kind=kind)
     if manifest is None:
         return 0, 0
     doomed = [k for k in storage.list(prefix) if k != f"{prefix}/{MANIFEST_NAME}"]

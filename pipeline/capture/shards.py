@@ -66,7 +66,7 @@ from pipeline.capture.provenance import ENCODING, ENCODINGS, check_provenance
 from pipeline.contracts import Manifest
 from pipeline.formats import FP8_SCHEMA_VERSION, SHARD_SCHEMA_VERSION
 from pipeline.layout import shards_prefix
-from pipeline.manifest import read_manifest
+from pipeline.manifest import DeletedByRetention, deleted_note, deleted_record, read_manifest
 from pipeline.parquet import ParquetFileError, open_parquet
 from pipeline.storage import Storage, WrittenObject
 
@@ -388,13 +388,8 @@ def _require_little_endian() -> None:
 
 
 # -- datasets --------------------------------------------------------------------------
-class ShardsDeletedError(FileNotFoundError):
+class ShardsDeletedError(DeletedByRetention):
     """The step's shards were deleted by storage retention; its manifest remains."""
-
-
-def deleted_record(manifest: Manifest) -> dict[str, Any] | None:
-    """``meta.deleted`` of a shard manifest whose data retention deleted, else None."""
-    return manifest.meta.get("deleted")
 
 
 def read_shards_manifest(storage: Storage, step: int, *, data: bool = True) -> Manifest:
@@ -411,9 +406,8 @@ def read_shards_manifest(storage: Storage, step: int, *, data: bool = True) -> M
     deleted = deleted_record(manifest)
     if data and deleted is not None:
         raise ShardsDeletedError(
-            f"{storage.url(prefix)}: shards deleted by storage retention at {deleted['at']} "
-            f"(after the refresh at step {deleted['by_refresh']}); extract the step again "
-            f"(re-run ingest_step for partition {step})")
+            f"{deleted_note(storage.url(prefix), deleted)}; extract the step again (re-run "
+            f"ingest_step for partition {step})")
     return manifest
 
 

@@ -54,7 +54,6 @@ from pipeline.capture.shards import (
     ShardSample,
     ShardSpec,
     WrittenShard,
-    deleted_record,
     shard_name,
     write_shard,
 )
@@ -62,6 +61,7 @@ from pipeline.contracts import FileEntry, Manifest
 from pipeline.eagle3.aux_layers import AUX_CAPTURE
 from pipeline.layout import shards_prefix, tokenized_prefix
 from pipeline.manifest import (
+    deleted_record,
     entry_for,
     manifest_key,
     read_manifest,

@@ -47,9 +47,9 @@ from transformers import PreTrainedTokenizerFast
 
 from pipeline.contracts import FileEntry, Manifest
 from pipeline.layout import policy_prefix, snapshot_prefix, tokenized_prefix
-from pipeline.manifest import entry_for, read_manifest, withdraw_manifest, write_manifest
+from pipeline.manifest import entry_for, withdraw_manifest, write_manifest
 from pipeline.parquet import write_table
-from pipeline.snapshot.policy import PolicyRef, load_policy_ref
+from pipeline.snapshot.policy import POLICY_KIND, PolicyRef, load_policy_ref
 from pipeline.snapshot.reader import checked_manifest, read_part
 from pipeline.snapshot.schema import READABLE_SCHEMA_VERSIONS, ROLLOUT_SCHEMA
 from pipeline.snapshot.sieve import VALIDATED_KIND, SnapshotError
@@ -57,6 +57,7 @@ from pipeline.storage import Storage
 from pipeline.tokenize.chat_masks import ChatMaskError, encode_chat, encode_prompt
 from pipeline.tokenize.config import TokenizeConfig
 from pipeline.tokenize.schema import TOKENIZED_KIND, TOKENIZED_SCHEMA, TOKENIZED_SCHEMA_VERSION
+from pipeline.verified import committed
 
 log = logging.getLogger(__name__)
 
@@ -274,8 +275,8 @@ def load_step_tokenizer(storage: Storage, step: int) -> tuple[PreTrainedTokenize
     """
     ref = load_policy_ref(storage, step)
     prefix = policy_prefix(step)
-    manifest = read_manifest(storage, prefix)
-    entries = [e for e in manifest.files if e.path in _TOKENIZER_FILES] if manifest else []
+    manifest = committed(storage, prefix, POLICY_KIND)  # refuses one retention deleted
+    entries = [e for e in manifest.files if e.path in _TOKENIZER_FILES]
     if "tokenizer.json" not in {e.path for e in entries}:
         raise FileNotFoundError(f"{ref.uri}: no tokenizer.json (a fast tokenizer is needed "
                                 "for offsets)")

@@ -1,6 +1,7 @@
 """Storage retention on local and S3 storage (moto_server): which steps go, what stays
 (manifests marked deleted, protected steps, the window), bytes reported, crash leftovers,
-idempotence; readers refuse deleted data; the Dagster asset protects in-flight runs."""
+idempotence; policy checkpoints only when asked and only of extracted steps; readers refuse
+deleted data; the Dagster asset protects in-flight runs."""
 
 from __future__ import annotations
 
@@ -26,9 +27,12 @@ from pipeline.capture.shards import (
 )
 from pipeline.capture.window import WindowError, read_window
 from pipeline.contracts import Manifest
-from pipeline.layout import drafter_prefix, shards_prefix
-from pipeline.manifest import entry_for, read_manifest, write_manifest
+from pipeline.layout import drafter_prefix, policy_prefix, shards_prefix
+from pipeline.manifest import DeletedByRetention, entry_for, read_manifest, write_manifest
+from pipeline.snapshot.policy import POLICY_KIND, load_policy_ref, publish_policy
 from pipeline.storage import Storage
+from pipeline.tokenize.stage import load_step_tokenizer
+from pipeline.verified import fetch
 from resources.refresh import RefreshPolicyResource
 from resources.storage import StorageResource
 from resources.trainer import TrainerResource
@@ -61,6 +65,17 @@ def work_dirs(root, steps):
         d = root / f"step={s:06d}-0123456789abcdef" / "checkpoints"
         d.mkdir(parents=True)
         (d / "model.pt").write_bytes(b"x" * (100 + s))
+
+
+def commit_policy(storage: Storage, step: int, tmp_path) -> int:
+    """A committed policy checkpoint of ``step``; its bytes."""
+    src = tmp_path / f"policy-{step}"
+    src.mkdir()
+    (src / "config.json").write_text('{"vocab_size": 32}')
+    (src / "tokenizer.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(bytes(range(256)) * (step + 1))
+    publish_policy(storage, step, src)
+    return sum(f.bytes for f in read_manifest(storage, policy_prefix(step)).files)
 
 
 def commit_drafter(storage: Storage, step: int) -> None:
@@ -102,9 +117,10 @@ def test_readers_refuse_deleted_data_and_a_second_pass_is_a_no_op(storage):
     for s in range(6):
         commit_step(storage, s, shards=1)
     apply_retention(storage, 5, 2, now=NOW)
-    with pytest.raises(ShardsDeletedError, match=r"step=000001: shards deleted by storage "
+    with pytest.raises(ShardsDeletedError, match=r"step=000001: files deleted by storage "
                                                  r"retention at 2026-11-24T12:00:00\+00:00 "
-                                                 r"\(after the refresh at step 5\).*ingest_step"):
+                                                 r"\(after the refresh at step 5; "
+                                                 r"manifest kept\).*ingest_step"):
         read_shards_manifest(storage, 1)
     assert read_shards_manifest(storage, 1, data=False).meta["deleted"]["by_refresh"] == 5
     with pytest.raises(WindowError, match=r"deleted: .*step=000003"):
@@ -112,6 +128,34 @@ def test_readers_refuse_deleted_data_and_a_second_pass_is_a_no_op(storage):
     assert read_window(storage, [4, 5]).keys() == {4, 5}
     again = apply_retention(storage, 5, 2, now=NOW)
     assert again.deleted_steps == () and again.bytes_freed == 0
+
+
+def test_policies_go_only_when_asked_and_only_of_extracted_steps(storage, tmp_path):
+    for s in range(8):
+        if s != 2:  # step 2's snapshot came late: not extracted yet
+            commit_step(storage, s, shards=1)
+    policy_bytes = {s: commit_policy(storage, s, tmp_path) for s in range(8)}
+    kept = apply_retention(storage, 7, 4, protected={1}, now=NOW)
+    assert kept.policy_steps_deleted == () and kept.deleted_steps == (0, 3)
+    assert all("deleted" not in read_manifest(storage, policy_prefix(s)).meta for s in range(8))
+
+    report = apply_retention(storage, 7, 4, protected={1}, policies=True, now=NOW)
+    assert report.deleted_steps == () and report.policy_steps_deleted == (0, 3)
+    assert report.policy_bytes_freed == policy_bytes[0] + policy_bytes[3] == report.bytes_freed
+    for s in range(8):
+        marked = read_manifest(storage, policy_prefix(s)).meta.get("deleted")
+        assert (marked is not None) == (s in (0, 3))
+        assert len(storage.list(policy_prefix(s))) == (1 if s in (0, 3) else 4)
+    assert read_manifest(storage, policy_prefix(3)).meta["deleted"]["by_refresh"] == 7
+    assert load_policy_ref(storage, 3).vocab_size == 32  # lineage still reads
+    named = r"policies/step=000003: files deleted by storage retention at 2026-11-24.*step 7"
+    with pytest.raises(DeletedByRetention, match=named):
+        fetch(storage, policy_prefix(3), kind=POLICY_KIND, label="policy")
+    with pytest.raises(DeletedByRetention, match=named):
+        load_step_tokenizer(storage, 3)
+    fetch(storage, policy_prefix(4), kind=POLICY_KIND, label="policy")  # kept: reads
+    again = apply_retention(storage, 7, 4, protected={1}, policies=True, now=NOW)
+    assert again.policy_steps_deleted == () and again.bytes_freed == 0
 
 
 def test_leftovers_of_a_crash_after_the_marker_are_swept(storage):
@@ -137,6 +181,8 @@ def test_retain_steps_must_cover_the_window():
                                          "refresh's window of 4 reads"):
         RefreshPolicyResource(window=4, retain_steps=2)  # refused when it is built
     RefreshPolicyResource(window=4, retain_steps=0)
+    with pytest.raises(ValueError, match="prune_policies needs retain_steps > 0"):
+        RefreshPolicyResource(retain_steps=0, prune_policies=True)
 
 
 @pytest.mark.integration
@@ -144,6 +190,7 @@ def test_the_asset_keeps_what_queued_and_running_runs_read(tmp_path):
     storage = Storage((tmp_path / "store").as_uri())
     for s in range(10):
         commit_step(storage, s, shards=1)
+        commit_policy(storage, s, tmp_path)
     work_dirs(tmp_path / "training", [0, 9])
     with instance_for_test() as instance:
         instance.add_dynamic_partitions("refresh_steps", [step_key(9)])
@@ -166,7 +213,8 @@ def test_the_asset_keeps_what_queued_and_running_runs_read(tmp_path):
         result = materialize(
             [storage_retention], instance=instance, partition_key=step_key(9),
             resources={"storage": StorageResource(url=storage.url()),
-                       "refresh": RefreshPolicyResource(window=4, retain_steps=4),
+                       "refresh": RefreshPolicyResource(window=4, retain_steps=4,
+                                                        prune_policies=True),
                        "trainer": TrainerResource(work_dir=str(tmp_path / "training"))})
         observed = instance.fetch_observations(AssetKey("hidden_state_shards"), 10).records
         observed = sorted(r.partition_key for r in observed)
@@ -175,7 +223,9 @@ def test_the_asset_keeps_what_queued_and_running_runs_read(tmp_path):
     assert meta["deleted"] == [1] and meta["protected"] == [0, 2, 3, 4, 5]
     assert observed == [step_key(1)]  # the partition says its data is gone
     assert meta["keep_from_step"] == 6 and meta["shard_files_deleted"] == 2
-    assert meta["work_dirs_deleted"] == [] and meta["bytes_freed"] == meta["shard_bytes_freed"]
+    assert meta["policies_deleted"] == [1] and meta["policy_bytes_freed"] > 0
+    assert meta["work_dirs_deleted"] == []
+    assert meta["bytes_freed"] == meta["shard_bytes_freed"] + meta["policy_bytes_freed"]
     assert read_shards_manifest(storage, 2).meta.get("deleted") is None
 
 
