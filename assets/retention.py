@@ -4,8 +4,9 @@ older than the refresh policy's ``retain_steps``
 (:func:`pipeline.capture.retention.apply_retention`), never a step that a queued or running
 run reads, whatever launched it: a ``drafter_refresh`` or a run of ``vocab_mapping`` /
 ``drafter_checkpoint`` (its window), an ``ingest_step`` or a run of ``hidden_state_shards``
-(its step). This refresh's own window counts too, when its run config widened it past
-``retain_steps``. Each deleted step is recorded as an observation of its
+(its step). With ``prune_history`` the ingestion runs and partition keys of those steps go
+too (:mod:`assets.history`). This refresh's own window counts too, when its run config
+widened it past ``retain_steps``. Each deleted step is recorded as an observation of its
 ``hidden_state_shards`` partition. ``retain_steps = 0`` (the default) keeps everything and
 materializes with nothing deleted.
 
@@ -26,6 +27,7 @@ from dagster import (
     asset,
 )
 
+from assets.history import prunable_steps, prune_step_history
 from assets.partitions import parse_step, refresh_steps, step_key, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from assets.versions import CODE_VERSIONS
@@ -59,9 +61,12 @@ def storage_retention(context: AssetExecutionContext, storage: StorageResource,
     protected = in_flight_steps(context.instance, context.run.run_id, refresh.window)
     retain = max(refresh.retain_steps, window_of(context.run, refresh.window))
     with fail_fast_on_permanent_errors():
-        report = apply_retention(storage.build(), step, retain, protected=protected,
+        store = storage.build()
+        report = apply_retention(store, step, retain, protected=protected,
                                  work_root=trainer.work_root(),
                                  policies=refresh.prune_policies)
+    pruned = prune_history(context.instance, store, report.keep_from, protected) \
+        if refresh.prune_history else None
     for deleted in report.deleted_steps:
         context.log_event(AssetObservation(
             asset_key=AssetKey("hidden_state_shards"), partition=step_key(deleted),
@@ -85,7 +90,19 @@ def storage_retention(context: AssetExecutionContext, storage: StorageResource,
         "policies_deleted": MetadataValue.json(list(report.policy_steps_deleted)),
         "policy_bytes_freed": report.policy_bytes_freed,
         "bytes_freed": report.bytes_freed,
+        "prune_history": refresh.prune_history,
+        "history_steps_pruned": MetadataValue.json(list(pruned.steps) if pruned else []),
+        "runs_deleted": pruned.runs_deleted if pruned else 0,
     })
+
+
+def prune_history(instance: DagsterInstance, store, before: int, protected: set[int]):
+    """The run history of the steps before ``before`` whose shards are committed (see
+    :mod:`assets.history`)."""
+    from pipeline.layout import SHARDS, committed_steps
+
+    extracted = committed_steps(store.list(SHARDS), SHARDS)
+    return prune_step_history(instance, prunable_steps(instance, before, protected, extracted))
 
 
 def window_of(run: DagsterRun, default_window: int) -> int:

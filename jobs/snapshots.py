@@ -7,7 +7,10 @@ requested when it completes. "Not ingested" means neither of:
 - an ``ingest_step`` run of the step's partition that has not failed (queued, running or
   succeeded): it will ingest the step, or did;
 - all three data assets materialized in the partition (ingested another way: a UI backfill,
-  a manual run).
+  a manual run);
+- its shards committed in storage (``shards/step=NNNNNN/_manifest.json``, also once retention
+  deleted the shards): ingested under another Dagster instance, or a step whose run history
+  retention pruned (:mod:`assets.history`). A rewrite withdraws that manifest first.
 
 A failed or canceled ingest stays pending: the step is requested again on later ticks. The
 daemon never launches a run key twice, so that starts no second run (the tick lists it as
@@ -28,11 +31,12 @@ the run key ``step-NNNNNN@<version digest>`` once no ingest of it is queued or r
 (two runs never write one step's datasets at once). A rewrite of an older step, or one made
 while the cursor was lost, is not seen: re-run that partition by hand.
 
-Per tick: one listing of the snapshot root, one query of the job's runs by partition and one
-query of materialized partitions per data asset, however long the history (no per-step
-lookups). Besides the versions, the cursor holds the steps requested by the previous tick
-whose run did not exist yet (a daemon creates them at once; in-process callers may not), so
-a lost cursor can repeat only those, which run keys deduplicate.
+Per tick: one listing of the snapshot root and one of the shards root, one query of the
+job's runs by partition and one query of materialized partitions per data asset, however
+long the history (no per-step lookups). Besides the versions, the cursor holds the steps
+requested by the previous tick whose run did not exist yet (a daemon creates them at once;
+in-process callers may not), so a lost cursor can repeat only those, which run keys
+deduplicate.
 """
 
 import hashlib
@@ -60,7 +64,7 @@ from assets.partitions import (
     rl_steps,
     step_key,
 )
-from pipeline.layout import ROLLOUTS, committed_versions, odd_entries
+from pipeline.layout import ROLLOUTS, SHARDS, committed_steps, committed_versions, odd_entries
 from resources.run_config import run_config_from_env
 from resources.storage import StorageResource
 
@@ -153,7 +157,8 @@ def _seen(cursor: str | None) -> dict[int, str]:
 def snapshot_sensor(context: SensorEvaluationContext, storage: StorageResource):
     """Adds a partition and requests one ingest run per completed, not yet ingested snapshot
     step (see the module docstring); the run key is the partition key."""
-    versions = storage.checked().list_versions(ROLLOUTS)
+    store = storage.checked()
+    versions = store.list_versions(ROLLOUTS)
     markers = committed_versions(versions, ROLLOUTS)  # the completion markers of step dirs
     odd = odd_entries(versions, ROLLOUTS)
     if odd:
@@ -162,7 +167,9 @@ def snapshot_sensor(context: SensorEvaluationContext, storage: StorageResource):
     if odd_keys:
         context.log.warning(odd_keys_note(odd_keys))
     runs, previous = ingest_runs(context.instance), _pending(context.cursor)
-    steps, pending = plan_ingest(markers, runs, ingested_steps(context.instance), previous)
+    ingested = {*ingested_steps(context.instance),
+                *committed_steps(store.list(SHARDS), SHARDS)}
+    steps, pending = plan_ingest(markers, runs, ingested, previous)
     rewritten, seen = plan_rewrites(markers, _seen(context.cursor), runs, previous)
     if rewritten:
         context.log.info(f"steps rewritten since they were ingested, ingested again: "

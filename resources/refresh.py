@@ -4,7 +4,8 @@ many RL steps a refresh trains on (the window K), when the drafter serving now c
 stale (the ``serving_staleness`` check on ``serving_drafter``) or drifted (the drift sensor:
 its observed τ fell more than ``max_tau_drop_percent``), and how many RL steps of hidden-state
 shards storage keeps (``retain_steps``, applied by ``storage_retention`` after each
-refresh) and whether their policy checkpoints go with them (``prune_policies``)."""
+refresh) and whether their policy checkpoints and ingestion runs go with them
+(``prune_policies``, ``prune_history``)."""
 
 
 from dagster import ConfigurableResource
@@ -16,7 +17,7 @@ _ENV = {"every": "AERIE_REFRESH_EVERY", "window": "AERIE_REFRESH_WINDOW",
         "stale_after_steps": "AERIE_STALE_AFTER_STEPS",
         "max_tau_drop_percent": "AERIE_MAX_TAU_DROP_PERCENT",
         "retain_steps": "AERIE_RETAIN_STEPS", "prune_policies": "AERIE_PRUNE_POLICIES",
-        "max_interval": "AERIE_REFRESH_MAX_INTERVAL",
+        "prune_history": "AERIE_PRUNE_HISTORY", "max_interval": "AERIE_REFRESH_MAX_INTERVAL",
         "drift_window": "AERIE_DRIFT_WINDOW", "drift_rearm_percent": "AERIE_DRIFT_REARM_PERCENT",
         "drift_cooldown_steps": "AERIE_DRIFT_COOLDOWN_STEPS",
         "drift_min_cycles": "AERIE_DRIFT_MIN_CYCLES"}
@@ -65,6 +66,11 @@ class RefreshPolicyResource(ConfigurableResource):
                                    "ingested steps it deletes the shards of (a whole model "
                                    "per step); such a step can no longer be extracted again. "
                                    "Needs retain_steps > 0")
+    prune_history: bool = Field(
+        default=False, description="retention also deletes the finished ingestion runs "
+                                   "(event and compute logs) and the rl_steps partition keys "
+                                   "of the steps it deletes the shards of; refresh runs stay. "
+                                   "Needs retain_steps > 0")
 
     @model_validator(mode="after")
     def _retention_keeps_the_window(self) -> "RefreshPolicyResource":
@@ -72,9 +78,10 @@ class RefreshPolicyResource(ConfigurableResource):
             raise ValueError(f"refresh policy: retain_steps {self.retain_steps} would delete "
                              f"steps the next refresh's window of {self.window} reads: set it "
                              f"to 0 (keep everything) or >= window")
-        if self.prune_policies and self.retain_steps == 0:
-            raise ValueError("refresh policy: prune_policies needs retain_steps > 0 (which "
-                             "steps retention deletes)")
+        for name in ("prune_policies", "prune_history"):
+            if getattr(self, name) and self.retain_steps == 0:
+                raise ValueError(f"refresh policy: {name} needs retain_steps > 0 (which "
+                                 "steps retention deletes)")
         if 0 < self.max_interval < self.every:
             raise ValueError(f"refresh policy: max_interval {self.max_interval} is below every "
                              f"{self.every}: set it to 0 (no stretching) or >= every")
@@ -100,7 +107,7 @@ class RefreshPolicyResource(ConfigurableResource):
 def refresh_policy_from_env() -> RefreshPolicyResource:
     """Every field from its variable (``AERIE_REFRESH_EVERY``, ``AERIE_REFRESH_WINDOW``,
     ``AERIE_STALE_AFTER_STEPS``, ``AERIE_MAX_TAU_DROP_PERCENT``, ``AERIE_RETAIN_STEPS``,
-    ``AERIE_PRUNE_POLICIES``, ``AERIE_REFRESH_MAX_INTERVAL``, ``AERIE_DRIFT_*``) where it is
-    set, checked now (the CLI builds the same policy)."""
+    ``AERIE_PRUNE_POLICIES``, ``AERIE_PRUNE_HISTORY``, ``AERIE_REFRESH_MAX_INTERVAL``,
+    ``AERIE_DRIFT_*``) where it is set, checked now (the CLI builds the same policy)."""
     return resource_from_env(RefreshPolicyResource, "AERIE_", names=_ENV)
 

@@ -6,6 +6,7 @@ deleted data; the Dagster asset protects in-flight runs."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,3 +254,45 @@ def test_retention_off_deletes_nothing(tmp_path):
     meta = result.asset_materializations_for_node("storage_retention")[0].metadata
     assert meta["retain_steps"].value == 0 and meta["bytes_freed"].value == 0
     assert all(len(storage.list(shards_prefix(s))) == 3 for s in range(3))
+
+
+@pytest.mark.integration
+def test_pruned_history_takes_the_ingestion_runs_and_keys_of_deleted_steps_only(tmp_path):
+    storage = Storage((tmp_path / "store").as_uri())
+    for s in range(9):
+        if s != 2:  # step 2 is still waiting to be extracted
+            commit_step(storage, s, shards=1)
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions("rl_steps", [step_key(s) for s in range(9)])
+        instance.add_dynamic_partitions("refresh_steps", [step_key(3), step_key(8)])
+        ingest = {s: create_run_for_test(instance, job_name="ingest_step",
+                                         status=DagsterRunStatus.SUCCESS,
+                                         tags={"dagster/partition": step_key(s)})
+                  for s in range(9)}
+        instance.report_engine_event("a logged event", ingest[0])  # its own SQLite file
+        shard_file = Path(instance.event_log_storage.path_for_shard(ingest[0].run_id))
+        assert shard_file.exists()
+        backfill = create_run_for_test(instance, job_name="__ASSET_JOB",
+                                       status=DagsterRunStatus.FAILURE,
+                                       tags={"dagster/partition": step_key(1)},
+                                       asset_selection=frozenset({AssetKey("rollout_snapshot")}))
+        refresh = create_run_for_test(instance, job_name="drafter_refresh",  # same key format
+                                      status=DagsterRunStatus.SUCCESS,
+                                      tags={"dagster/partition": step_key(3)})
+        create_run_for_test(instance, job_name="ingest_step", status=DagsterRunStatus.STARTED,
+                            tags={"dagster/partition": step_key(1)})  # in flight: protected
+        result = materialize(
+            [storage_retention], instance=instance, partition_key=step_key(8),
+            resources={"storage": StorageResource(url=storage.url()),
+                       "refresh": RefreshPolicyResource(window=4, retain_steps=4,
+                                                        prune_history=True),
+                       "trainer": TrainerResource(work_dir=str(tmp_path / "training"))})
+        meta = {k: v.value for k, v in result.asset_materializations_for_node(
+            "storage_retention")[0].metadata.items()}
+        keys = instance.get_dynamic_partitions("rl_steps")
+        left = {r.run_id for r in instance.get_runs()}
+    assert meta["history_steps_pruned"] == [0, 3, 4] and meta["runs_deleted"] == 3
+    assert keys == [step_key(s) for s in (1, 2, 5, 6, 7, 8)]
+    assert not {ingest[s].run_id for s in (0, 3, 4)} & left
+    assert {ingest[1].run_id, ingest[2].run_id, backfill.run_id, refresh.run_id} <= left
+    assert not shard_file.exists()

@@ -86,6 +86,7 @@ def test_the_definitions_take_every_resource_from_the_environment(tmp_path):
            "AERIE_SERVING_API_KEY": "never-printed", "AERIE_SERVING_VERIFY_MIN_SHARE": "0.9",
            "AERIE_DRIFT_WINDOW": "3", "AERIE_REFRESH_MAX_INTERVAL": "20",
            "AERIE_RETAIN_STEPS": "8", "AERIE_PRUNE_POLICIES": "true",
+           "AERIE_PRUNE_HISTORY": "1",
            "AERIE_REFRESH_RUN_CONFIG": str(refresh), "AERIE_INGEST_RUN_CONFIG": str(ingest)}
     code = """
 import json
@@ -102,7 +103,8 @@ print(json.dumps({
     "serving": [r["serving"].mode, r["serving"].server_urls, r["serving"].verify_min_share,
                 r["serving"].api_key == EnvVar("AERIE_SERVING_API_KEY")],
     "refresh": [r["refresh"].every, r["refresh"].drift_window, r["refresh"].max_interval,
-                r["refresh"].retain_steps, r["refresh"].prune_policies],
+                r["refresh"].retain_steps, r["refresh"].prune_policies,
+                r["refresh"].prune_history],
     "refresh_request": refresh_request(12).run_config["ops"]["acceptance_eval"],
     "ingest_request": INGEST_RUN_CONFIG}))
 """
@@ -113,7 +115,7 @@ print(json.dumps({
                               ["http://gpu-1:30002"], 32, True]
     assert got["trainer"] == [8, "deepspeed", "cuda", "bf16"]
     assert got["serving"] == ["vllm-reload", ["http://rollout-1:8000"], 0.9, True]
-    assert got["refresh"] == [10, 3, 20, 8, True]
+    assert got["refresh"] == [10, 3, 20, 8, True, True]
     assert got["refresh_request"] == {"config": {"device": "cuda", "dtype": "bfloat16"}}
     assert got["ingest_request"]["ops"]["hidden_state_shards"]["config"]["token_budget"] == \
         8192
@@ -127,6 +129,7 @@ print(json.dumps({
     ({"AERIE_SERVING_NUM_STEPS": "0"}, "AERIE_SERVING_NUM_STEPS (ServingResource.num_steps)"),
     ({"AERIE_REFRESH_MAX_INTERVAL": "2"}, "max_interval 2 is below every 4"),
     ({"AERIE_PRUNE_POLICIES": "1"}, "prune_policies needs retain_steps > 0"),
+    ({"AERIE_PRUNE_HISTORY": "yes"}, "prune_history needs retain_steps > 0"),
     ({"AERIE_REFRESH_RUN_CONFIG": "/nonexistent.yaml"}, "AERIE_REFRESH_RUN_CONFIG: cannot read"),
 ])
 def test_a_bad_deployment_value_stops_the_definitions_loading(env, message):

@@ -18,8 +18,10 @@ from dagster import (
 
 from assets.groups import DATA_ASSETS
 from jobs.snapshots import SEEN_STEPS, plan_ingest, plan_rewrites, snapshot_sensor
-from pipeline.contracts import MANIFEST_NAME
-from pipeline.layout import odd_entries, raw_prefix
+from pipeline.capture.shards import SHARDS_KIND, shard_name
+from pipeline.contracts import MANIFEST_NAME, Manifest
+from pipeline.layout import odd_entries, raw_prefix, shards_prefix
+from pipeline.manifest import write_manifest
 from pipeline.storage import Storage
 from tests.orchestration.conftest import on_every_dagster_backend
 
@@ -114,7 +116,8 @@ def test_a_lost_cursor_requests_nothing_twice_and_loses_nothing(instance, local_
 
 
 def test_each_tick_lists_the_snapshot_root_once(instance, local_storage, monkeypatch):
-    """Per-tick cost does not grow with the number of steps: one listing, no per-step reads."""
+    """Per-tick cost does not grow with the number of steps: one listing of the snapshot
+    root and one of the shards root, no per-step reads."""
     storage, resource = local_storage
     complete(storage, *range(40))
     for s in range(30):
@@ -132,7 +135,21 @@ def test_each_tick_lists_the_snapshot_root_once(instance, local_storage, monkeyp
         monkeypatch.setattr(Storage, method, counted)
     result = tick(instance, resource, None)
     assert requested(result) == [f"step-{s:06d}" for s in range(30, 40)]
-    assert calls == {"list_versions": 1}
+    assert calls == {"list_versions": 1, "list": 1}
+
+
+def test_a_step_whose_shards_are_committed_is_ingested_whatever_dagster_remembers(
+        instance, local_storage):
+    """Another Dagster instance over the same storage, or a step whose run history retention
+    pruned: its committed shards (retention-deleted ones too) say it is ingested, so its
+    deleted shards are never extracted again; a step under rewrite (manifest withdrawn) or
+    never extracted is requested."""
+    storage, resource = local_storage
+    complete(storage, 0, 1, 2, 3)
+    for s, meta in ((0, {"deleted": {"at": "then", "by_refresh": 9}}), (1, {})):
+        write_manifest(storage, shards_prefix(s), Manifest(SHARDS_KIND, 1, (), meta))
+    storage.write_bytes(f"{shards_prefix(2)}/{shard_name(0)}", b"unfinished")  # no manifest
+    assert requested(tick(instance, resource, None)) == ["step-000002", "step-000003"]
 
 
 class _Records(logging.Handler):
