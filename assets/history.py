@@ -10,7 +10,10 @@ or running run, its shards committed in storage) this deletes:
   captured stdout/stderr (the compute log manager's ``delete_logs``); under SQLite, each
   run's own event-log file, which deleting its rows would leave at its size;
 - its ``rl_steps`` partition key, so that the UI neither lists the step as missing nor
-  offers to backfill it (which would extract its deleted shards again).
+  offers to backfill it (which would extract its deleted shards again);
+- (in storage, by :func:`pipeline.retention.apply_retention` with ``charts``) the loop chart
+  its ``serving_acceptance`` drew, which every later step's chart supersedes; its observed
+  acceptance record stays.
 
 Refresh runs stay: they are the loop's history (what each refresh trained on, what the gate
 decided, the charts), one per N steps, and the refresh sensor counts blocks from the newest.

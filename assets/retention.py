@@ -1,7 +1,7 @@
 """``storage_retention``: after a refresh, delete the hidden-state shards and training work
 dirs (and, with the refresh policy's ``prune_policies``, the policy checkpoints) of RL steps
 older than the refresh policy's ``retain_steps``
-(:func:`pipeline.capture.retention.apply_retention`), never a step that a queued or running
+(:func:`pipeline.retention.apply_retention`), never a step that a queued or running
 run reads, whatever launched it: a ``drafter_refresh`` or a run of ``vocab_mapping`` /
 ``drafter_checkpoint`` (its window), an ``ingest_step`` or a run of ``hidden_state_shards``
 (its step). With ``prune_history`` the ingestion runs and partition keys of those steps go
@@ -52,7 +52,7 @@ _STEP_WRITERS = {"hidden_state_shards"}
 def storage_retention(context: AssetExecutionContext, storage: StorageResource,
                       refresh: RefreshPolicyResource, trainer: TrainerResource
                       ) -> MaterializeResult:
-    from pipeline.capture.retention import apply_retention, keep_from
+    from pipeline.retention import apply_retention, keep_from
 
     step = step_of(context.partition_key)
     if refresh.retain_steps == 0:
@@ -64,7 +64,8 @@ def storage_retention(context: AssetExecutionContext, storage: StorageResource,
         store = storage.build()
         report = apply_retention(store, step, retain, protected=protected,
                                  work_root=trainer.work_root(),
-                                 policies=refresh.prune_policies)
+                                 policies=refresh.prune_policies,
+                                 charts=refresh.prune_history)
     pruned = prune_history(context.instance, store, report.keep_from, protected) \
         if refresh.prune_history else None
     for deleted in report.deleted_steps:
@@ -91,6 +92,7 @@ def storage_retention(context: AssetExecutionContext, storage: StorageResource,
         "policy_bytes_freed": report.policy_bytes_freed,
         "bytes_freed": report.bytes_freed,
         "prune_history": refresh.prune_history,
+        "chart_files_deleted": report.chart_files_deleted,
         "history_steps_pruned": MetadataValue.json(list(pruned.steps) if pruned else []),
         "runs_deleted": pruned.runs_deleted if pruned else 0,
     })

@@ -1,6 +1,8 @@
 """The soak: the whole loop over 100+ RL steps of a small world, with retention on, a
 refresh every N steps (several promotions) and a rollback part way, measuring after every
-step what a long-lived deployment accumulates.
+step what a long-lived deployment accumulates. Retention prunes the old steps' policies and
+ingestion runs too (``AERIE_PRUNE_POLICIES``, ``AERIE_PRUNE_HISTORY``) unless
+``--no-prune``.
 
 After each RL step is written, the sensors tick as the daemon would (``snapshot_sensor``
 and its ``ingest_step`` run, then ``refresh_sensor`` or ``drift_sensor`` and their
@@ -131,8 +133,8 @@ def champion(storage) -> str | None:
     return None if now is None or now.target is None else now.target.registry_version
 
 
-def run(home: Path, steps: int, every: int, window: int, retain: int, rollback_after: int
-        ) -> dict:
+def run(home: Path, steps: int, every: int, window: int, retain: int, rollback_after: int,
+        prune: bool = True) -> dict:
     from dagster import DagsterInstance
 
     from aerie import cli
@@ -144,7 +146,8 @@ def run(home: Path, steps: int, every: int, window: int, retain: int, rollback_a
     from resources.refresh import refresh_policy_from_env
 
     os.environ.update({"AERIE_RETAIN_STEPS": str(retain), "AERIE_REFRESH_EVERY": str(every),
-                       "AERIE_REFRESH_WINDOW": str(window)})
+                       "AERIE_REFRESH_WINDOW": str(window),
+                       "AERIE_PRUNE_POLICIES": str(prune), "AERIE_PRUNE_HISTORY": str(prune)})
     # no length penalty: the responses stay long enough over 100 steps for the gate's
     # measurement floor (with the default penalty they shrink to a few tokens)
     world = DemoConfig.small(num_steps=steps, temperature=0.5, prompts_per_step=8,
@@ -185,7 +188,7 @@ def run(home: Path, steps: int, every: int, window: int, retain: int, rollback_a
               + (f", refreshed {refreshed}" if refreshed else ""), flush=True)
     outcomes = refresh_outcomes(driver.instance, driver.refreshed)
     return {"steps": steps, "every": every, "window": window, "retain_steps": retain,
-            "world_s": round(world_s, 1),
+            "prune": prune, "world_s": round(world_s, 1),
             "seconds": round(time.perf_counter() - started, 1),
             "refreshes": [{"partition": o.partition, "action": o.action, "version": o.version,
                            "candidate_tau": o.candidate_tau, "champion_tau": o.champion_tau,
@@ -219,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--every", type=int, default=8, help="N: a refresh every N RL steps")
     p.add_argument("--window", type=int, default=4, help="K: RL steps a refresh trains on")
     p.add_argument("--retain", type=int, default=6, help="AERIE_RETAIN_STEPS (>= the window)")
+    p.add_argument("--no-prune", dest="prune", action="store_false",
+                   help="keep the old steps' policies and ingestion runs (AERIE_PRUNE_POLICIES, "
+                        "AERIE_PRUNE_HISTORY off)")
     p.add_argument("--rollback-after", type=int, default=2,
                    help="roll back once this many drafters have served")
     p.add_argument("--json", type=Path)
@@ -229,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     for var in ("AERIE_STORAGE_URL", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
         os.environ.pop(var, None)
     report = run(args.home, args.steps, args.every, args.window, args.retain,
-                 args.rollback_after)
+                 args.rollback_after, args.prune)
     report["command"] = " ".join(["python", "bench/soak.py", *(argv or sys.argv[1:])])
     report["growth"] = growth(report["samples"])
     print(f"\n{len(report['refreshes'])} refreshes: "

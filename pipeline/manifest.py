@@ -32,7 +32,7 @@ class ManifestError(ValueError):
 
 class DeletedByRetention(FileNotFoundError):
     """The dataset's files were deleted by storage retention; its manifest remains, marked
-    ``meta.deleted`` (see :mod:`pipeline.capture.retention`)."""
+    ``meta.deleted`` (see :mod:`pipeline.retention`)."""
 
 
 def deleted_record(manifest: Manifest) -> dict[str, Any] | None:

@@ -68,9 +68,9 @@ class RefreshPolicyResource(ConfigurableResource):
                                    "Needs retain_steps > 0")
     prune_history: bool = Field(
         default=False, description="retention also deletes the finished ingestion runs "
-                                   "(event and compute logs) and the rl_steps partition keys "
-                                   "of the steps it deletes the shards of; refresh runs stay. "
-                                   "Needs retain_steps > 0")
+                                   "(event and compute logs), the rl_steps partition keys and "
+                                   "the loop charts of the steps it deletes the shards of; "
+                                   "refresh runs stay. Needs retain_steps > 0")
 
     @model_validator(mode="after")
     def _retention_keeps_the_window(self) -> "RefreshPolicyResource":

@@ -21,7 +21,6 @@ from pipeline.capture.config import ExtractConfig
 from pipeline.capture.heldout import HeldoutSplit, heldout_prompts
 from pipeline.capture.hf import HFCaptureBackend
 from pipeline.capture.provenance import provenance
-from pipeline.capture.retention import apply_retention
 from pipeline.capture.shards import (
     iter_shard,
     iter_step,
@@ -31,6 +30,7 @@ from pipeline.capture.shards import (
 from pipeline.capture.stage import ExtractionError
 from pipeline.layout import shards_prefix, tokenized_prefix
 from pipeline.manifest import read_manifest, verify_manifest
+from pipeline.retention import apply_retention
 from pipeline.snapshot.policy import load_policy_ref, publish_policy
 from pipeline.storage import Storage
 from resources.capture import CaptureResource, HFCapture

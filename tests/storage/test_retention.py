@@ -15,7 +15,6 @@ from dagster._core.test_utils import create_run_for_test
 
 from assets.partitions import step_key
 from assets.retention import in_flight_steps, storage_retention, window_of
-from pipeline.capture.retention import apply_retention, keep_from
 from pipeline.capture.shards import (
     SHARD_SCHEMA_VERSION,
     SHARDS_KIND,
@@ -28,8 +27,9 @@ from pipeline.capture.shards import (
 )
 from pipeline.capture.window import WindowError, read_window
 from pipeline.contracts import Manifest
-from pipeline.layout import drafter_prefix, policy_prefix, shards_prefix
+from pipeline.layout import OBSERVED, drafter_prefix, observed_key, policy_prefix, shards_prefix
 from pipeline.manifest import DeletedByRetention, entry_for, read_manifest, write_manifest
+from pipeline.retention import apply_retention, keep_from
 from pipeline.snapshot.policy import POLICY_KIND, load_policy_ref, publish_policy
 from pipeline.storage import Storage
 from pipeline.tokenize.stage import load_step_tokenizer
@@ -157,6 +157,21 @@ def test_policies_go_only_when_asked_and_only_of_extracted_steps(storage, tmp_pa
     fetch(storage, policy_prefix(4), kind=POLICY_KIND, label="policy")  # kept: reads
     again = apply_retention(storage, 7, 4, protected={1}, policies=True, now=NOW)
     assert again.policy_steps_deleted == () and again.bytes_freed == 0
+
+
+def test_old_loop_charts_go_when_asked_their_observed_records_stay(storage):
+    for s in range(6):
+        storage.write_bytes(observed_key(s), b"{}")
+        storage.write_bytes(f"{OBSERVED}/step={s:06d}/tau_over_rl_steps.png", b"png" * (s + 1))
+    assert apply_retention(storage, 5, 2, now=NOW).chart_files_deleted == 0
+    report = apply_retention(storage, 5, 2, protected={1}, charts=True, now=NOW)
+    assert report.chart_files_deleted == 3 and report.chart_bytes_freed == 3 * (1 + 3 + 4)
+    assert report.bytes_freed == report.chart_bytes_freed
+    left = storage.list(OBSERVED)
+    assert [k for k in left if k.endswith(".png")] == [
+        f"{OBSERVED}/step={s:06d}/tau_over_rl_steps.png" for s in (1, 4, 5)]
+    assert all(observed_key(s) in left for s in range(6))
+    assert apply_retention(storage, 5, 2, protected={1}, charts=True).chart_files_deleted == 0
 
 
 def test_leftovers_of_a_crash_after_the_marker_are_swept(storage):

@@ -1,6 +1,7 @@
 """Storage retention: after a refresh commits, the hidden-state shards and training work
-directories of RL steps older than the retention window are deleted, and, when asked
-(``policies``), their policy checkpoints too.
+directories of RL steps older than the retention window are deleted, and, when asked, their
+policy checkpoints (``policies``) and the charts beside their observed acceptance
+(``charts``) too.
 
 At H = 4096 a step's shards cost ~32 KiB per token; without retention every step ever
 extracted stays. :func:`apply_retention` keeps steps ``[refresh_step - retain_steps + 1,
@@ -28,6 +29,9 @@ Invariants:
   (:class:`~pipeline.manifest.DeletedByRetention` from :func:`pipeline.verified.committed`),
   while the manifest's metadata (sha256, vocab size, tokenizer fingerprint) still reads,
   so the lineage of drafters trained on them stays whole.
+- Observed acceptance (``observed/step=NNNNNN/``) keeps its record, ``acceptance.json``,
+  which the drift trigger and the loop chart read; with ``charts`` everything else there
+  goes (the loop chart drawn at that step, superseded by every later one).
 - Idempotent, and safe beside another pass: a file already gone counts as deleted.
 """
 
@@ -43,10 +47,12 @@ from pathlib import Path
 from pipeline.capture.shards import SHARDS_KIND
 from pipeline.contracts import MANIFEST_NAME
 from pipeline.layout import (
+    OBSERVED,
     POLICIES,
     SHARDS,
     committed_steps,
     drafter_prefix,
+    observed_key,
     parse_step_dir,
     policy_prefix,
     shards_prefix,
@@ -74,10 +80,13 @@ class RetentionReport:
     protected: tuple[int, ...]  # older steps kept because a queued/running refresh reads them
     policy_steps_deleted: tuple[int, ...] = ()
     policy_bytes_freed: int = 0
+    chart_files_deleted: int = 0
+    chart_bytes_freed: int = 0
 
     @property
     def bytes_freed(self) -> int:
-        return self.shard_bytes_freed + self.work_bytes_freed + self.policy_bytes_freed
+        return (self.shard_bytes_freed + self.work_bytes_freed + self.policy_bytes_freed
+                + self.chart_bytes_freed)
 
 
 def keep_from(refresh_step: int, retain_steps: int) -> int:
@@ -89,10 +98,12 @@ def keep_from(refresh_step: int, retain_steps: int) -> int:
 
 def apply_retention(storage: Storage, refresh_step: int, retain_steps: int, *,
                     protected: Iterable[int] = (), work_root: Path | None = None,
-                    policies: bool = False, now: datetime | None = None) -> RetentionReport:
+                    policies: bool = False, charts: bool = False,
+                    now: datetime | None = None) -> RetentionReport:
     """Delete the shards (and, under ``work_root``, the training work directories; with
-    ``policies``, the policy checkpoints of ingested steps) of steps before
-    ``keep_from(refresh_step, retain_steps)`` that are not ``protected``."""
+    ``policies``, the policy checkpoints of ingested steps; with ``charts``, what lies
+    beside their observed acceptance) of steps before ``keep_from(refresh_step,
+    retain_steps)`` that are not ``protected``."""
     cutoff = keep_from(refresh_step, retain_steps)
     keep = set(protected)
     at = (now or datetime.now(UTC)).isoformat(timespec="seconds")
@@ -109,15 +120,32 @@ def apply_retention(storage: Storage, refresh_step: int, retain_steps: int, *,
                if s < cutoff and s not in keep and s in extracted]
         gone, _, policy_freed = _delete_steps(storage, old, policy_prefix, POLICY_KIND,
                                               refresh_step, at)
+    charted, chart_freed = _delete_charts(storage, cutoff, keep) if charts else (0, 0)
     report = RetentionReport(refresh_step, cutoff, deleted, files, freed, dirs,
                              work_freed, tuple(sorted(s for s in keep if s < cutoff)),
-                             gone, policy_freed)
-    if deleted or dirs or gone:
+                             gone, policy_freed, charted, chart_freed)
+    if deleted or dirs or gone or charted:
         log.info("retention after the refresh at step %d: shards of steps %s (%d bytes), "
                  "%d work dir(s) (%d bytes) and the policies of steps %s (%d bytes) deleted",
                  refresh_step, list(deleted), freed, len(dirs), work_freed, list(gone),
                  policy_freed)
     return report
+
+
+def _delete_charts(storage: Storage, cutoff: int, keep: set[int]) -> tuple[int, int]:
+    """Every file of ``observed/step=N/`` but its record, for the old steps."""
+    files, freed = 0, 0
+    for key in storage.list(OBSERVED):
+        step = parse_step_dir(key.split("/")[1]) if key.count("/") >= 2 else None
+        if step is None or step >= cutoff or step in keep or key == observed_key(step):
+            continue
+        size = storage.size(key)
+        try:
+            storage.delete(key)
+        except FileNotFoundError:  # another pass deleted it first
+            continue
+        files, freed = files + 1, freed + size
+    return files, freed
 
 
 def _delete_steps(storage: Storage, steps: Iterable[int], prefix_of, kind: str,
