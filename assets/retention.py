@@ -61,12 +61,12 @@ def storage_retention(context: AssetExecutionContext, storage: StorageResource,
     protected = in_flight_steps(context.instance, context.run.run_id, refresh.window)
     retain = max(refresh.retain_steps, window_of(context.run, refresh.window))
     with fail_fast_on_permanent_errors():
-        store = storage.build()
-        report = apply_retention(store, step, retain, protected=protected,
+        report = apply_retention(storage.build(), step, retain, protected=protected,
                                  work_root=trainer.work_root(),
                                  policies=refresh.prune_policies,
                                  charts=refresh.prune_history)
-    pruned = prune_history(context.instance, store, report.keep_from, protected) \
+    pruned = prune_step_history(context.instance, prunable_steps(
+        context.instance, report.keep_from, protected, report.extracted)) \
         if refresh.prune_history else None
     for deleted in report.deleted_steps:
         context.log_event(AssetObservation(
@@ -96,15 +96,6 @@ def storage_retention(context: AssetExecutionContext, storage: StorageResource,
         "history_steps_pruned": MetadataValue.json(list(pruned.steps) if pruned else []),
         "runs_deleted": pruned.runs_deleted if pruned else 0,
     })
-
-
-def prune_history(instance: DagsterInstance, store, before: int, protected: set[int]):
-    """The run history of the steps before ``before`` whose shards are committed (see
-    :mod:`assets.history`)."""
-    from pipeline.layout import SHARDS, committed_steps
-
-    extracted = committed_steps(store.list(SHARDS), SHARDS)
-    return prune_step_history(instance, prunable_steps(instance, before, protected, extracted))
 
 
 def window_of(run: DagsterRun, default_window: int) -> int:

@@ -10,7 +10,7 @@ or running), and deletes the rest.
 
 Invariants:
 
-- Only shard data goes. A deleted step keeps its ``_manifest.json`` (which files there
+- Only data goes, never a manifest. A deleted step keeps its ``_manifest.json`` (which files there
   were, their hashes, the lineage), rewritten with ``meta.deleted = {"at", "by_refresh",
   "files", "bytes_freed"}``; the marker is written before any file is deleted, so a crash
   in between leaves a marked step whose leftovers the next pass deletes.
@@ -82,6 +82,7 @@ class RetentionReport:
     policy_bytes_freed: int = 0
     chart_files_deleted: int = 0
     chart_bytes_freed: int = 0
+    extracted: tuple[int, ...] = ()  # every step whose shards are committed (deleted too)
 
     @property
     def bytes_freed(self) -> int:
@@ -123,7 +124,7 @@ def apply_retention(storage: Storage, refresh_step: int, retain_steps: int, *,
     charted, chart_freed = _delete_charts(storage, cutoff, keep) if charts else (0, 0)
     report = RetentionReport(refresh_step, cutoff, deleted, files, freed, dirs,
                              work_freed, tuple(sorted(s for s in keep if s < cutoff)),
-                             gone, policy_freed, charted, chart_freed)
+                             gone, policy_freed, charted, chart_freed, tuple(ingested))
     if deleted or dirs or gone or charted:
         log.info("retention after the refresh at step %d: shards of steps %s (%d bytes), "
                  "%d work dir(s) (%d bytes) and the policies of steps %s (%d bytes) deleted",

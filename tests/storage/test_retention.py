@@ -79,6 +79,18 @@ def commit_policy(storage: Storage, step: int, tmp_path) -> int:
     return sum(f.bytes for f in read_manifest(storage, policy_prefix(step)).files)
 
 
+def retain(instance, storage: Storage, step: int, tmp_path, **policy) -> dict:
+    """``storage_retention`` after the refresh at ``step`` (retain 4 of window 4, plus
+    ``policy``); its materialization's metadata."""
+    result = materialize(
+        [storage_retention], instance=instance, partition_key=step_key(step),
+        resources={"storage": StorageResource(url=storage.url()),
+                   "refresh": RefreshPolicyResource(window=4, retain_steps=4, **policy),
+                   "trainer": TrainerResource(work_dir=str(tmp_path / "training"))})
+    return {k: v.value for k, v in result.asset_materializations_for_node(
+        "storage_retention")[0].metadata.items()}
+
+
 def commit_drafter(storage: Storage, step: int) -> None:
     write_manifest(storage, drafter_prefix(step), Manifest("eagle3_drafter", 1, (), {}))
 
@@ -226,16 +238,9 @@ def test_the_asset_keeps_what_queued_and_running_runs_read(tmp_path):
                             tags={"dagster/partition": step_key(8)},
                             asset_selection=frozenset({AssetKey("acceptance_eval")}))
         assert in_flight_steps(instance, "none", default_window=2) == {0, 2, 3, 4, 5}
-        result = materialize(
-            [storage_retention], instance=instance, partition_key=step_key(9),
-            resources={"storage": StorageResource(url=storage.url()),
-                       "refresh": RefreshPolicyResource(window=4, retain_steps=4,
-                                                        prune_policies=True),
-                       "trainer": TrainerResource(work_dir=str(tmp_path / "training"))})
+        meta = retain(instance, storage, 9, tmp_path, prune_policies=True)
         observed = instance.fetch_observations(AssetKey("hidden_state_shards"), 10).records
         observed = sorted(r.partition_key for r in observed)
-    meta = {k: v.value for k, v in result.asset_materializations_for_node(
-        "storage_retention")[0].metadata.items()}
     assert meta["deleted"] == [1] and meta["protected"] == [0, 2, 3, 4, 5]
     assert observed == [step_key(1)]  # the partition says its data is gone
     assert meta["keep_from_step"] == 6 and meta["shard_files_deleted"] == 2
@@ -296,14 +301,7 @@ def test_pruned_history_takes_the_ingestion_runs_and_keys_of_deleted_steps_only(
                                       tags={"dagster/partition": step_key(3)})
         create_run_for_test(instance, job_name="ingest_step", status=DagsterRunStatus.STARTED,
                             tags={"dagster/partition": step_key(1)})  # in flight: protected
-        result = materialize(
-            [storage_retention], instance=instance, partition_key=step_key(8),
-            resources={"storage": StorageResource(url=storage.url()),
-                       "refresh": RefreshPolicyResource(window=4, retain_steps=4,
-                                                        prune_history=True),
-                       "trainer": TrainerResource(work_dir=str(tmp_path / "training"))})
-        meta = {k: v.value for k, v in result.asset_materializations_for_node(
-            "storage_retention")[0].metadata.items()}
+        meta = retain(instance, storage, 8, tmp_path, prune_history=True)
         keys = instance.get_dynamic_partitions("rl_steps")
         left = {r.run_id for r in instance.get_runs()}
     assert meta["history_steps_pruned"] == [0, 3, 4] and meta["runs_deleted"] == 3
