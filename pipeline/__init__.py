@@ -34,7 +34,8 @@ Data flows one way: a stage imports the foundation and earlier stages, never a l
 the foundation imports no stage. :mod:`checks` (quality checks over several stages),
 :mod:`demo` (the demo RL trainer), :mod:`adapters` (real RL trainers writing snapshots
 and reading the serving drafter back) and :mod:`monitor` (the serving drafter after its
-promotion: acceptance as the RL engine saw it, verification, drift) sit on top.
+promotion: acceptance as the RL engine saw it, verification, drift) and :mod:`retention`
+(deleting old steps' data once it is no longer needed, across several stages) sit on top.
 ``tests/test_architecture.py`` enforces this, and that nothing here imports ``dagster``.
 """
 
@@ -42,4 +43,4 @@ STAGES = ("snapshot", "tokenize", "capture", "vocab", "training", "evaluation", 
 FOUNDATION = ("owners", "local_tree", "s3_client", "storage", "layout", "formats", "records",
               "contracts", "manifest", "verified", "parquet", "serving_now", "eagle3", "sampling",
               "attention_kernels", "argv_template")
-ON_TOP = ("checks", "demo", "adapters", "monitor")
+ON_TOP = ("checks", "demo", "adapters", "monitor", "retention")
