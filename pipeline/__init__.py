@@ -25,10 +25,12 @@ writes), :mod:`records` (versioned JSON records), :mod:`contracts`
 + :mod:`manifest` (dataset manifests), :mod:`verified` (reading committed datasets, every
 byte checked against its manifest, and the local dataset cache), :mod:`parquet`,
 :mod:`serving_now` (the record of the drafter serving now: release writes it, training's
-warm start and evaluation's champion read it), :mod:`eagle3` (the drafter model, TTT
-and the SGLang format, shared by training and evaluation), :mod:`sampling` (the sampler
-settings a snapshot records and the evaluation decodes at) and :mod:`attention_kernels`
-(the fused attention kernels capture, training and evaluation run with).
+warm start and evaluation's champion read it), :mod:`drafters` (the drafter-algorithm
+seam: what every algorithm provides), :mod:`eagle3` (EAGLE-3: the model, TTT, the SGLang
+format, its format check and proposer), :mod:`algorithms` (every drafter algorithm,
+registered once), :mod:`sampling` (the sampler settings a snapshot records and the
+evaluation decodes at) and :mod:`attention_kernels` (the fused attention kernels capture,
+training and evaluation run with).
 
 Data flows one way: a stage imports the foundation and earlier stages, never a later one;
 the foundation imports no stage. :mod:`checks` (quality checks over several stages),
@@ -41,6 +43,6 @@ promotion: acceptance as the RL engine saw it, verification, drift) and :mod:`re
 
 STAGES = ("snapshot", "tokenize", "capture", "vocab", "training", "evaluation", "release")
 FOUNDATION = ("owners", "local_tree", "s3_client", "storage", "layout", "formats", "records",
-              "contracts", "manifest", "verified", "parquet", "serving_now", "eagle3", "sampling",
-              "attention_kernels", "argv_template")
+              "contracts", "manifest", "verified", "parquet", "serving_now", "drafters", "eagle3",
+              "algorithms", "sampling", "attention_kernels", "argv_template")
 ON_TOP = ("checks", "demo", "adapters", "monitor", "retention")

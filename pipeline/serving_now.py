@@ -10,10 +10,11 @@ stages read it without importing the release stage.
 
 Invariants:
 
-- Stdlib only, frozen, JSON round-trip with ``SCHEMA_VERSION``; a reader refuses a manifest
-  written by a newer schema.
+- The record is stdlib only, frozen, JSON round-trip with ``SCHEMA_VERSION``; a reader
+  refuses a manifest written by a newer schema.
 - The settings are :class:`~pipeline.eagle3.spec.SpecParams`, the same record (and
-  SGLang rules) acceptance evaluation measures with.
+  SGLang rules) acceptance evaluation measures with; the flags are the drafter algorithm's
+  (:mod:`pipeline.algorithms`).
 - ``sglang_args`` hold the literal placeholder ``{drafter_dir}`` for the draft-model path:
   where the drafter lands is decided by whoever launches the server
   (:func:`ServingManifest.launch_args`).
@@ -26,6 +27,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.algorithms import DEFAULT_ALGORITHM
+from pipeline.algorithms import algorithm as drafter_algorithm
 from pipeline.eagle3.spec import SpecParams
 from pipeline.layout import serving_prefix
 from pipeline.manifest import manifest_key
@@ -37,21 +40,16 @@ SERVING_SCHEMA_VERSION = 1
 DRAFTER_DIR = "{drafter_dir}"
 
 
-def serving_args(settings: SpecParams, drafter_dir: str = DRAFTER_DIR) -> tuple[str, ...]:
-    """SGLang's flags that serve an EAGLE-3 drafter from ``drafter_dir`` with ``settings``."""
-    return ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter_dir,
-            *settings.sglang_args())
+def serving_args(settings: SpecParams, drafter_dir: str = DRAFTER_DIR,
+                 algorithm: str = DEFAULT_ALGORITHM) -> tuple[str, ...]:
+    """SGLang's flags that serve an ``algorithm`` drafter from ``drafter_dir``."""
+    return drafter_algorithm(algorithm).sglang_args(settings, drafter_dir)
 
 
-def vllm_speculative_config(settings: SpecParams, drafter_dir: str) -> str:
-    """vLLM's ``--speculative-config`` JSON for an EAGLE-3 drafter in ``drafter_dir``: vLLM
-    (0.33) drafts EAGLE-3 as a chain of ``num_speculative_tokens``, so only ``eagle_topk``
-    1 has an equivalent."""
-    if settings.eagle_topk != 1:
-        raise ValueError(f"eagle_topk {settings.eagle_topk}: vLLM drafts EAGLE-3 as a chain "
-                         "only; serve it with eagle_topk 1")
-    return json.dumps({"method": "eagle3", "model": drafter_dir,
-                       "num_speculative_tokens": settings.num_steps}, separators=(",", ":"))
+def vllm_speculative_config(settings: SpecParams, drafter_dir: str,
+                            algorithm: str = DEFAULT_ALGORITHM) -> str:
+    """vLLM's ``--speculative-config`` JSON for an ``algorithm`` drafter in ``drafter_dir``."""
+    return drafter_algorithm(algorithm).vllm_speculative_config(settings, drafter_dir)
 
 
 ENGINES = ("sglang", "vllm", "trl-vllm-serve", "nemo-rl", "verl")
@@ -61,22 +59,23 @@ _HYDRA_KEYS = {  # where a trainer's config passes vLLM its speculative_config
 }
 
 
-def engine_args(engine: str, settings: SpecParams, drafter_dir: str) -> tuple[str, ...]:
-    """The launch flags that serve the drafter in ``drafter_dir`` on ``engine``: SGLang's
-    ``launch_server``, ``vllm serve``, TRL's ``trl vllm-serve`` (which forwards its
-    ``--speculative_config`` to vLLM), or the config overrides of NeMo-RL (its vLLM workers
-    pass ``policy.generation.vllm_kwargs`` to the engine) or verl (its vLLM servers take
-    ``rollout.engine_kwargs.vllm`` as engine arguments)."""
+def engine_args(engine: str, settings: SpecParams, drafter_dir: str,
+                algorithm: str = DEFAULT_ALGORITHM) -> tuple[str, ...]:
+    """The launch flags that serve the ``algorithm`` drafter in ``drafter_dir`` on
+    ``engine``: SGLang's ``launch_server``, ``vllm serve``, TRL's ``trl vllm-serve`` (which
+    forwards its ``--speculative_config`` to vLLM), or the config overrides of NeMo-RL (its
+    vLLM workers pass ``policy.generation.vllm_kwargs`` to the engine) or verl (its vLLM
+    servers take ``rollout.engine_kwargs.vllm`` as engine arguments)."""
     if engine == "sglang":
-        return serving_args(settings, drafter_dir)
+        return serving_args(settings, drafter_dir, algorithm)
+    if engine not in ("vllm", "trl-vllm-serve", *_HYDRA_KEYS):
+        raise ValueError(f"engine {engine!r} is not one of {ENGINES}")
+    config = vllm_speculative_config(settings, drafter_dir, algorithm)
     if engine == "vllm":
-        return ("--speculative-config", vllm_speculative_config(settings, drafter_dir))
+        return ("--speculative-config", config)
     if engine == "trl-vllm-serve":
-        return ("--speculative_config", vllm_speculative_config(settings, drafter_dir))
-    if engine in _HYDRA_KEYS:
-        spec = json.loads(vllm_speculative_config(settings, drafter_dir))
-        return tuple(f"++{_HYDRA_KEYS[engine]}.{k}={v}" for k, v in spec.items())
-    raise ValueError(f"engine {engine!r} is not one of {ENGINES}")
+        return ("--speculative_config", config)
+    return tuple(f"++{_HYDRA_KEYS[engine]}.{k}={v}" for k, v in json.loads(config).items())
 
 
 def drafter_name(version: str | None, fingerprint: str | None) -> str:

@@ -42,10 +42,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.algorithms import as_drafter
 from pipeline.attention_kernels import shape_stable
-from pipeline.eagle3.model import Eagle3Drafter
+from pipeline.drafters.protocol import Drafter
 from pipeline.eagle3.spec import SpecParams
-from pipeline.evaluation.drafter import Drafter, as_drafter
 from pipeline.evaluation.metrics import AcceptanceStats
 from pipeline.evaluation.sampling import first_token, judge
 from pipeline.evaluation.target import TargetRunner
@@ -78,15 +78,15 @@ class CycleTrace:
     emitted: list[int]
 
 
-def evaluate(target: nn.Module, drafter: Eagle3Drafter | Drafter | None,
+def evaluate(target: nn.Module, drafter: nn.Module | Drafter | None,
              prompts: Sequence[Sequence[int]], params: SpecParams | None = None, *,
              max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None,
              sampler: SamplingParams = GREEDY, seed: int = 0,
              trace: list[CycleTrace] | None = None) -> EvalRun:
     """Speculative decoding of every prompt; summed stats and the outputs.
 
-    ``target``: a transformers Llama-style causal LM. ``drafter``: an
-    :class:`Eagle3Drafter` (e.g. from ``load_drafter``), any :class:`Drafter`, or None for
+    ``target``: a transformers Llama-style causal LM. ``drafter``: a
+    drafter family's model (e.g. from its ``load``), any :class:`Drafter`, or None for
     the no-drafter baseline. ``params`` default to SGLang's auto choice for the target's
     architecture (ignored without a drafter). ``eos_token_id``: None never stops early.
     ``sampler``: how the target samples (greedy by default); ``seed`` seeds prompt i's

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pipeline.algorithms import UnknownAlgorithmError, algorithm_of_directory, algorithm_served_as
 from pipeline.capture.engine_http import (
     CallStats,
     JsonHttp,
@@ -16,6 +17,7 @@ from pipeline.capture.engine_http import (
     TransientFailure,
     json_int,
 )
+from pipeline.drafters.algorithm import DrafterAlgorithm
 from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.engine_api import EngineRun
 from pipeline.evaluation.sglang_mode import (
@@ -40,11 +42,7 @@ class SGLang:
                      "enable_deterministic_inference", "disable_radix_cache")
 
     def speculative_args(self, drafter: Path, params: SpecParams) -> list[str]:
-        return ["--speculative-algorithm", "EAGLE3",
-                "--speculative-draft-model-path", str(drafter),
-                "--speculative-num-steps", str(params.num_steps),
-                "--speculative-eagle-topk", str(params.eagle_topk),
-                "--speculative-num-draft-tokens", str(params.num_draft_tokens)]
+        return list(_algorithm_of(drafter).sglang_args(params, str(drafter)))
 
     def server_info(self, url: str) -> dict[str, Any]:
         http = JsonHttp(timeout_s=30.0, connect_timeout_s=10.0)
@@ -57,7 +55,7 @@ class SGLang:
                       params: SpecParams) -> None:
         algorithm = info.get("speculative_algorithm")
         path = info.get("speculative_draft_model_path")
-        if str(algorithm).upper() != "EAGLE3" or not path:
+        if algorithm_served_as(sglang_algorithm=algorithm) is None or not path:
             raise SpeculativeConfigError(
                 f"{label} came up without speculative decoding (server_info: "
                 f"speculative_algorithm={algorithm!r}, speculative_draft_model_path={path!r}); "
@@ -65,6 +63,10 @@ class SGLang:
         if str(path) != str(drafter) and Path(str(path)).name != drafter.name:
             raise SpeculativeConfigError(f"{label} loaded the drafter {path}, not the one it "
                                          f"was given ({drafter})")
+        expected = _algorithm_of(drafter).sglang_algorithm
+        if str(algorithm).upper() != expected:
+            raise SpeculativeConfigError(f"{label} serves its drafter as {algorithm!r}, the "
+                                         f"drafter's algorithm is {expected}")
         reported = (info.get("speculative_num_steps"), info.get("speculative_eagle_topk"),
                     info.get("speculative_num_draft_tokens"))
         if reported != (params.num_steps, params.eagle_topk, params.num_draft_tokens):
@@ -152,3 +154,10 @@ def parse_plain(body: Any, max_new_tokens: int) -> Answer:
     forwards = completion - 1 if json_int(completion) else None  # judged by the parser
     return parse_spec_response({**body, "meta_info": {**meta, "spec_verify_ct": forwards}},
                                max_new_tokens=max_new_tokens, num_steps=0)
+
+
+def _algorithm_of(drafter: Path) -> DrafterAlgorithm:
+    try:
+        return algorithm_of_directory(drafter)
+    except UnknownAlgorithmError as e:
+        raise SpeculativeConfigError(f"the drafter to serve: {e}") from e

@@ -51,6 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
+from pipeline.algorithms import ALGORITHMS, algorithm_served_as
 from pipeline.capture.engine_http import (
     CallStats,
     EngineConfigError,
@@ -376,9 +377,10 @@ def _check_settings(urls: tuple[str, ...], infos: list[dict[str, Any]]) -> dict[
     for url, info in zip(urls, infos, strict=True):
         algorithm = info.get("speculative_algorithm")
         draft = info.get("speculative_draft_model_path")
-        if algorithm is None or str(algorithm).upper() != "EAGLE3" or not draft:
+        if algorithm_served_as(sglang_algorithm=algorithm) is None or not draft:
             raise SpeculativeConfigError(
-                f"server at {url} does not decode with an EAGLE-3 drafter "
+                f"server at {url} does not decode with a drafter of an algorithm Aerie "
+                f"knows ({sorted(ALGORITHMS)}) "
                 f"(server_info: speculative_algorithm={algorithm!r}, "
                 f"speculative_draft_model_path={draft!r}); launch it with {SPEC_FLAGS} "
                 f"(docs/sglang.md)")

@@ -25,51 +25,14 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-ROOT = -1  # the parent id of depth-1 candidates: the last verified token
+from pipeline.drafters.protocol import ROOT, CandidateTree
 
 # propose(tree, frontier, k) -> (probs (F, k) fp32, target token ids (F, k))
-ProposeFn = Callable[["CandidateTree", Sequence[int], int], tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class CandidateTree:
-    """Every draft candidate of one cycle: token, parent (ROOT or an earlier node), depth."""
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    depths: list[int] = field(default_factory=list)  # 1 for children of the root
-    scores: list[torch.Tensor] = field(default_factory=list)  # per step, fp32 (n_step,)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def add(self, tokens: Sequence[int], parents: Sequence[int], depth: int,
-            scores: torch.Tensor) -> list[int]:
-        """Append one step's candidates; returns their node ids."""
-        start = len(self.tokens)
-        self.tokens.extend(int(t) for t in tokens)
-        self.parents.extend(int(p) for p in parents)
-        self.depths.extend([depth] * len(tokens))
-        self.scores.append(scores.float().reshape(-1))
-        return list(range(start, len(self.tokens)))
-
-    def depth(self, node: int) -> int:
-        return 0 if node == ROOT else self.depths[node]
-
-    def path(self, node: int) -> list[int]:
-        """Node ids from depth 1 down to ``node`` (empty for the ROOT)."""
-        out = []
-        while node != ROOT:
-            out.append(node)
-            node = self.parents[node]
-        return out[::-1]
-
-    def path_tokens(self, node: int) -> list[int]:
-        return [self.tokens[n] for n in self.path(node)]
+ProposeFn = Callable[[CandidateTree, Sequence[int], int], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,11 @@ server (vLLM 0.33, sources in docs/vllm.md):
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from pipeline.algorithms import UnknownAlgorithmError, algorithm_of_directory
 from pipeline.capture.engine_http import (
     CallStats,
     EngineRequestError,
@@ -40,7 +42,6 @@ from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.engine_api import EngineRun
 from pipeline.evaluation.sglang_mode import ServerAcceptanceError, SpeculativeConfigError
 from pipeline.sampling import SamplingParams, prompt_seed
-from pipeline.serving_now import vllm_speculative_config
 
 
 class VLLM:
@@ -54,8 +55,8 @@ class VLLM:
 
     def speculative_args(self, drafter: Path, params: SpecParams) -> list[str]:
         try:
-            config = vllm_speculative_config(params, str(drafter))
-        except ValueError as e:
+            config = algorithm_of_directory(drafter).vllm_speculative_config(params, str(drafter))
+        except ValueError as e:  # an UnknownAlgorithmError too
             raise SpeculativeConfigError(f"the vllm evaluator: {e}") from e
         return ["--speculative-config", config, "--per-request-spec-decode-metrics", "summary"]
 
@@ -88,10 +89,16 @@ class VLLM:
         if str(model) != str(drafter) and Path(str(model)).name != drafter.name:
             raise SpeculativeConfigError(f"{label} loaded the drafter {model}, not the one it "
                                          f"was given ({drafter})")
+        try:
+            algorithm = algorithm_of_directory(drafter)
+        except UnknownAlgorithmError as e:
+            raise SpeculativeConfigError(f"the drafter {label} was given: {e}") from e
+        asked = json.loads(algorithm.vllm_speculative_config(params, str(drafter)))
         served = (spec.get("method"), spec.get("num_speculative_tokens"))
-        if served != ("eagle3", params.num_steps):
+        wanted = (asked["method"], asked["num_speculative_tokens"])
+        if served != wanted:
             raise SpeculativeConfigError(f"{label} runs method/num_speculative_tokens "
-                                         f"{served}, not ('eagle3', {params.num_steps})")
+                                         f"{served}, not {wanted}")
 
     def check_plain(self, label: str, info: dict[str, Any]) -> None:
         spec = info.get("speculative_config")

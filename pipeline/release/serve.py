@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.algorithms import format_errors
 from pipeline.evaluation.stage import NO_DRAFTER, AcceptanceReport, Contestant
 from pipeline.layout import drafter_prefix
 from pipeline.release.backend import ServingBackend
-from pipeline.release.format_check import drafter_format_errors
 from pipeline.release.gate import Candidate, Decision, EvalSummary, GatePolicy, decide
 from pipeline.release.mlflow_registry import DrafterRegistry
 from pipeline.release.promotion import PromotionResult, promote
@@ -42,7 +42,7 @@ def run(storage: Storage, registry: DrafterRegistry, serving: ServingBackend,
         raise ReleaseError(f"drafter {cand.fingerprint} of step {step} is not registered: "
                            f"materialize registered_drafter first")
     local = fetch(storage, drafter_prefix(step), kind=DRAFTER_KIND, label="drafter")
-    errors = drafter_format_errors(local)
+    errors = format_errors(local)
     champion = None
     if "champion" in report.contestants:
         measured = report.contestants["champion"]

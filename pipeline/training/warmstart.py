@@ -1,7 +1,8 @@
 """Refresh warm start: begin from the serving (or a given) drafter when it fits, else scratch.
 
-A source fits when :func:`shapes_match` holds AND it reads the same aux layers (``fc``'s
-columns mean those layers' features; equal shapes with other ids would be a silent mismatch).
+A source fits when it is a drafter of the same algorithm, :func:`shapes_match` holds AND it
+reads the same aux layers (``fc``'s columns mean those layers' features; equal shapes with
+other ids would be a silent mismatch).
 Then :func:`pipeline.eagle3.export.warm_start` copies every weight and carries ``lm_head`` rows
 over by target token, so a changed draft vocab keeps what it can. The decision and its reason
 are returned for the asset metadata; an unreadable source is an error, not a silent scratch.
@@ -12,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pipeline.algorithms import algorithm_of_directory, algorithm_of_model
 from pipeline.eagle3.config import shapes_match
 from pipeline.eagle3.export import load_drafter, read_drafter_config, warm_start
 from pipeline.eagle3.model import Eagle3Drafter
@@ -28,6 +30,10 @@ def apply_warm_start(model: Eagle3Drafter, directory: str | Path | None,
                 "lm_head_rows_carried": 0}
     directory = Path(directory)
     label = source or str(directory)
+    was, now = algorithm_of_directory(directory), algorithm_of_model(model)
+    if was != now:
+        return {"mode": "scratch", "source": label, "lm_head_rows_carried": 0,
+                "reason": f"algorithms differ (old, new): ({was.title}, {now.title})"}
     old = read_drafter_config(directory)
     new = model.config
     if not shapes_match(new, old):

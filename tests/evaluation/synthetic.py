@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from pipeline.evaluation.tree import CandidateTree
+from pipeline.drafters.protocol import CandidateTree
 
 # greedy_rank(context, draft_position) -> rank of the target's greedy token, None: absent
 RankFn = Callable[[Sequence[int], int], "int | None"]

@@ -15,8 +15,8 @@ import torch
 
 from pipeline.capture.hf import HFCaptureBackend
 from pipeline.eagle3.drafting import KVCache, decode
+from pipeline.eagle3.proposer import Eagle3Proposer
 from pipeline.eagle3.spec import SpecParams
-from pipeline.evaluation.eagle import Eagle3Proposer
 from pipeline.evaluation.engine import evaluate
 from tests.evaluation.conftest import AUX_LAYER_IDS
 

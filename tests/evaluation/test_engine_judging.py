@@ -5,7 +5,6 @@ servers themselves are in ``test_on_engine.py``)."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
@@ -23,6 +22,7 @@ from pipeline.evaluation.sglang_mode import SpeculativeConfigError
 from pipeline.evaluation.vllm_engine import VLLM, _parse, _request
 from pipeline.sampling import GREEDY, SamplingParams, prompt_seed
 from resources.evaluator import EngineServersConfig, EvaluatorResource
+from tests.release.helpers import make_drafter_dir
 
 pytestmark = pytest.mark.unit
 
@@ -96,17 +96,23 @@ def test_the_resource_names_a_bad_template_with_an_example():
     assert built.servers.launch == TEMPLATE and built.servers.tie_nats == 0.0
 
 
-def test_each_engine_gets_its_own_flags_and_vllm_refuses_a_tree():
-    chain = SpecParams(3, 1, 4)
-    assert SGLang().speculative_args(Path("/d"), SpecParams(3, 2, 6))[-6:] == [
+def test_each_engine_gets_its_own_flags_and_vllm_refuses_a_tree(tmp_path):
+    chain, d = SpecParams(3, 1, 4), make_drafter_dir(tmp_path / "d")
+    assert SGLang().speculative_args(d, SpecParams(3, 2, 6)) == [
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(d),
         "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
         "--speculative-num-draft-tokens", "6"]
-    flags = VLLM().speculative_args(Path("/d"), chain)
+    flags = VLLM().speculative_args(d, chain)
     assert flags == ["--speculative-config",
-                     '{"method":"eagle3","model":"/d","num_speculative_tokens":3}',
+                     f'{{"method":"eagle3","model":"{d}","num_speculative_tokens":3}}',
                      "--per-request-spec-decode-metrics", "summary"]
     with pytest.raises(SpeculativeConfigError, match="chain only"):
-        VLLM().speculative_args(Path("/d"), SpecParams(3, 2, 6))
+        VLLM().speculative_args(d, SpecParams(3, 2, 6))
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text('{"architectures": ["Medusa"]}')
+    for engine in (SGLang(), VLLM()):
+        with pytest.raises(SpeculativeConfigError, match=r"\['Medusa'\] name no drafter"):
+            engine.speculative_args(tmp_path / "x", chain)
 
 
 def test_a_vllm_request_sets_every_sampler_field_and_the_prompts_seed():

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.algorithms import format_errors
 from pipeline.capture.config import ExtractConfig
 from pipeline.capture.heldout import heldout_prompts
 from pipeline.capture.hf import HFCaptureBackend
@@ -30,7 +31,6 @@ from pipeline.evaluation import stage as eval_stage
 from pipeline.evaluation.config import EvalConfig
 from pipeline.layout import drafter_prefix, shards_prefix
 from pipeline.manifest import Manifest, read_manifest
-from pipeline.release.format_check import drafter_format_errors
 from pipeline.tokenize.reader import TokenizedSample
 from pipeline.training import stage as train_stage
 from pipeline.training.config import TrainConfig
@@ -254,7 +254,7 @@ def test_a_narrower_drafter_trains_exports_and_decodes(narrow):
     ``target_hidden_size``, passes the serving format check and decodes losslessly against
     the reference."""
     storage, local, _ = narrow
-    assert drafter_format_errors(local) == ()
+    assert format_errors(local) == ()
     written = json.loads((local / "config.json").read_text())
     assert (written["hidden_size"], written["target_hidden_size"]) == (32, 64)
     assert (written["num_attention_heads"], written["head_dim"]) == (4, 8)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.release.format_check import drafter_format_errors
+from pipeline.eagle3.format_check import drafter_format_errors
 from tests.release.helpers import make_drafter_dir
 
 

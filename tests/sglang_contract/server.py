@@ -193,9 +193,9 @@ class SpecDecoder:
 
     @classmethod
     def for_endpoint(cls, config: EndpointConfig, model: Model) -> SpecDecoder:
+        from pipeline.algorithms import as_drafter
         from pipeline.eagle3.export import load_drafter
         from pipeline.eagle3.spec import SpecParams
-        from pipeline.evaluation.drafter import as_drafter
 
         target = model.model
         params = SpecParams.resolve(

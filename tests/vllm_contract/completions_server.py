@@ -216,9 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     model = Model(args.model)
     spec = None
     if spec_json:
+        from pipeline.algorithms import as_drafter
         from pipeline.eagle3.export import load_drafter
         from pipeline.eagle3.spec import SpecParams
-        from pipeline.evaluation.drafter import as_drafter
 
         drafter_dir, k = speculative_drafter(spec_json)
         drafter = as_drafter(load_drafter(drafter_dir,

@@ -24,12 +24,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from pipeline.drafters.protocol import ROOT, CandidateTree
 from pipeline.eagle3.model import Eagle3Drafter, repeat_kv
-from pipeline.evaluation.tree import ROOT, CandidateTree
 
 
 class Eagle3Proposer:
-    """The engine's :class:`~pipeline.evaluation.drafter.Drafter` for an EAGLE-3 model."""
+    """The engine's :class:`~pipeline.drafters.protocol.Drafter` for an EAGLE-3 model."""
 
     def __init__(self, model: Eagle3Drafter):
         self.model = model

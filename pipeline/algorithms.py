@@ -1,0 +1,103 @@
+"""The drafter algorithms Aerie trains, evaluates and serves: each registered once, here.
+
+Adding an algorithm is one package that builds its
+:class:`~pipeline.drafters.algorithm.DrafterAlgorithm` and one entry in :data:`ALGORITHMS`.
+Lookups refuse what no algorithm claims with an :class:`UnknownAlgorithmError` that names
+the value and the algorithms there are.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch import nn
+
+from pipeline.drafters.algorithm import DrafterAlgorithm
+from pipeline.drafters.protocol import Drafter
+from pipeline.eagle3.algorithm import EAGLE3
+
+ALGORITHMS: dict[str, DrafterAlgorithm] = {a.name: a for a in (EAGLE3,)}
+DEFAULT_ALGORITHM = EAGLE3.name
+CONFIG_NAME = "config.json"
+
+
+class UnknownAlgorithmError(ValueError):
+    """A name, export or model that no registered drafter algorithm claims."""
+
+
+def algorithm(name: str) -> DrafterAlgorithm:
+    """The algorithm registered as ``name``."""
+    try:
+        return ALGORITHMS[name]
+    except (KeyError, TypeError):
+        raise UnknownAlgorithmError(f"drafter algorithm {name!r} is not one of "
+                                    f"{sorted(ALGORITHMS)}") from None
+
+
+def algorithm_of_architectures(architectures: object, where: str) -> DrafterAlgorithm:
+    """The algorithm whose exports name one of ``architectures`` (read from ``where``)."""
+    names = architectures if isinstance(architectures, list) else []
+    for a in ALGORITHMS.values():
+        if any(name in a.architectures for name in names):
+            return a
+    known = sorted(name for a in ALGORITHMS.values() for name in a.architectures)
+    raise UnknownAlgorithmError(f"{where}: architectures {architectures!r} name no drafter "
+                                f"algorithm Aerie knows (one of {known})")
+
+
+def algorithm_of_directory(directory: str | Path) -> DrafterAlgorithm:
+    """The algorithm of the drafter exported in ``directory``, from its ``config.json``."""
+    path = Path(directory) / CONFIG_NAME
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnknownAlgorithmError(f"{path}: cannot be read as JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise UnknownAlgorithmError(f"{path}: is not a JSON object")
+    return algorithm_of_architectures(config.get("architectures"), str(path))
+
+
+def format_errors(directory: str | Path) -> tuple[str, ...]:
+    """Every reason ``directory`` is not a loadable export of a registered algorithm, by
+    that algorithm's own check; empty when it is one. Never raises for a bad export."""
+    if not (Path(directory) / CONFIG_NAME).is_file():
+        return (f"{CONFIG_NAME} is missing",)
+    try:
+        found = algorithm_of_directory(directory)
+    except UnknownAlgorithmError as e:
+        return (str(e),)
+    return found.format_errors(Path(directory))
+
+
+def algorithm_of_model(model: nn.Module) -> DrafterAlgorithm:
+    """The algorithm whose model ``model`` is."""
+    for a in ALGORITHMS.values():
+        if isinstance(model, a.model):
+            return a
+    raise UnknownAlgorithmError(f"{type(model).__name__} is the model of no drafter "
+                                f"algorithm ({sorted(ALGORITHMS)})")
+
+
+def algorithm_served_as(sglang_algorithm: object = None, vllm_method: object = None
+                        ) -> DrafterAlgorithm | None:
+    """The algorithm an engine reports serving (SGLang's ``speculative_algorithm``,
+    case-insensitive, or vLLM's ``method``), or None when it names none."""
+    for a in ALGORITHMS.values():
+        if sglang_algorithm is not None and str(sglang_algorithm).upper() == a.sglang_algorithm:
+            return a
+        if vllm_method is not None and vllm_method == a.vllm_method:
+            return a
+    return None
+
+
+def as_drafter(obj: nn.Module | Drafter) -> Drafter:
+    """An algorithm's model wrapped in its proposer for the engine, or a :class:`Drafter`
+    as is."""
+    for a in ALGORITHMS.values():
+        if isinstance(obj, a.model):
+            return a.proposer(obj)
+    if isinstance(obj, Drafter):
+        return obj
+    raise TypeError(f"{type(obj).__name__} is neither a drafter algorithm's model "
+                    f"({sorted(ALGORITHMS)}) nor a Drafter")

@@ -1,0 +1,60 @@
+"""The record one drafter algorithm registers: everything that differs between algorithms.
+
+A stage never names an algorithm's modules: it looks the algorithm up by name
+(:func:`pipeline.algorithms.algorithm`), by an export's ``config.json``
+(:func:`pipeline.algorithms.algorithm_of_directory`) or by a model
+(:func:`pipeline.algorithms.algorithm_of_model`), and calls what the record holds.
+
+Invariants:
+
+- ``name`` is Aerie's name for the algorithm (configuration, reports, tags); the SGLang and
+  vLLM names are the engines' own (``--speculative-algorithm``, ``speculative_config.method``).
+- ``architectures`` are the ``config.json`` ``architectures`` values the algorithm's exports
+  name; no two algorithms share one, so an export names its algorithm.
+- The serving flags are built here from the algorithm's names and its own settings, so every
+  launcher (serving modes, ``aerie serving-args``, the engine evaluator) emits the same flags.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from pipeline.drafters.protocol import Drafter
+
+if TYPE_CHECKING:
+    from pipeline.eagle3.spec import SpecParams
+
+
+@dataclass(frozen=True)
+class DrafterAlgorithm:
+    """One drafter algorithm (module docstring)."""
+
+    name: str  # Aerie's name: "eagle3"
+    title: str  # for people: "EAGLE-3"
+    architectures: tuple[str, ...]  # what config.json "architectures" names in an export
+    sglang_algorithm: str  # SGLang's --speculative-algorithm
+    vllm_method: str  # vLLM's speculative_config "method"
+    model: type[nn.Module]  # what it trains, exports and decodes with
+    # (directory, the target's input embedding, dtype=, device=) -> model
+    load: Callable[..., nn.Module]
+    format_errors: Callable[[Path], tuple[str, ...]]  # every reason an export won't load
+    proposer: Callable[[nn.Module], Drafter]  # the in-process engine's drafter for a model
+    sglang_settings: Callable[[SpecParams], tuple[str, ...]]  # flags after the draft path
+    vllm_settings: Callable[[SpecParams], Mapping[str, Any]]  # speculative_config entries
+
+    def sglang_args(self, settings: SpecParams, drafter_dir: str) -> tuple[str, ...]:
+        """SGLang's flags that serve this algorithm's drafter from ``drafter_dir``."""
+        return ("--speculative-algorithm", self.sglang_algorithm,
+                "--speculative-draft-model-path", drafter_dir, *self.sglang_settings(settings))
+
+    def vllm_speculative_config(self, settings: SpecParams, drafter_dir: str) -> str:
+        """vLLM's ``--speculative-config`` JSON that serves this algorithm's drafter."""
+        return json.dumps({"method": self.vllm_method, "model": drafter_dir,
+                           **self.vllm_settings(settings)}, separators=(",", ":"))
+
