@@ -21,6 +21,7 @@ from assets.checks import result, spec
 from assets.partitions import refresh_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from assets.versions import CODE_VERSIONS
+from pipeline.algorithms import ALGORITHMS
 from pipeline.checks import MIN_VOCAB_COVERAGE, training_loss, vocab_coverage
 from pipeline.training.config import TrainConfig
 from pipeline.vocab.config import DEFAULT_DRAFT_VOCAB_SIZE
@@ -82,6 +83,10 @@ class DrafterRunConfig(Config):
     drafter_heads: int = Field(default=0, description="attention heads (0: derived)")
     drafter_kv_heads: int = Field(default=0, description="KV heads (0: derived)")
     drafter_head_dim: int = Field(default=0, description="head size (0: derived)")
+    drafter_algorithm: str = Field(default=_T.drafter_algorithm,
+                                   description=f"the drafter algorithm, one of "
+                                               f"{', '.join(ALGORITHMS)} (the refresh job's "
+                                               "default: AERIE_DRAFTER_ALGORITHM)")
     warm_start: str = Field(default="serving", description="serving (the drafter serving now) "
                             "| previous (the newest committed one) | none | a storage prefix "
                             "or local drafter dir")

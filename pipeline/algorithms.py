@@ -9,15 +9,17 @@ the value and the algorithms there are.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
 from pipeline.drafters.algorithm import DrafterAlgorithm
 from pipeline.drafters.protocol import Drafter
-from pipeline.eagle3.algorithm import EAGLE3
+from pipeline.eagle3.algorithm import EAGLE3, EAGLE31
 
-ALGORITHMS: dict[str, DrafterAlgorithm] = {a.name: a for a in (EAGLE3,)}
+ALGORITHMS: dict[str, DrafterAlgorithm] = {a.name: a for a in (EAGLE3, EAGLE31)}
 DEFAULT_ALGORITHM = EAGLE3.name
 CONFIG_NAME = "config.json"
 
@@ -35,15 +37,22 @@ def algorithm(name: str) -> DrafterAlgorithm:
                                     f"{sorted(ALGORITHMS)}") from None
 
 
-def algorithm_of_architectures(architectures: object, where: str) -> DrafterAlgorithm:
-    """The algorithm whose exports name one of ``architectures`` (read from ``where``)."""
+def algorithm_of_config(config: Mapping[str, Any], where: str) -> DrafterAlgorithm:
+    """The one algorithm that claims the export ``config`` (a ``config.json`` read from
+    ``where``)."""
+    architectures = config.get("architectures")
     names = architectures if isinstance(architectures, list) else []
-    for a in ALGORITHMS.values():
-        if any(name in a.architectures for name in names):
-            return a
-    known = sorted(name for a in ALGORITHMS.values() for name in a.architectures)
-    raise UnknownAlgorithmError(f"{where}: architectures {architectures!r} name no drafter "
-                                f"algorithm Aerie knows (one of {known})")
+    listed = [a for a in ALGORITHMS.values() if any(n in a.architectures for n in names)]
+    if not listed:
+        known = sorted({n for a in ALGORITHMS.values() for n in a.architectures})
+        raise UnknownAlgorithmError(f"{where}: architectures {architectures!r} name no "
+                                    f"drafter algorithm Aerie knows (one of {known})")
+    claimed = [a for a in listed if a.claims(config)]
+    if len(claimed) != 1:
+        raise UnknownAlgorithmError(
+            f"{where}: {len(claimed)} of the algorithms {[a.name for a in listed]} claim this "
+            f"export; its keys match {'none' if not claimed else [a.name for a in claimed]}")
+    return claimed[0]
 
 
 def algorithm_of_directory(directory: str | Path) -> DrafterAlgorithm:
@@ -55,7 +64,7 @@ def algorithm_of_directory(directory: str | Path) -> DrafterAlgorithm:
         raise UnknownAlgorithmError(f"{path}: cannot be read as JSON ({e})") from e
     if not isinstance(config, dict):
         raise UnknownAlgorithmError(f"{path}: is not a JSON object")
-    return algorithm_of_architectures(config.get("architectures"), str(path))
+    return algorithm_of_config(config, str(path))
 
 
 def format_errors(directory: str | Path) -> tuple[str, ...]:
@@ -70,30 +79,18 @@ def format_errors(directory: str | Path) -> tuple[str, ...]:
     return found.format_errors(Path(directory))
 
 
-def algorithm_of_model(model: nn.Module) -> DrafterAlgorithm:
-    """The algorithm whose model ``model`` is."""
-    for a in ALGORITHMS.values():
-        if isinstance(model, a.model):
-            return a
-    raise UnknownAlgorithmError(f"{type(model).__name__} is the model of no drafter "
-                                f"algorithm ({sorted(ALGORITHMS)})")
-
-
-def algorithm_served_as(sglang_algorithm: object = None, vllm_method: object = None
-                        ) -> DrafterAlgorithm | None:
-    """The algorithm an engine reports serving (SGLang's ``speculative_algorithm``,
-    case-insensitive, or vLLM's ``method``), or None when it names none."""
-    for a in ALGORITHMS.values():
-        if sglang_algorithm is not None and str(sglang_algorithm).upper() == a.sglang_algorithm:
-            return a
-        if vllm_method is not None and vllm_method == a.vllm_method:
-            return a
-    return None
+def served_name_known(sglang_algorithm: object = None, vllm_method: object = None) -> bool:
+    """Whether an engine reports serving an algorithm Aerie knows: SGLang's
+    ``speculative_algorithm`` (case-insensitive) or vLLM's ``method``."""
+    return any((sglang_algorithm is not None
+                and str(sglang_algorithm).upper() == a.sglang_algorithm)
+               or (vllm_method is not None and vllm_method == a.vllm_method)
+               for a in ALGORITHMS.values())
 
 
 def as_drafter(obj: nn.Module | Drafter) -> Drafter:
     """An algorithm's model wrapped in its proposer for the engine, or a :class:`Drafter`
-    as is."""
+    as is. (Algorithms that share a model share its proposer: the model's config decides.)"""
     for a in ALGORITHMS.values():
         if isinstance(obj, a.model):
             return a.proposer(obj)

@@ -13,12 +13,32 @@ Launchpad's default and what every sensor and schedule request carries (a reques
 config of its own is run with that config whole, never the job's default). A missing file,
 bad YAML or anything but a mapping stops the code location from loading, naming the
 variable. :func:`deep_merge` is how a run config is laid over another.
+
+``AERIE_DRAFTER_ALGORITHM`` (``eagle3`` by default, or ``eagle3.1``) names the drafter
+algorithm the refresh job trains: it becomes ``drafter_checkpoint``'s ``drafter_algorithm``
+in the job's default run config, under what ``AERIE_REFRESH_RUN_CONFIG`` sets. A name no
+algorithm has stops the code location from loading, naming the choices.
 """
 
 import os
 from pathlib import Path
 
+from pipeline.algorithms import UnknownAlgorithmError, algorithm
 from resources.env import EnvConfigError
+
+ALGORITHM_VAR = "AERIE_DRAFTER_ALGORITHM"
+
+
+def drafter_algorithm_from_env() -> dict:
+    """The training run config that ``AERIE_DRAFTER_ALGORITHM`` sets; ``{}`` when unset."""
+    name = os.environ.get(ALGORITHM_VAR)
+    if not name:
+        return {}
+    try:
+        algorithm(name)
+    except UnknownAlgorithmError as e:
+        raise EnvConfigError(f"{ALGORITHM_VAR}: {e}") from None
+    return {"ops": {"drafter_checkpoint": {"config": {"drafter_algorithm": name}}}}
 
 
 def run_config_from_env(var: str) -> dict:

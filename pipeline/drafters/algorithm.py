@@ -2,15 +2,15 @@
 
 A stage never names an algorithm's modules: it looks the algorithm up by name
 (:func:`pipeline.algorithms.algorithm`), by an export's ``config.json``
-(:func:`pipeline.algorithms.algorithm_of_directory`) or by a model
-(:func:`pipeline.algorithms.algorithm_of_model`), and calls what the record holds.
+(:func:`pipeline.algorithms.algorithm_of_directory`), and calls what the record holds.
 
 Invariants:
 
 - ``name`` is Aerie's name for the algorithm (configuration, reports, tags); the SGLang and
   vLLM names are the engines' own (``--speculative-algorithm``, ``speculative_config.method``).
-- ``architectures`` are the ``config.json`` ``architectures`` values the algorithm's exports
-  name; no two algorithms share one, so an export names its algorithm.
+- An export names its algorithm: exactly one registered algorithm lists one of its
+  ``config.json`` ``architectures`` and ``claims`` it (EAGLE-3 and EAGLE 3.1 share an
+  architecture and engine names; the 3.1 keys tell them apart).
 - The serving flags are built here from the algorithm's names and its own settings, so every
   launcher (serving modes, ``aerie serving-args``, the engine evaluator) emits the same flags.
 """
@@ -38,9 +38,14 @@ class DrafterAlgorithm:
     name: str  # Aerie's name: "eagle3"
     title: str  # for people: "EAGLE-3"
     architectures: tuple[str, ...]  # what config.json "architectures" names in an export
+    # whether an export's config.json (with one of those architectures) is this algorithm's:
+    # algorithms that share an architecture tell their exports apart by other keys
+    claims: Callable[[Mapping[str, Any]], bool]
     sglang_algorithm: str  # SGLang's --speculative-algorithm
     vllm_method: str  # vLLM's speculative_config "method"
     model: type[nn.Module]  # what it trains, exports and decodes with
+    # (the target's config, draft_vocab_size=, aux_layer_ids=, shape=) -> the model's config
+    new_config: Callable[..., Any]
     # (directory, the target's input embedding, dtype=, device=) -> model
     load: Callable[..., nn.Module]
     format_errors: Callable[[Path], tuple[str, ...]]  # every reason an export won't load

@@ -102,8 +102,16 @@ class DrafterConfig:
     # None for plain RoPE.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     hidden_act: str = "silu"
+    # EAGLE 3.1 (both engines read these top-level keys): an RMSNorm over each aux state
+    # before ``fc`` (weights ``fc_norm.{i}.weight``), and the normed output fed back as the
+    # next step's hidden instead of the un-normed one
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("fc_norm", "norm_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"only SwiGLU (hidden_act 'silu') drafters are supported, got "
                              f"{self.hidden_act!r}")
@@ -210,6 +218,9 @@ class DrafterConfig:
         }
         if self.target_hidden_size != self.hidden_size:
             cfg["target_hidden_size"] = self.target_hidden_size
+        for name in ("fc_norm", "norm_output"):  # written only when set: EAGLE-3 bytes stay
+            if getattr(self, name):
+                cfg[name] = True
         return cfg
 
     @classmethod
@@ -221,6 +232,10 @@ class DrafterConfig:
         if int(cfg.get("num_hidden_layers", 1)) != 1:
             raise ValueError("only one-layer drafters are supported")
         ids = ids_from_config(cfg)
+        nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+        for name in UNSUPPORTED_VARIANTS:
+            if cfg.get(name) or nested.get(name):
+                raise ValueError(f"config.json sets {name}: {UNSUPPORTED_VARIANTS[name]}")
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         theta, scaling = read_rope(cfg)
@@ -240,7 +255,26 @@ class DrafterConfig:
             target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
             aux_layer_ids=ids,
             hidden_act=str(cfg.get("hidden_act", "silu")),
+            fc_norm=_flag(cfg, "fc_norm") or _flag(cfg, "use_aux_norm"),  # SGLang reads both
+            norm_output=_flag(cfg, "norm_output"),
         )
+
+
+def _flag(cfg: Mapping[str, Any], name: str) -> bool:
+    value = cfg.get(name, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json {name} must be true or false, got {value!r}")
+    return value
+
+
+# EAGLE-3 variants in the wild that this drafter does not compute: reading one as plain
+# EAGLE-3 would serve other numbers than it was trained for, so it is refused
+UNSUPPORTED_VARIANTS = {
+    "norm_before_fc": "one RMSNorm over the concatenated aux states (speculators' variant; "
+                      "Aerie's EAGLE 3.1 writes fc_norm, a norm per aux state)",
+    "norm_before_residual": "the normed hidden as the first layer's residual (vLLM only; "
+                            "SGLang does not compute it)",
+}
 
 
 _SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -251,11 +285,14 @@ _SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",
 def shapes_match(a: DrafterConfig, b: DrafterConfig) -> bool:
     """True when every parameter and buffer of drafters ``a`` and ``b`` has the same shape.
 
-    (The number of aux layers sizes ``fc``; their ids do not.) A warm start or a hot swap
-    needs this; a hot swap also needs an identical ``d2t``.
+    (The number of aux layers sizes ``fc``; their ids do not.) The EAGLE 3.1 flags must be
+    equal too: ``fc_norm`` adds weights, ``norm_output`` changes what the weights compute,
+    and an engine reads both at launch. A warm start or a hot swap needs this; a hot swap
+    also needs an identical ``d2t``.
     """
     return (all(getattr(a, f) == getattr(b, f) for f in _SHAPE_FIELDS)
-            and len(a.aux_layer_ids) == len(b.aux_layer_ids))
+            and len(a.aux_layer_ids) == len(b.aux_layer_ids)
+            and (a.fc_norm, a.norm_output) == (b.fc_norm, b.norm_output))
 
 
 def read_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:

@@ -91,6 +91,6 @@ def draft_reference_logits(model: Eagle3Drafter, input_ids: torch.Tensor,
         hidden = step0[t]
         logits[0, t] = model.compute_logits(hidden).float()
         for i in range(1, depth):
-            hidden = decode(model, chain, token(t + 1 + i), hidden)
+            hidden = decode(model, chain, token(t + 1 + i), model.feedback(hidden))
             logits[i, t] = model.compute_logits(hidden).float()
     return logits

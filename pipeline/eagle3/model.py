@@ -68,9 +68,12 @@ OWN_EMBEDDING = "embed_tokens.weight"
 
 
 def exported_names(config: DrafterConfig) -> tuple[str, ...]:
-    """The tensors of an exported drafter: :data:`EXPORTED_NAMES`, plus its own embedding
-    when it is narrower or wider than the target."""
-    return EXPORTED_NAMES + ((OWN_EMBEDDING,) if config.owns_embedding else ())
+    """The tensors of an exported drafter: :data:`EXPORTED_NAMES`, EAGLE 3.1's norm of each
+    aux state (``fc_norm.{i}.weight``) when it has them, and its own embedding when it is
+    narrower or wider than the target."""
+    fc_norms = tuple(f"fc_norm.{i}.weight" for i in range(len(config.aux_layer_ids))) \
+        if config.fc_norm else ()
+    return EXPORTED_NAMES + fc_norms + ((OWN_EMBEDDING,) if config.owns_embedding else ())
 
 
 @torch.no_grad()
@@ -259,6 +262,9 @@ class Eagle3Drafter(nn.Module):
             embed_weight = project_embedding(embed_weight, config.hidden_size)
         self.config = config
         self.embed_tokens = FrozenEmbedding(embed_weight, persistent=config.owns_embedding)
+        self.fc_norm = nn.ModuleList(
+            RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+            for _ in config.aux_layer_ids) if config.fc_norm else None
         self.fc = nn.Linear(config.fc_in_features, config.hidden_size, bias=False)
         self.midlayer = DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -291,8 +297,19 @@ class Eagle3Drafter(nn.Module):
         return self.fc.weight.dtype
 
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """(B, T, 3·Ht) target aux states -> (B, T, H): the step-0 hidden input."""
-        return self.fc(aux_hidden.to(self.dtype))
+        """(B, T, 3·Ht) target aux states -> (B, T, H): the step-0 hidden input (EAGLE 3.1:
+        each aux state normed by its own ``fc_norm`` first)."""
+        aux = aux_hidden.to(self.dtype)
+        if self.fc_norm is not None:
+            chunks = aux.split(self.config.target_hidden_size, dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)],
+                            dim=-1)
+        return self.fc(aux)
+
+    def feedback(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A step's un-normed output -> the next step's hidden input: as is (EAGLE-3), or
+        normed by ``norm`` (EAGLE 3.1's ``norm_output``), the state its logits read."""
+        return self.norm(hidden) if self.config.norm_output else hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids).to(self.dtype)  # (B, T, H)

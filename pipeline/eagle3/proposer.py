@@ -10,7 +10,8 @@ State for one sequence:
 - per cycle, the *tree* KV entries and hidden outputs of the frontier nodes decoded so far.
 
 A frontier node at depth j (j >= 1) is decoded with its own token, its parent's output as
-hidden input (``last_hidden`` for depth 1) and RoPE position ``C - 1 + j`` (C committed
+hidden input (``last_hidden`` for depth 1; normed first for EAGLE 3.1's ``norm_output``,
+:meth:`~pipeline.eagle3.model.Eagle3Drafter.feedback`) and RoPE position ``C - 1 + j`` (C committed
 entries): exactly :func:`pipeline.eagle3.drafting.decode` on a cache holding the committed
 entries plus the node's ancestors. Its attention sees all committed entries, its ancestors'
 tree entries and itself (tree attention); siblings and cousins stay invisible. Tree entries
@@ -132,7 +133,7 @@ class Eagle3Proposer:
 
     def _parent_hidden(self, parent: int) -> torch.Tensor:
         assert self._last_hidden is not None
-        return self._last_hidden if parent == ROOT else self._hidden[parent]
+        return self.model.feedback(self._last_hidden if parent == ROOT else self._hidden[parent])
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 allowed: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,8 @@ def ttt_chain(model: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.T
 
     ``input_ids`` (B, T) are the sequence tokens x_t (unshifted); ``aux_hidden`` (B, T, 3·Ht)
     the features f_t. Step i feeds token x_{t+1+i} (``pad_token_id`` past the end) at RoPE
-    position t + i, with hidden fc(f_t) for i = 0 and h^{i-1}_t after.
+    position t + i, with hidden fc(f_t) for i = 0 and h^{i-1}_t after (normed by the final
+    norm for EAGLE 3.1's ``norm_output``: :meth:`~.model.Eagle3Drafter.feedback`).
 
     Step 0 runs at every position: its keys are every later query's prefix. Step i ≥ 1 runs
     at the positions where ``needs[i]`` (B, T) bool is set (``needs[0]`` is not read), and
@@ -114,7 +115,7 @@ def ttt_chain(model: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.T
                 rows, hidden = rows[index], hidden.index_select(0, index)
                 attend.keep(index)
         tokens = shift_left(input_ids, 1 + i, pad_token_id).reshape(-1)[rows]  # x_{t+1+i}
-        hidden = model.step(tokens[None], hidden[None], (rows % t + i)[None],
+        hidden = model.step(tokens[None], model.feedback(hidden)[None], (rows % t + i)[None],
                             functools.partial(attend.chain, rows=rows))[0]  # (N_i, H)
         yield rows, hidden
 

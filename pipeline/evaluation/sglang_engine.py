@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pipeline.algorithms import UnknownAlgorithmError, algorithm_of_directory, algorithm_served_as
+from pipeline.algorithms import UnknownAlgorithmError, algorithm_of_directory, served_name_known
 from pipeline.capture.engine_http import (
     CallStats,
     JsonHttp,
@@ -55,7 +55,7 @@ class SGLang:
                       params: SpecParams) -> None:
         algorithm = info.get("speculative_algorithm")
         path = info.get("speculative_draft_model_path")
-        if algorithm_served_as(sglang_algorithm=algorithm) is None or not path:
+        if not served_name_known(sglang_algorithm=algorithm) or not path:
             raise SpeculativeConfigError(
                 f"{label} came up without speculative decoding (server_info: "
                 f"speculative_algorithm={algorithm!r}, speculative_draft_model_path={path!r}); "

@@ -51,7 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
-from pipeline.algorithms import ALGORITHMS, algorithm_served_as
+from pipeline.algorithms import ALGORITHMS, served_name_known
 from pipeline.capture.engine_http import (
     CallStats,
     EngineConfigError,
@@ -377,7 +377,7 @@ def _check_settings(urls: tuple[str, ...], infos: list[dict[str, Any]]) -> dict[
     for url, info in zip(urls, infos, strict=True):
         algorithm = info.get("speculative_algorithm")
         draft = info.get("speculative_draft_model_path")
-        if algorithm_served_as(sglang_algorithm=algorithm) is None or not draft:
+        if not served_name_known(sglang_algorithm=algorithm) or not draft:
             raise SpeculativeConfigError(
                 f"server at {url} does not decode with a drafter of an algorithm Aerie "
                 f"knows ({sorted(ALGORITHMS)}) "

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from pipeline.algorithms import DEFAULT_ALGORITHM, algorithm
 from pipeline.eagle3.config import DrafterShape
 from pipeline.records import to_dict
 
@@ -73,6 +74,8 @@ class TrainConfig:
     drafter_heads: int = 0
     drafter_kv_heads: int = 0
     drafter_head_dim: int = 0
+    # the drafter algorithm trained (pipeline.algorithms): eagle3 or eagle3.1
+    drafter_algorithm: str = DEFAULT_ALGORITHM
 
     @property
     def drafter_shape(self) -> DrafterShape:
@@ -81,6 +84,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _ = self.drafter_shape  # validates the widths
+        algorithm(self.drafter_algorithm)  # an UnknownAlgorithmError names the choices
         positive = ("lr", "adam_eps", "ttt_depth", "max_length", "micro_batch_size",
                     "grad_accum", "epochs", "shuffle_buffer", "world_size", "checkpoint_every",
                     "keep_checkpoints", "log_every")
@@ -115,11 +119,12 @@ class TrainConfig:
 
     def fingerprint(self) -> str:
         """sha256 of the fields that change the trained weights (not logging cadence).
-        Drafter widths left at 0 (derived from the target, which the spec fingerprints) are
-        left out, so runs planned before those fields existed keep their fingerprints."""
+        Drafter widths left at 0 (derived from the target, which the spec fingerprints) and
+        the default algorithm are left out, so runs planned before those fields existed keep
+        their fingerprints."""
         cosmetic = {"log_every", "keep_checkpoints", "checkpoint_every"}
         payload = {k: v for k, v in sorted(to_dict(self).items()) if k not in cosmetic
-                   and not (k.startswith("drafter_") and v == 0)}
+                   and not (k.startswith("drafter_") and v in (0, DEFAULT_ALGORITHM))}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

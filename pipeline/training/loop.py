@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.algorithms import algorithm
 from pipeline.capture.window import WindowError, load_target, read_window, shard_geometry
-from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.eagle3.ttt import TTTMetrics, ttt_loss
@@ -85,14 +85,15 @@ def build_drafter(spec: TrainSpec, storage: Storage) -> tuple[Eagle3Drafter, Any
     manifests = read_window(storage, spec.window_steps)
     hidden, aux_ids = shard_geometry(manifests)
     mapping = load_mapping(storage, spec.vocab_key)
-    config = DrafterConfig.from_target(target.config, draft_vocab_size=mapping.draft_vocab_size,
-                                       aux_layer_ids=aux_ids, shape=spec.config.drafter_shape)
+    trained = algorithm(spec.config.drafter_algorithm)
+    config = trained.new_config(target.config, draft_vocab_size=mapping.draft_vocab_size,
+                                aux_layer_ids=aux_ids, shape=spec.config.drafter_shape)
     if hidden != config.target_hidden_size or mapping.target_vocab_size != config.vocab_size:
         raise WindowError(f"shards (H={hidden}) or vocab mapping (V={mapping.target_vocab_size})"
                           f" do not fit the policy (H={config.target_hidden_size}, "
                           f"V={config.vocab_size})")
     torch.manual_seed(spec.config.seed)
-    model = Eagle3Drafter(config, target.embed, d2t=mapping.d2t, t2d=mapping.t2d)
+    model = trained.model(config, target.embed, d2t=mapping.d2t, t2d=mapping.t2d)
     return model, target, manifests
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.algorithms import algorithm_of_directory, algorithm_of_model
+from pipeline.algorithms import algorithm_of_config, algorithm_of_directory
 from pipeline.eagle3.config import shapes_match
 from pipeline.eagle3.export import load_drafter, read_drafter_config, warm_start
 from pipeline.eagle3.model import Eagle3Drafter
@@ -30,7 +30,8 @@ def apply_warm_start(model: Eagle3Drafter, directory: str | Path | None,
                 "lm_head_rows_carried": 0}
     directory = Path(directory)
     label = source or str(directory)
-    was, now = algorithm_of_directory(directory), algorithm_of_model(model)
+    was = algorithm_of_directory(directory)
+    now = algorithm_of_config(model.config.to_sglang_config(), "the drafter in training")
     if was != now:
         return {"mode": "scratch", "source": label, "lm_head_rows_carried": 0,
                 "reason": f"algorithms differ (old, new): ({was.title}, {now.title})"}

@@ -16,19 +16,22 @@ from pipeline.algorithms import (
     DEFAULT_ALGORITHM,
     UnknownAlgorithmError,
     algorithm,
+    algorithm_of_config,
     algorithm_of_directory,
-    algorithm_of_model,
-    algorithm_served_as,
     as_drafter,
     format_errors,
+    served_name_known,
 )
 from pipeline.drafters.protocol import Drafter
-from pipeline.eagle3.algorithm import EAGLE3
+from pipeline.eagle3.algorithm import EAGLE3, EAGLE31
 from pipeline.eagle3.export import load_drafter
 from pipeline.eagle3.proposer import Eagle3Proposer
 from pipeline.eagle3.spec import SpecParams
 from pipeline.serving_now import engine_args, serving_args, vllm_speculative_config
+from pipeline.training.config import TrainConfig
 from pipeline.training.warmstart import apply_warm_start
+from resources.env import EnvConfigError
+from resources.run_config import drafter_algorithm_from_env
 from tests.release.helpers import TARGET_VOCAB, make_drafter_dir
 
 CHAIN = SpecParams(3, 1, 4)
@@ -39,20 +42,21 @@ def exported(tmp_path_factory):
     return make_drafter_dir(tmp_path_factory.mktemp("alg") / "eagle3")
 
 
-def test_every_algorithm_is_registered_once_under_names_no_other_claims():
-    assert DEFAULT_ALGORITHM in ALGORITHMS
+def test_every_algorithm_is_registered_once_and_claims_its_own_exports():
+    assert DEFAULT_ALGORITHM == "eagle3" and list(ALGORITHMS) == ["eagle3", "eagle3.1"]
     for name, a in ALGORITHMS.items():
         assert a.name == name
-    for field in ("architectures", "sglang_algorithm", "vllm_method", "model"):
-        claimed = [v for a in ALGORITHMS.values()
-                   for v in (getattr(a, field) if field == "architectures"
-                             else (getattr(a, field),))]
-        assert len(claimed) == len(set(claimed)), field
+        target = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 8,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 48,
+                  "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1e4}
+        exported = a.new_config(target, draft_vocab_size=24).to_sglang_config()
+        assert algorithm_of_config(exported, "x") is a
 
 
 def test_lookups_refuse_what_no_algorithm_claims_naming_it(tmp_path):
     assert algorithm("eagle3") is EAGLE3
-    with pytest.raises(UnknownAlgorithmError, match=r"'medusa' is not one of \['eagle3'\]"):
+    with pytest.raises(UnknownAlgorithmError,
+                       match=r"'medusa' is not one of \['eagle3', 'eagle3.1'\]"):
         algorithm("medusa")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(UnknownAlgorithmError, match=r"config\.json: architectures "
@@ -64,8 +68,6 @@ def test_lookups_refuse_what_no_algorithm_claims_naming_it(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(UnknownAlgorithmError, match="cannot be read as JSON"):
         algorithm_of_directory(tmp_path)
-    with pytest.raises(UnknownAlgorithmError, match="Linear is the model of no drafter"):
-        algorithm_of_model(nn.Linear(2, 2))
 
 
 def test_an_export_names_its_algorithm_and_is_checked_by_that_algorithm(tmp_path, exported):
@@ -82,7 +84,6 @@ def test_an_export_names_its_algorithm_and_is_checked_by_that_algorithm(tmp_path
 
 def test_the_engine_drives_an_algorithms_model_through_its_proposer(exported):
     model = load_drafter(exported, torch.zeros(TARGET_VOCAB, 32))
-    assert algorithm_of_model(model) is EAGLE3
     proposer = as_drafter(model)
     assert isinstance(proposer, Eagle3Proposer) and isinstance(proposer, Drafter)
     assert as_drafter(proposer) is proposer  # a Drafter passes as is
@@ -110,12 +111,12 @@ def test_eagle3_serves_with_the_flags_it_always_had():
         engine_args("tgi", CHAIN, "/d")
 
 
-def test_what_an_engine_reports_serving_names_the_algorithm():
-    assert algorithm_served_as(sglang_algorithm="eagle3") is EAGLE3  # SGLang upper-cases
-    assert algorithm_served_as(vllm_method="eagle3") is EAGLE3
-    assert algorithm_served_as(sglang_algorithm="NEXTN") is None
-    assert algorithm_served_as(vllm_method="EAGLE3") is None  # vLLM's names are exact
-    assert algorithm_served_as() is None
+def test_what_an_engine_reports_serving_is_checked_against_the_engines_names():
+    assert served_name_known(sglang_algorithm="eagle3")  # SGLang upper-cases
+    assert served_name_known(vllm_method="eagle3")
+    assert not served_name_known(sglang_algorithm="NEXTN")
+    assert not served_name_known(vllm_method="EAGLE3")  # vLLM's names are exact
+    assert not served_name_known()
 
 
 class OtherDraft(nn.Module):
@@ -124,7 +125,8 @@ class OtherDraft(nn.Module):
 
 def test_warm_start_never_crosses_algorithms(tmp_path, exported, monkeypatch):
     other = replace(EAGLE3, name="other", title="Other", architectures=("OtherDraft",),
-                    sglang_algorithm="OTHER", vllm_method="other", model=OtherDraft)
+                    claims=lambda config: True, sglang_algorithm="OTHER",
+                    vllm_method="other", model=OtherDraft)
     monkeypatch.setitem(algorithms.ALGORITHMS, "other", other)
     cfg = json.loads((exported / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["OtherDraft"]}))
@@ -133,3 +135,36 @@ def test_warm_start_never_crosses_algorithms(tmp_path, exported, monkeypatch):
     assert decided == {"mode": "scratch", "source": "v7", "lm_head_rows_carried": 0,
                        "reason": "algorithms differ (old, new): (Other, EAGLE-3)"}
     assert apply_warm_start(model, exported)["mode"] == "warm"
+    v31 = load_drafter(make_drafter_dir(tmp_path / "v31", v31=True), torch.zeros(TARGET_VOCAB, 32))
+    assert apply_warm_start(v31, exported)["reason"] == \
+        "algorithms differ (old, new): (EAGLE-3, EAGLE 3.1)"
+
+
+def test_the_trained_algorithm_is_a_run_config_choice_fingerprinted_unless_default():
+    # the fingerprints runs had before the choice existed (pinned from 2530c3c)
+    assert TrainConfig().fingerprint() == \
+        "baa46a90dddc6b4ef7bd7f3d6a8183393a3a23bbf91e4f0fd90d65f64d490244"
+    assert TrainConfig(lr=1e-3, epochs=3, micro_batch_size=8,
+                       drafter_hidden_size=32).fingerprint() == \
+        "813b7a2ee75998635076abe70cd2478eac4034fcf222eb3922f7fd117d2bdd76"
+    assert TrainConfig(drafter_algorithm="eagle3").fingerprint() == TrainConfig().fingerprint()
+    assert TrainConfig(drafter_algorithm="eagle3.1").fingerprint() != \
+        TrainConfig().fingerprint()
+    with pytest.raises(UnknownAlgorithmError, match="'dflash' is not one of"):
+        TrainConfig(drafter_algorithm="dflash")
+    assert EAGLE31.new_config(
+        {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 8,
+         "num_attention_heads": 4, "vocab_size": 48, "max_position_embeddings": 64,
+         "rms_norm_eps": 1e-6, "rope_theta": 1e4}).to_sglang_config()["norm_output"] is True
+
+
+def test_the_deployment_names_the_algorithm_in_the_refresh_jobs_run_config(monkeypatch):
+    monkeypatch.setenv("AERIE_DRAFTER_ALGORITHM", "eagle3.1")
+    assert drafter_algorithm_from_env() == {
+        "ops": {"drafter_checkpoint": {"config": {"drafter_algorithm": "eagle3.1"}}}}
+    monkeypatch.setenv("AERIE_DRAFTER_ALGORITHM", "eagle4")
+    with pytest.raises(EnvConfigError, match="AERIE_DRAFTER_ALGORITHM: drafter algorithm "
+                                             "'eagle4' is not one of"):
+        drafter_algorithm_from_env()
+    monkeypatch.delenv("AERIE_DRAFTER_ALGORITHM")
+    assert drafter_algorithm_from_env() == {}

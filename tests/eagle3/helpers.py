@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from transformers import LlamaConfig
 
@@ -22,22 +24,25 @@ def tiny_target_config(**overrides) -> LlamaConfig:
 
 def tiny_drafter(seed: int = 0, *, target: LlamaConfig | None = None,
                  draft_vocab_size: int = DRAFT_VOCAB,
-                 shape: DrafterShape | None = None) -> Eagle3Drafter:
+                 shape: DrafterShape | None = None, v31: bool = False) -> Eagle3Drafter:
     """A drafter whose weights are large enough that attention is far from uniform.
 
     With Llama's 0.02 init every attention is nearly uniform, and a wrong mask or position
     barely moves the output; these weights make such bugs show up at O(1). ``shape``: its
-    widths (a narrower one projects the random target embedding onto its own).
+    widths (a narrower one projects the random target embedding onto its own); ``v31``:
+    EAGLE 3.1 (``fc_norm`` and ``norm_output``).
     """
     target = target or tiny_target_config()
     cfg = DrafterConfig.from_target(target, draft_vocab_size=draft_vocab_size,
                                     shape=shape or DrafterShape())
+    if v31:
+        cfg = replace(cfg, fc_norm=True, norm_output=True)
     g = torch.Generator().manual_seed(seed)
     embed = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g)
     model = Eagle3Drafter(cfg, embed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+        for p in model.parameters():
+            if p.dim() == 1:  # every norm weight, fc_norm.{i} included
                 p.copy_(1.0 + 0.5 * torch.rand(p.shape, generator=g))
             else:
                 fan_in = p.shape[1]

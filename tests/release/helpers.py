@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 from pipeline.contracts import Manifest
@@ -40,8 +41,9 @@ def create_mlflow_tables(url: str) -> None:
 
 
 def make_drafter_dir(path: Path, seed: int = 0, *, draft_vocab_size: int = 24,
-                     hidden_size: int = 32) -> Path:
-    """A valid SGLang-format drafter directory (~30 KB, fp32, random weights).
+                     hidden_size: int = 32, v31: bool = False) -> Path:
+    """A valid SGLang-format drafter directory (~30 KB, fp32, random weights); ``v31``:
+    EAGLE 3.1.
 
     The target config is a plain dict (no transformers import: it costs seconds).
     """
@@ -55,6 +57,8 @@ def make_drafter_dir(path: Path, seed: int = 0, *, draft_vocab_size: int = 24,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": TARGET_VOCAB,
               "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
     config = DrafterConfig.from_target(target, draft_vocab_size=draft_vocab_size)
+    if v31:
+        config = replace(config, fc_norm=True, norm_output=True)
     g = torch.Generator().manual_seed(seed)
     model = Eagle3Drafter(config, torch.randn(TARGET_VOCAB, hidden_size, generator=g))
     with torch.no_grad():
