@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from pipeline.algorithms import format_errors
+from pipeline.algorithms import algorithm_of_directory, format_errors
 from pipeline.capture.config import ExtractConfig
 from pipeline.capture.heldout import heldout_prompts
 from pipeline.capture.hf import HFCaptureBackend
@@ -46,6 +47,8 @@ TRAIN = TrainConfig(lr=1e-3, warmup_ratio=0.1, micro_batch_size=4, epochs=1, ttt
                     threads=1, checkpoint_every=100, log_every=100, shuffle_buffer=8,
                     export_dtype="float32")
 NARROW = replace(TRAIN, drafter_hidden_size=32, drafter_head_dim=8)
+V31 = replace(TRAIN, drafter_algorithm="eagle3.1")
+V31_WORLDS = ("eagle3.1:llama3", "eagle3.1:qwen3_moe", "eagle3.1:mistral_window")
 SETTINGS = {"chain": dict(num_steps=3, eagle_topk=1, num_draft_tokens=4),
             "tree": dict(num_steps=3, eagle_topk=2, num_draft_tokens=6)}
 
@@ -74,6 +77,8 @@ def _worlds_used(request) -> list[str]:
     for item in request.session.items:
         if item.module is request.module and "refreshed" in item.fixturenames:
             used[item.callspec.params["refreshed"]] = None
+        elif item.module is request.module and "refreshed_v31" in item.fixturenames:
+            used[item.callspec.params["refreshed_v31"]] = None
         elif item.module is request.module and "narrow" in item.fixturenames:
             used["narrow"] = None
     return list(used)
@@ -89,8 +94,12 @@ def prepared(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
     with ThreadPoolExecutor(max_workers=LANES) as lanes:
         worlds = {}
         for name in _worlds_used(request):
-            target, config = ((tiny_target("qwen3_moe"), NARROW) if name == "narrow"  # H 64
-                              else (tiny_target(name), TRAIN))
+            if name == "narrow":
+                target, config = tiny_target("qwen3_moe"), NARROW  # H 64
+            elif name.startswith("eagle3.1:"):
+                target, config = tiny_target(name.removeprefix("eagle3.1:")), V31
+            else:
+                target, config = tiny_target(name), TRAIN
             worlds[name] = lanes.submit(_prepare, target, tmp_path_factory.mktemp(name),
                                         config)
         yield worlds
@@ -102,6 +111,13 @@ def prepared(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
 def refreshed(request, prepared):
     """One family's world after capture, vocab and training: (storage, target, the
     training refresh, the target's checkpoint directory)."""
+    return prepared[request.param].result()
+
+
+@pytest.fixture(scope="module", params=V31_WORLDS)
+def refreshed_v31(request, prepared):
+    """An EAGLE 3.1 drafter (``drafter_algorithm: eagle3.1``) trained on a world of Llama,
+    Qwen3 (MoE) or a sliding-window target, like :func:`refreshed`."""
     return prepared[request.param].result()
 
 
@@ -287,3 +303,27 @@ def test_the_export_loads_in_vllm_speculators(refreshed, speculators, tmp_path):
     assert report["hidden_size"] == written["hidden_size"]
     assert report["rope_theta"] == written["rope_theta"]
     assert report["rope_type"] == (written["rope_scaling"] or {}).get("rope_type", "default")
+
+
+@pytest.mark.parametrize("drafting", SETTINGS)
+def test_an_eagle31_drafter_trains_exports_and_decodes_losslessly(refreshed_v31, drafting):
+    """Chosen in the run config, trained with its norms, exported with the keys both engines
+    read (and its fc_norm tensors, which the format check demands), and decoded by the
+    in-process engine losslessly against the reference."""
+    storage, target, refresh, _ = refreshed_v31
+    assert refresh.result.steps > 0 and math.isfinite(refresh.result.final["loss"])
+    local = fetch(storage, drafter_prefix(STEP), kind="drafter_checkpoint", label="drafter")
+    written = json.loads((local / "config.json").read_text())
+    assert (written["fc_norm"], written["norm_output"]) == (True, True)
+    assert algorithm_of_directory(local).name == "eagle3.1" and format_errors(local) == ()
+    norms = load_file(str(local / "model.safetensors"))
+    assert [tuple(norms[f"fc_norm.{i}.weight"].shape) for i in range(3)] == \
+        [(target.config.hidden_size,)] * 3
+    trained = [norms[f"fc_norm.{i}.weight"] for i in range(3)]
+    assert all(not torch.equal(w, torch.ones_like(w)) for w in trained)  # moved off init
+    config = EvalConfig(max_prompts=4, max_new_tokens=12, reference_prompts=2,
+                        **SETTINGS[drafting])
+    report = eval_stage.run(storage, STEP, drafter_prefix(STEP), None, config)
+    outcome = evaluation_sound(report)
+    assert outcome.passed, outcome.description
+    assert report.contestants["candidate"].acceptance.cycles > 0
