@@ -35,7 +35,7 @@ def with_counters(records: Sequence[Mapping[str, Any]], policy_dir: Path, storag
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from pipeline.eagle3.export import load_drafter
+    from pipeline.algorithms import algorithm_of_directory
     from pipeline.evaluation.engine import CycleTrace, evaluate
     from pipeline.evaluation.inprocess import stop_token_ids
 
@@ -58,7 +58,8 @@ def with_counters(records: Sequence[Mapping[str, Any]], policy_dir: Path, storag
             hf_logging.enable_progress_bar()
     local = materialize_drafter(storage, serving.target.drafter_uri, cache_dir,
                                 fingerprint=serving.target.fingerprint)
-    drafter = load_drafter(local, target.get_input_embeddings().weight.detach())
+    drafter = algorithm_of_directory(local).load(
+        local, target.get_input_embeddings().weight.detach())
     trace: list[CycleTrace] = []
     run = evaluate(target, drafter, [out[i]["prompt_token_ids"] for i in chosen],
                    serving.settings, max_new_tokens=max_new_tokens,

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from pipeline.eagle3.export import load_drafter
-from pipeline.eagle3.model import Eagle3Drafter
+from pipeline.algorithms import algorithm_of_directory
 from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.confidence import tau_interval
 from pipeline.evaluation.config import EvalConfig
@@ -67,7 +67,8 @@ def measure(storage: Storage, step: int, ids: list[list[int]], config: EvalConfi
     results = {NO_DRAFTER: contest.contestant(NO_DRAFTER, None, None, base, base)}
     embed = target.get_input_embeddings().weight.detach()
     for name, (directory, uri, fingerprint) in drafters.items():
-        drafter = load_drafter(directory, embed, dtype=dtype, device=device)
+        drafter = algorithm_of_directory(directory).load(directory, embed, dtype=dtype,
+                                                         device=device)
         results[name] = contest.contestant(name, uri, fingerprint, contest.measure(drafter),
                                            base)
     return Measurement(results, settings, checked=contest.checked, sample=contest.sample,
@@ -94,14 +95,14 @@ class _Contest:
                           for i in self.sample}
         self.checked = list(range(len(ids))) if sampler.greedy else self.sample
 
-    def measure(self, drafter: Eagle3Drafter | None) -> _Measured:
+    def measure(self, drafter: nn.Module | None) -> _Measured:
         run = self._decode(drafter, self.ids, self.sampler)
         if self.sampler.greedy:
             return _Measured(run, dict(enumerate(run.outputs)))
         greedy = self._decode(drafter, [self.ids[i] for i in self.checked], GREEDY)
         return _Measured(run, dict(zip(self.checked, greedy.outputs, strict=True)))
 
-    def _decode(self, drafter: Eagle3Drafter | None, ids: list[list[int]],
+    def _decode(self, drafter: nn.Module | None, ids: list[list[int]],
                 sampler: SamplingParams) -> EvalRun:
         return evaluate(self.target, drafter, ids, self.params if drafter is not None else None,
                         max_new_tokens=self.config.max_new_tokens, eos_token_id=self.eos,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import replace
 
 import pytest
 import torch
 
 from pipeline.capture.heldout import heldout_prompts
+from pipeline.checks import evaluation_sound
 from pipeline.evaluation import inprocess, stage
 from pipeline.evaluation.config import EvalConfig
 from pipeline.evaluation.stage import NO_DRAFTER, read_report, tau_history
@@ -64,6 +66,22 @@ def test_three_contestants_on_the_same_heldout_prompts(world, tmp_path, monkeypa
     with pytest.raises(AssertionError, match="recomputed"):
         stage.run(storage, 2, candidate, champion,
                          EvalConfig(max_prompts=6, max_new_tokens=13, **SETTINGS))
+
+
+def test_a_champion_of_another_algorithm_is_measured_alike(world, tmp_path):
+    """Switching algorithms is an ordinary contest: an EAGLE 3.1 candidate against an
+    EAGLE-3 champion, both decoded (losslessly) on the same prompts at the same settings."""
+    storage, target = world
+    candidate = publish_drafter(storage, target, 2, seed=5, tmp=tmp_path, algorithm="eagle3.1")
+    champion = publish_drafter(storage, target, 1, seed=6, tmp=tmp_path)
+    report = stage.run(storage, 2, candidate, champion,
+                       EvalConfig(max_prompts=4, max_new_tokens=12, **SETTINGS))
+    outcome = evaluation_sound(report)
+    assert outcome.passed, outcome.description
+    assert report.contestants["candidate"].acceptance.cycles > 0
+    assert report.contestants["champion"].acceptance.cycles > 0
+    written = json.loads(storage.read_bytes(f"{candidate}/config.json"))
+    assert (written["fc_norm"], written["norm_output"]) == (True, True)
 
 
 def test_report_keys_track_prompts_and_settings(world, tmp_path):
@@ -192,11 +210,16 @@ def test_bf16_evaluation_counts_near_ties_and_stays_sound(world, tmp_path, monke
     storage, target = world
     candidate = publish_drafter(storage, target, 2, seed=6, tmp=tmp_path)
     loaded = []  # the dtypes target and drafter really ran in
-    load_target, load_drafter = inprocess._load_target, inprocess.load_drafter
+    load_target, algorithm_of = inprocess._load_target, inprocess.algorithm_of_directory
     monkeypatch.setattr(inprocess, "_load_target", lambda *a: loaded.append(
         next((m := load_target(*a)).parameters()).dtype) or m)
-    monkeypatch.setattr(inprocess, "load_drafter", lambda *a, **k: loaded.append(
-        next((m := load_drafter(*a, **k)).fc.parameters()).dtype) or m)
+
+    def spied(directory):  # the drafter's algorithm, its load recording the dtype
+        found = algorithm_of(directory)
+        return replace(found, load=lambda *a, **k: loaded.append(
+            next((m := found.load(*a, **k)).fc.parameters()).dtype) or m)
+
+    monkeypatch.setattr(inprocess, "algorithm_of_directory", spied)
     config = EvalConfig(max_prompts=6, max_new_tokens=12, dtype="bfloat16", **SETTINGS)
     report = stage.run(storage, 2, candidate, None, config)
     assert loaded == [torch.bfloat16, torch.bfloat16]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.algorithms import ALGORITHMS
 from pipeline.contracts import Manifest
-from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.export import save_drafter
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.manifest import entry_for, write_manifest
@@ -29,9 +29,11 @@ def eval_world(root: Path, tie: bool = False) -> tuple[Storage, torch.nn.Module]
     return build_world(root, STEPS, samples=16, model=target, extract=extract), target
 
 
-def publish_drafter(storage: Storage, target, step: int, seed: int, tmp: Path) -> str:
-    """A random drafter published like the training stage does (manifest last)."""
-    cfg = DrafterConfig.from_target(target.config, draft_vocab_size=64)
+def publish_drafter(storage: Storage, target, step: int, seed: int, tmp: Path,
+                    algorithm: str = "eagle3") -> str:
+    """A random drafter of ``algorithm`` published like the training stage does (manifest
+    last)."""
+    cfg = ALGORITHMS[algorithm].new_config(target.config, draft_vocab_size=64)
     torch.manual_seed(seed)
     model = Eagle3Drafter(cfg, target.get_input_embeddings().weight.detach())
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
