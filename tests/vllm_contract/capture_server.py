@@ -227,9 +227,13 @@ def handler(ex: Extractor, api_key: str | None):
                 "usage": {"prompt_tokens": sum(map(len, prompts))}}
             if fault != "no_export":
                 answer["kv_transfer_params"] = {"hidden_states_path": paths[0]}
-            self._send(200, answer)
-            for write in writes:  # after the answer, as vLLM's writer threads may
-                threading.Thread(target=write).start()
+            try:
+                self._send(200, answer)
+            finally:  # after the answer, as vLLM's writer threads may, and whether or not
+                # the answer reached the client: vLLM's connector saves in the model
+                # runner, which knows nothing of the HTTP connection
+                for write in writes:
+                    threading.Thread(target=write).start()
 
         def _prepare(self, ids, max_tokens, params, index, fault):
             default = os.path.join(ex.storage, f"cmpl-{uuid.uuid4().hex}-{index}.safetensors")
