@@ -1,7 +1,7 @@
 """Benchmark: the drafter algorithms side by side on the demo world.
 
     python bench/drafter_algorithms.py [--storage DIR] [--work DIR] [--step S] [--window 4]
-        [--algorithms eagle3,eagle3.1] [--prompts 32] [--max-new-tokens 160]
+        [--algorithms eagle3,eagle3.1] [--epochs-factor 5] [--prompts 32] [--max-new-tokens 160]
         [--spec 5,1,6] [--temperatures 0,1] [--seed 0] [--json out.json]
 
 Needs an ingested demo world (``aerie demo`` makes one; default storage: the embedded
@@ -10,7 +10,9 @@ user's state is never touched and the drafters never overwrite each other.
 
 Every algorithm gets the same window (the ``--window`` RL steps ending at ``--step``, the
 newest step with shards by default), the same draft vocab, the same training compute (the
-demo preset's optimizer steps, from scratch) and the same seed; all of them are evaluated
+demo preset with ``--epochs-factor`` times its epochs, from scratch: one refresh's compute
+teaches a scratch drafter next to nothing, the demo's drafters learn over a chain of
+warm-started refreshes) and the same seed; all of them are evaluated
 with the in-process engine on the same held-out prompts (those no drafter trained on), at
 each regime of ``--temperatures`` (0: greedy; above: speculative sampling, every prompt
 seeded from ``--seed``). τ = tokens emitted per draft-verify cycle (bonus included), with its
@@ -42,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step", type=int, default=None, help="default: the newest with shards")
     p.add_argument("--window", type=int, default=4)
     p.add_argument("--algorithms", default="eagle3,eagle3.1")
+    p.add_argument("--epochs-factor", type=int, default=5)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--spec", default="5,1,6", help="num_steps,eagle_topk,num_draft_tokens")
@@ -77,12 +80,12 @@ def main(argv=None) -> int:
     for name in names:
         algorithm(name)  # refuses a typo before anything runs
     demo = FAMILY_PRESETS["demo"]
-    base = TrainConfig(lr=demo["lr"], epochs=demo["epochs"],
+    base = TrainConfig(lr=demo["lr"], epochs=demo["epochs"] * args.epochs_factor,
                        micro_batch_size=demo["micro_batch_size"], export_dtype="float32")
     params = SpecParams(*(int(x) for x in args.spec.split(",")))
     samplers = [SamplingParams(float(t)) for t in args.temperatures.split(",")]
     out: dict = {"spec": str(params), "window": args.window, "seed": args.seed,
-                 "algorithms": {}}
+                 "epochs": base.epochs, "algorithms": {}}
     with tempfile.TemporaryDirectory() as tmp:
         target = ids = None
         for name in names:
