@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from pipeline.drafters.algorithm import DrafterAlgorithm
-from pipeline.drafters.protocol import Drafter
 from pipeline.eagle3.algorithm import EAGLE3, EAGLE31
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from pipeline.drafters.protocol import Drafter
 
 ALGORITHMS: dict[str, DrafterAlgorithm] = {a.name: a for a in (EAGLE3, EAGLE31)}
 DEFAULT_ALGORITHM = EAGLE3.name
@@ -91,8 +93,10 @@ def served_name_known(sglang_algorithm: object = None, vllm_method: object = Non
 def as_drafter(obj: nn.Module | Drafter) -> Drafter:
     """An algorithm's model wrapped in its proposer for the engine, or a :class:`Drafter`
     as is. (Algorithms that share a model share its proposer: the model's config decides.)"""
+    from pipeline.drafters.protocol import Drafter  # torch: only where drafting runs
+
     for a in ALGORITHMS.values():
-        if isinstance(obj, a.model):
+        if a.is_model(obj):
             return a.proposer(obj)
     if isinstance(obj, Drafter):
         return obj

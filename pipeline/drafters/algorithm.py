@@ -11,6 +11,8 @@ Invariants:
 - An export names its algorithm: exactly one registered algorithm lists one of its
   ``config.json`` ``architectures`` and ``claims`` it (EAGLE-3 and EAGLE 3.1 share an
   architecture and engine names; the 3.1 keys tell them apart).
+- Light to import: a record holds functions that import the model code (torch) when
+  called, so loading the code location (which reads the serving flags) stays torch-free.
 - The serving flags are built here from the algorithm's names and its own settings, so every
   launcher (serving modes, ``aerie serving-args``, the engine evaluator) emits the same flags.
 """
@@ -23,11 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from pipeline.drafters.protocol import Drafter
-
 if TYPE_CHECKING:
+    from torch import nn
+
+    from pipeline.drafters.protocol import Drafter
     from pipeline.eagle3.spec import SpecParams
 
 
@@ -43,7 +44,9 @@ class DrafterAlgorithm:
     claims: Callable[[Mapping[str, Any]], bool]
     sglang_algorithm: str  # SGLang's --speculative-algorithm
     vllm_method: str  # vLLM's speculative_config "method"
-    model: type[nn.Module]  # what it trains, exports and decodes with
+    # (config, the target's embedding, d2t=, t2d=) -> the model it trains and decodes with
+    build: Callable[..., nn.Module]
+    is_model: Callable[[object], bool]  # whether an object is such a model
     # (the target's config, draft_vocab_size=, aux_layer_ids=, shape=) -> the model's config
     new_config: Callable[..., Any]
     # (directory, the target's input embedding, dtype=, device=) -> model

@@ -14,17 +14,45 @@ with neither it is EAGLE-3. Other variants called "3.1" (``norm_before_fc``,
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from pipeline.drafters.algorithm import DrafterAlgorithm
 from pipeline.eagle3.config import SGLANG_ARCHITECTURE, DrafterConfig
-from pipeline.eagle3.export import load_drafter
-from pipeline.eagle3.format_check import drafter_format_errors
-from pipeline.eagle3.model import Eagle3Drafter
-from pipeline.eagle3.proposer import Eagle3Proposer
 from pipeline.eagle3.spec import SpecParams
+
+# The model code (torch) is imported when first needed, never by loading the registry.
+
+
+def _build(*args: Any, **kw: Any) -> Any:
+    from pipeline.eagle3.model import Eagle3Drafter
+
+    return Eagle3Drafter(*args, **kw)
+
+
+def _is_model(obj: object) -> bool:
+    model = sys.modules.get("pipeline.eagle3.model")  # not imported: obj cannot be one
+    return model is not None and isinstance(obj, model.Eagle3Drafter)
+
+
+def _load(*args: Any, **kw: Any) -> Any:
+    from pipeline.eagle3.export import load_drafter
+
+    return load_drafter(*args, **kw)
+
+
+def _format_errors(directory: Any) -> tuple[str, ...]:
+    from pipeline.eagle3.format_check import drafter_format_errors
+
+    return drafter_format_errors(directory)
+
+
+def _proposer(model: Any) -> Any:
+    from pipeline.eagle3.proposer import Eagle3Proposer
+
+    return Eagle3Proposer(model)
 
 
 def _vllm_settings(settings: SpecParams) -> dict[str, Any]:
@@ -48,9 +76,9 @@ def _new_31_config(target: Any, **kw: Any) -> DrafterConfig:
 EAGLE3 = DrafterAlgorithm(
     name="eagle3", title="EAGLE-3", architectures=(SGLANG_ARCHITECTURE,),
     claims=lambda config: not _is_31(config),
-    sglang_algorithm="EAGLE3", vllm_method="eagle3", model=Eagle3Drafter,
+    sglang_algorithm="EAGLE3", vllm_method="eagle3", build=_build, is_model=_is_model,
     new_config=DrafterConfig.from_target,
-    load=load_drafter, format_errors=drafter_format_errors, proposer=Eagle3Proposer,
+    load=_load, format_errors=_format_errors, proposer=_proposer,
     sglang_settings=lambda settings: tuple(settings.sglang_args()),
     vllm_settings=_vllm_settings)
 

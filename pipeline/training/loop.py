@@ -93,7 +93,7 @@ def build_drafter(spec: TrainSpec, storage: Storage) -> tuple[Eagle3Drafter, Any
                           f" do not fit the policy (H={config.target_hidden_size}, "
                           f"V={config.vocab_size})")
     torch.manual_seed(spec.config.seed)
-    model = trained.model(config, target.embed, d2t=mapping.d2t, t2d=mapping.t2d)
+    model = trained.build(config, target.embed, d2t=mapping.d2t, t2d=mapping.t2d)
     return model, target, manifests
 
 

@@ -126,7 +126,8 @@ class OtherDraft(nn.Module):
 def test_warm_start_never_crosses_algorithms(tmp_path, exported, monkeypatch):
     other = replace(EAGLE3, name="other", title="Other", architectures=("OtherDraft",),
                     claims=lambda config: True, sglang_algorithm="OTHER",
-                    vllm_method="other", model=OtherDraft)
+                    vllm_method="other", build=OtherDraft,
+                    is_model=lambda obj: isinstance(obj, OtherDraft))
     monkeypatch.setitem(algorithms.ALGORITHMS, "other", other)
     cfg = json.loads((exported / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["OtherDraft"]}))
