@@ -87,6 +87,18 @@ class DrafterRunConfig(Config):
                                    description=f"the drafter algorithm, one of "
                                                f"{', '.join(ALGORITHMS)} (the refresh job's "
                                                "default: AERIE_DRAFTER_ALGORITHM)")
+    dflash_layers: int = Field(default=_T.dflash_layers, description="DFlash: draft layers")
+    dflash_block_size: int = Field(default=_T.dflash_block_size,
+                                   description="DFlash: block size, the anchor included "
+                                               "(SGLang's num-draft-tokens; vLLM drafts one "
+                                               "fewer)")
+    dflash_anchors: int = Field(default=_T.dflash_anchors,
+                                description="DFlash: blocks trained per sample, at most")
+    dflash_gamma: float = Field(default=_T.dflash_gamma, description="DFlash: loss decay over "
+                                "the block (0: by block size, 8: 4, 16: 7)")
+    dflash_mask_token_id: int = Field(default=_T.dflash_mask_token_id,
+                                      description="DFlash: the mask token (-1: the target's "
+                                                  "mask_token_id, else its last vocab row)")
     warm_start: str = Field(default="serving", description="serving (the drafter serving now) "
                             "| previous (the newest committed one) | none | a storage prefix "
                             "or local drafter dir")

@@ -110,7 +110,8 @@ def main(argv=None) -> int:
                 target = AutoModelForCausalLM.from_pretrained(str(local), dtype=torch.float32)
             embed = target.get_input_embeddings().weight.detach()
             export = storage.download_dir(drafter_prefix(step), Path(tmp) / name)
-            model = algorithm(name).load(export, embed, dtype=torch.float32)
+            model = algorithm(name).load(export, embed, dtype=torch.float32,
+                                         head=target.get_output_embeddings().weight.detach())
             entry = {"step": step, "train_steps": r.result.steps,
                      "train_s": None if r.reused else round(train_s, 1),
                      "final_loss": r.result.final["loss"], "regimes": {}}

@@ -359,9 +359,10 @@ def step_profile(storage: Storage, config: TrainConfig, work: Path, device: str
     from torch.profiler import ProfilerActivity, profile
 
     from pipeline.eagle3 import ttt
+    from pipeline.eagle3.ttt import TTTObjective
     from pipeline.eagle3.ttt_batch import LogitHead, collate
     from pipeline.training.data import Position, WindowReader
-    from pipeline.training.loop import TTTObjective, build_drafter
+    from pipeline.training.loop import build_drafter
 
     spec = train_stage.plan(storage, STEP, config, work, "none")
     model, target, manifests = build_drafter(spec, storage)

@@ -27,7 +27,8 @@ byte checked against its manifest, and the local dataset cache), :mod:`parquet`,
 :mod:`serving_now` (the record of the drafter serving now: release writes it, training's
 warm start and evaluation's champion read it), :mod:`drafters` (the drafter-algorithm
 seam: what every algorithm provides), :mod:`eagle3` (EAGLE-3: the model, TTT, the SGLang
-format, its format check and proposer), :mod:`algorithms` (every drafter algorithm,
+format, its format check and proposer), :mod:`dflash` (DFlash: the block drafter, its loss,
+export and proposer), :mod:`algorithms` (every drafter algorithm,
 registered once), :mod:`sampling` (the sampler settings a snapshot records and the
 evaluation decodes at) and :mod:`attention_kernels` (the fused attention kernels capture,
 training and evaluation run with).
@@ -44,5 +45,5 @@ promotion: acceptance as the RL engine saw it, verification, drift) and :mod:`re
 STAGES = ("snapshot", "tokenize", "capture", "vocab", "training", "evaluation", "release")
 FOUNDATION = ("owners", "local_tree", "s3_client", "storage", "layout", "formats", "records",
               "contracts", "manifest", "verified", "parquet", "serving_now", "drafters", "eagle3",
-              "algorithms", "sampling", "attention_kernels", "argv_template")
+              "dflash", "algorithms", "sampling", "attention_kernels", "argv_template")
 ON_TOP = ("checks", "demo", "adapters", "monitor", "retention")

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.dflash.algorithm import DFLASH
 from pipeline.drafters.algorithm import DrafterAlgorithm
 from pipeline.eagle3.algorithm import EAGLE3, EAGLE31
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
     from pipeline.drafters.protocol import Drafter
 
-ALGORITHMS: dict[str, DrafterAlgorithm] = {a.name: a for a in (EAGLE3, EAGLE31)}
+ALGORITHMS: dict[str, DrafterAlgorithm] = {a.name: a for a in (EAGLE3, EAGLE31, DFLASH)}
 DEFAULT_ALGORITHM = EAGLE3.name
 CONFIG_NAME = "config.json"
 
@@ -67,6 +68,16 @@ def algorithm_of_directory(directory: str | Path) -> DrafterAlgorithm:
     if not isinstance(config, dict):
         raise UnknownAlgorithmError(f"{path}: is not a JSON object")
     return algorithm_of_config(config, str(path))
+
+
+def algorithm_of_model(model: object) -> DrafterAlgorithm:
+    """The algorithm of a model in training or decoding: the one whose model it is and whose
+    export its config would be."""
+    for a in ALGORITHMS.values():
+        if a.is_model(model) and a.claims(a.config_json(model.config)):  # type: ignore[attr-defined]
+            return a
+    raise UnknownAlgorithmError(f"{type(model).__name__} is no drafter algorithm's model "
+                                f"({sorted(ALGORITHMS)})")
 
 
 def format_errors(directory: str | Path) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from dagster import Config, ConfigurableResource, Failure, InitResourceContext
 from pydantic import Field
 
+from pipeline.algorithms import UnknownAlgorithmError, algorithm
 from pipeline.capture.backends import (
     BACKENDS,
     CaptureDtype,
@@ -21,11 +22,13 @@ from pipeline.capture.backends import (
 )
 from pipeline.storage import Storage
 from resources.env import resource_from_env
+from resources.run_config import ALGORITHM_VAR
 
 if TYPE_CHECKING:  # the capture backends import torch: loaded when a backend is opened
     from pipeline.capture.base import CaptureBackend
 
 WHERE = "resources.capture.config"
+_ENV = {"drafter_algorithm": ALGORITHM_VAR}  # the variable the refresh job's training reads
 
 
 # each section's defaults are its backend's settings' (pipeline.capture.backends): one copy
@@ -140,6 +143,11 @@ class CaptureResource(ConfigurableResource):
     aux_layer_ids: list[int] | None = Field(
         default=None, description="decoder layers whose outputs are captured, low→mid→high; "
                                   "unset: EAGLE-3's [1, N//2-1, N-4]")
+    drafter_algorithm: str | None = Field(
+        default=None, description="with aux_layer_ids unset: the drafter algorithm whose "
+                                  "default layers are captured (DFlash's "
+                                  "round(1 + i (N-4)/(L-1)); unset: EAGLE-3's); "
+                                  "AERIE_DRAFTER_ALGORITHM, which the refresh job trains")
     hf: HFCapture = Field(default_factory=HFCapture, description="the hf backend")
     sglang: SGLangCapture = Field(default_factory=SGLangCapture,
                                   description="the sglang backend")
@@ -156,6 +164,11 @@ class CaptureResource(ConfigurableResource):
 
     def problem(self) -> str | None:
         """What is wrong with the configuration, with the fix; None when nothing is."""
+        if self.drafter_algorithm is not None:
+            try:
+                algorithm(self.drafter_algorithm)
+            except UnknownAlgorithmError as e:
+                return f"{WHERE}.drafter_algorithm: {e}"
         if self.backend == "hf":
             return None
         if self.hf.processes > 1:
@@ -177,7 +190,8 @@ class CaptureResource(ConfigurableResource):
         """``open_backend``'s keyword arguments (JSON: a data-parallel extraction hands
         them to its other processes)."""
         return {"kind": self.backend, "aux_layer_ids": self.aux_layer_ids,
-                "token_budget": token_budget, "options": asdict(self.options())}
+                "layers_for": self.drafter_algorithm, "token_budget": token_budget,
+                "options": asdict(self.options())}
 
     @contextlib.contextmanager
     def open(self, storage: Storage, step: int, token_budget: int
@@ -192,4 +206,5 @@ def capture_from_env() -> CaptureResource:
     """Every field from ``AERIE_CAPTURE_<FIELD>`` where it is set, a section's fields from
     ``AERIE_CAPTURE_<SECTION>_<FIELD>`` (``AERIE_CAPTURE_HF_DTYPE``; lists as JSON or
     comma-separated); the API key as an ``EnvVar``."""
-    return resource_from_env(CaptureResource, "AERIE_CAPTURE_", secrets=("engine.api_key",))
+    return resource_from_env(CaptureResource, "AERIE_CAPTURE_", secrets=("engine.api_key",),
+                             names=_ENV)

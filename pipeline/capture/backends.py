@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from pipeline.algorithms import algorithm
 from pipeline.capture.config import DEFAULT_TOKEN_BUDGET
 from pipeline.eagle3.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 from pipeline.records import from_dict
@@ -116,16 +117,21 @@ def _open_hf(storage: Storage, step: int, aux_layer_ids: Sequence[int] | None,
         yield backend
 
 
-def _engine_geometry(storage: Storage, step: int, aux_layer_ids: Sequence[int] | None,
-                     kind: str) -> tuple[int, int, tuple[int, ...]]:
-    """``(hidden_size, layers, aux ids)`` from the step's checkpoint ``config.json``."""
+def _policy_config(storage: Storage, step: int) -> dict[str, Any]:
+    """The step's checkpoint ``config.json``, checked against its manifest."""
     from pipeline.layout import policy_prefix
     from pipeline.snapshot.policy import POLICY_KIND
     from pipeline.verified import committed, read_verified
 
     prefix = policy_prefix(step)
-    config = json.loads(read_verified(storage, prefix, committed(storage, prefix, POLICY_KIND),
-                                      "config.json"))
+    return json.loads(read_verified(storage, prefix, committed(storage, prefix, POLICY_KIND),
+                                    "config.json"))
+
+
+def _engine_geometry(storage: Storage, step: int, aux_layer_ids: Sequence[int] | None,
+                     kind: str) -> tuple[int, int, tuple[int, ...]]:
+    """``(hidden_size, layers, aux ids)`` from the step's checkpoint ``config.json``."""
+    config = _policy_config(storage, step)
     layers = int(config["num_hidden_layers"])
     ids = check_aux_layer_ids(  # SGLang's DeepSeek files number layers their own way
         aux_layer_ids if aux_layer_ids is not None else default_aux_layer_ids(layers),
@@ -191,10 +197,17 @@ def backend_options(kind: str, options: Any = None) -> Any:
 def open_backend(storage: Storage, step: int, kind: str = "hf", *,
                  aux_layer_ids: Sequence[int] | None = None,
                  token_budget: int = DEFAULT_TOKEN_BUDGET,
-                 options: Any = None) -> Iterator[CaptureBackend]:
+                 options: Any = None, layers_for: str | None = None
+                 ) -> Iterator[CaptureBackend]:
     """The ``kind`` backend for ``step``'s policy checkpoint, closed on exit. ``options``:
     the kind's settings (see :func:`backend_options`). The engine backends take H and the
-    default aux ids from the checkpoint's ``config.json``."""
+    default aux ids from the checkpoint's ``config.json``. ``layers_for``: a drafter
+    algorithm whose default target layers are captured when ``aux_layer_ids`` is None
+    (None: EAGLE-3's)."""
     settings = backend_options(kind, options)
+    if aux_layer_ids is None and layers_for is not None:
+        config = _policy_config(storage, step)
+        aux_layer_ids = algorithm(layers_for).default_layer_ids(
+            int(config["num_hidden_layers"]), config.get("model_type"))
     with BACKENDS[kind].open(storage, step, aux_layer_ids, token_budget, settings) as backend:
         yield backend

@@ -59,7 +59,8 @@ def with_counters(records: Sequence[Mapping[str, Any]], policy_dir: Path, storag
     local = materialize_drafter(storage, serving.target.drafter_uri, cache_dir,
                                 fingerprint=serving.target.fingerprint)
     drafter = algorithm_of_directory(local).load(
-        local, target.get_input_embeddings().weight.detach())
+        local, target.get_input_embeddings().weight.detach(),
+        head=target.get_output_embeddings().weight.detach())
     trace: list[CycleTrace] = []
     run = evaluate(target, drafter, [out[i]["prompt_token_ids"] for i in chosen],
                    serving.settings, max_new_tokens=max_new_tokens,

@@ -15,6 +15,10 @@ Invariants:
   called, so loading the code location (which reads the serving flags) stays torch-free.
 - The serving flags are built here from the algorithm's names and its own settings, so every
   launcher (serving modes, ``aerie serving-args``, the engine evaluator) emits the same flags.
+- Training goes through the record too: the trainer builds the model (:attr:`new_config`,
+  :attr:`build`), runs :attr:`objective` on :attr:`collate`'s batches under DeepSpeed, and
+  saves a :attr:`fresh` copy with :attr:`save`; the capture records :attr:`default_layer_ids`
+  when the deployment names no layers.
 """
 
 from __future__ import annotations
@@ -44,15 +48,29 @@ class DrafterAlgorithm:
     claims: Callable[[Mapping[str, Any]], bool]
     sglang_algorithm: str  # SGLang's --speculative-algorithm
     vllm_method: str  # vLLM's speculative_config "method"
-    # (config, the target's embedding, d2t=, t2d=) -> the model it trains and decodes with
+    # (config, the target's embedding, head=, d2t=, t2d=) -> the model it trains and decodes
+    # with (head: the target's lm_head weight; d2t/t2d: the draft vocab, where it has one)
     build: Callable[..., nn.Module]
     is_model: Callable[[object], bool]  # whether an object is such a model
-    # (the target's config, draft_vocab_size=, aux_layer_ids=, shape=) -> the model's config
+    # (the target's config, draft_vocab_size=, aux_layer_ids=, shape=, train=) -> the
+    # model's config (train: the TrainConfig whose settings of this algorithm apply)
     new_config: Callable[..., Any]
-    # (directory, the target's input embedding, dtype=, device=) -> model
+    config_json: Callable[[Any], dict[str, Any]]  # a model config -> its export config.json
+    # (target decoder layers, model_type) -> the target layers captured for it by default
+    default_layer_ids: Callable[[int, str | None], tuple[int, ...]]
+    # (directory, the target's input embedding, head=, dtype=, device=) -> model
     load: Callable[..., nn.Module]
     format_errors: Callable[[Path], tuple[str, ...]]  # every reason an export won't load
     proposer: Callable[[nn.Module], Drafter]  # the in-process engine's drafter for a model
+    # training: (model, the run's TrainConfig) -> a module whose forward(batch) is
+    # (loss, TTTMetrics) and whose .depth counts the metric slots
+    objective: Callable[[nn.Module, Any], nn.Module]
+    # (shard samples, target=TargetWeights, model=, device=) -> the objective's batch
+    collate: Callable[..., Any]
+    fresh: Callable[[nn.Module, Any], nn.Module]  # (model, target weights) -> a CPU copy
+    save: Callable[..., Path]  # (model, directory, dtype=) -> the export, replaced if there
+    # (model, directory, label) -> the warm start's record, the weights copied when it fits
+    warm_start: Callable[[nn.Module, Path, str], dict[str, Any]]
     sglang_settings: Callable[[SpecParams], tuple[str, ...]]  # flags after the draft path
     vllm_settings: Callable[[SpecParams], Mapping[str, Any]]  # speculative_config entries
 

@@ -64,7 +64,7 @@ class DrafterShape:
 
     def resolve(self, target: Any) -> dict[str, int]:
         """Concrete widths for ``target`` (a config object or dict)."""
-        get = _getter(target)
+        get = config_getter(target)
         width, heads = int(get("hidden_size")), int(get("num_attention_heads"))
         head_dim = int(get("head_dim", None) or width // heads)
         kv_heads = int(get("num_key_value_heads", heads) or heads)
@@ -163,7 +163,7 @@ class DrafterConfig:
         the target's depth and model type; ``shape`` sets the drafter's widths (module
         docstring).
         """
-        get = _getter(target)
+        get = config_getter(target)
         num_layers = int(get("num_hidden_layers"))
         model_type = get("model_type", None)
         ids = check_aux_layer_ids(
@@ -305,7 +305,7 @@ def read_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
     ``rope_scaling`` is None for plain RoPE, else a dict with ``rope_type`` and its
     parameters, never ``rope_theta``.
     """
-    get = _getter(cfg)
+    get = config_getter(cfg)
     params = get("rope_parameters", None)
     if isinstance(params, Mapping) and params and all(
             isinstance(v, Mapping) for v in params.values()):
@@ -368,7 +368,7 @@ def drafter_rope(target: Any, head_dim: int) -> tuple[float, dict[str, Any] | No
 _MISSING = object()
 
 
-def _getter(cfg: Any):
+def config_getter(cfg: Any):
     """``get(name, default)`` over a dict or an attribute object; required when no default."""
 
     def get(name: str, default: Any = _MISSING) -> Any:

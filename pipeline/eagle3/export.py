@@ -35,7 +35,7 @@ from pipeline.eagle3.model import OWN_EMBEDDING, Eagle3Drafter, exported_names
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16",
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.float32: "float32"}
 
 
@@ -44,8 +44,8 @@ def save_drafter(model: Eagle3Drafter, config: DrafterConfig, directory: str | P
     """Write ``model`` as an SGLang-loadable checkpoint directory; returns its path."""
     if config != model.config:
         raise ValueError("config does not match the model's config")
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES)}, got {dtype}")
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {dtype}")
     directory = Path(directory)
     if directory.exists() and not overwrite:
         raise FileExistsError(f"{directory} exists (pass overwrite=True to replace it)")
@@ -58,16 +58,16 @@ def save_drafter(model: Eagle3Drafter, config: DrafterConfig, directory: str | P
     tmp.mkdir()
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        cfg = config.to_sglang_config(dtype=_DTYPE_NAMES[dtype])
+        cfg = config.to_sglang_config(dtype=DTYPE_NAMES[dtype])
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        _publish(tmp, directory)
+        publish_directory(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
 
 
-def _publish(tmp: Path, directory: Path) -> None:
+def publish_directory(tmp: Path, directory: Path) -> None:
     """Rename ``tmp`` to ``directory``, replacing an existing one (old moved aside first)."""
     if not directory.exists():
         os.replace(tmp, directory)

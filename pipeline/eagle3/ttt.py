@@ -255,3 +255,16 @@ class _SoftCrossEntropy(torch.autograd.Function):
         out = torch.sub(logits, lse[:, None])  # (N, V), then in place: softmax - p, · grad
         out.exp_().sub_(p).mul_(grad[:, None])
         return out, None
+
+
+class TTTObjective(torch.nn.Module):
+    """The drafter with its TTT loss as ``forward``, so DeepSpeed's engine runs the loss."""
+
+    def __init__(self, drafter: Eagle3Drafter, depth: int, decay: float):
+        super().__init__()
+        self.drafter = drafter
+        self.depth = depth
+        self.decay = decay
+
+    def forward(self, batch: TTTBatch) -> tuple[torch.Tensor, TTTMetrics]:
+        return ttt_loss(self.drafter, batch, self.depth, decay=self.decay)

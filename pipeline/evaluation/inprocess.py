@@ -66,9 +66,10 @@ def measure(storage: Storage, step: int, ids: list[list[int]], config: EvalConfi
     base = contest.measure(None)
     results = {NO_DRAFTER: contest.contestant(NO_DRAFTER, None, None, base, base)}
     embed = target.get_input_embeddings().weight.detach()
+    head = target.get_output_embeddings().weight.detach()  # DFlash drafts with it
     for name, (directory, uri, fingerprint) in drafters.items():
-        drafter = algorithm_of_directory(directory).load(directory, embed, dtype=dtype,
-                                                         device=device)
+        drafter = algorithm_of_directory(directory).load(directory, embed, head=head,
+                                                         dtype=dtype, device=device)
         results[name] = contest.contestant(name, uri, fingerprint, contest.measure(drafter),
                                            base)
     return Measurement(results, settings, checked=contest.checked, sample=contest.sample,

@@ -74,8 +74,14 @@ class TrainConfig:
     drafter_heads: int = 0
     drafter_kv_heads: int = 0
     drafter_head_dim: int = 0
-    # the drafter algorithm trained (pipeline.algorithms): eagle3 or eagle3.1
+    # the drafter algorithm trained (pipeline.algorithms): eagle3, eagle3.1 or dflash
     drafter_algorithm: str = DEFAULT_ALGORITHM
+    # DFlash (read only when drafter_algorithm is dflash; see pipeline.dflash)
+    dflash_layers: int = 5  # draft decoder layers
+    dflash_block_size: int = 8  # the anchor and block_size - 1 draft tokens
+    dflash_anchors: int = 64  # blocks trained per sample, at most
+    dflash_gamma: float = 0.0  # loss decay over the block; 0: by block size (8: 4, 16: 7)
+    dflash_mask_token_id: int = -1  # -1: the target's mask_token_id, else its last row
 
     @property
     def drafter_shape(self) -> DrafterShape:
@@ -108,6 +114,13 @@ class TrainConfig:
         if self.dtype == "bf16" and self.zero_stage == 0:
             raise ValueError("bf16 needs zero_stage 1 or 2 (the stage-0 bf16 wrapper's state "
                              "is not covered by Aerie's resume)")
+        if self.dflash_layers < 1 or self.dflash_block_size < 2 or self.dflash_anchors < 1:
+            raise ValueError(f"dflash_layers ({self.dflash_layers}) and dflash_anchors "
+                             f"({self.dflash_anchors}) must be >= 1, dflash_block_size "
+                             f"({self.dflash_block_size}) >= 2")
+        if self.dflash_gamma < 0 or self.dflash_mask_token_id < -1:
+            raise ValueError(f"dflash_gamma ({self.dflash_gamma}) must be >= 0 and "
+                             f"dflash_mask_token_id ({self.dflash_mask_token_id}) >= -1")
         if self.export_dtype not in EXPORT_DTYPES:
             raise ValueError(f"export_dtype must be one of {EXPORT_DTYPES}, got "
                              f"{self.export_dtype!r}")
@@ -121,8 +134,10 @@ class TrainConfig:
         """sha256 of the fields that change the trained weights (not logging cadence).
         Drafter widths left at 0 (derived from the target, which the spec fingerprints) and
         the default algorithm are left out, so runs planned before those fields existed keep
-        their fingerprints."""
+        their fingerprints; so are the settings of algorithms other than the one trained."""
         cosmetic = {"log_every", "keep_checkpoints", "checkpoint_every"}
+        if self.drafter_algorithm != "dflash":
+            cosmetic |= {k for k in to_dict(self) if k.startswith("dflash_")}
         payload = {k: v for k, v in sorted(to_dict(self).items()) if k not in cosmetic
                    and not (k.startswith("drafter_") and v in (0, DEFAULT_ALGORITHM))}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

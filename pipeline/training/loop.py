@@ -10,7 +10,8 @@ Invariants:
 
 - Optimisation: torch AdamW over ``model.trainable_parameters()`` (the frozen embedding is a
   buffer), a LambdaLR warmup + cosine stepped by the engine, gradient clipping by DeepSpeed,
-  the TTT loss of :func:`pipeline.eagle3.ttt.ttt_loss`.
+  the drafter algorithm's objective (EAGLE-3's TTT loss, :func:`pipeline.eagle3.ttt.ttt_loss`;
+  DFlash's block loss, :func:`pipeline.dflash.objective.block_loss`).
 - Determinism: seeded model init and data order, fixed threads; a run resumed from any
   complete checkpoint ends with bit-identical weights to an uninterrupted one (tested with
   SIGKILL), because the checkpoint holds model, optimizer, scheduler, step, data position,
@@ -21,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import random
@@ -35,10 +37,6 @@ from torch import nn
 
 from pipeline.algorithms import algorithm
 from pipeline.capture.window import WindowError, load_target, read_window, shard_geometry
-from pipeline.eagle3.export import save_drafter
-from pipeline.eagle3.model import Eagle3Drafter
-from pipeline.eagle3.ttt import TTTMetrics, ttt_loss
-from pipeline.eagle3.ttt_batch import LogitHead, TTTBatch, collate
 from pipeline.records import from_dict, to_dict, to_json
 from pipeline.storage import Storage
 from pipeline.training import checkpoint as ckpt
@@ -64,20 +62,7 @@ _EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
                   "float32": torch.float32}
 
 
-class TTTObjective(nn.Module):
-    """The drafter with its TTT loss as ``forward``, so DeepSpeed's engine runs the loss."""
-
-    def __init__(self, drafter: Eagle3Drafter, depth: int, decay: float):
-        super().__init__()
-        self.drafter = drafter
-        self.depth = depth
-        self.decay = decay
-
-    def forward(self, batch: TTTBatch) -> tuple[torch.Tensor, TTTMetrics]:
-        return ttt_loss(self.drafter, batch, self.depth, decay=self.decay)
-
-
-def build_drafter(spec: TrainSpec, storage: Storage) -> tuple[Eagle3Drafter, Any, dict]:
+def build_drafter(spec: TrainSpec, storage: Storage) -> tuple[nn.Module, Any, dict]:
     """The drafter (seeded init, vocab installed), the teacher weights, and the shards."""
     target = load_target(storage, spec.step)
     if target.sha256 != spec.policy_sha256:
@@ -87,13 +72,15 @@ def build_drafter(spec: TrainSpec, storage: Storage) -> tuple[Eagle3Drafter, Any
     mapping = load_mapping(storage, spec.vocab_key)
     trained = algorithm(spec.config.drafter_algorithm)
     config = trained.new_config(target.config, draft_vocab_size=mapping.draft_vocab_size,
-                                aux_layer_ids=aux_ids, shape=spec.config.drafter_shape)
-    if hidden != config.target_hidden_size or mapping.target_vocab_size != config.vocab_size:
+                                aux_layer_ids=aux_ids, shape=spec.config.drafter_shape,
+                                train=spec.config)
+    width = getattr(config, "target_hidden_size", config.hidden_size)
+    if hidden != width or mapping.target_vocab_size != config.vocab_size:
         raise WindowError(f"shards (H={hidden}) or vocab mapping (V={mapping.target_vocab_size})"
-                          f" do not fit the policy (H={config.target_hidden_size}, "
-                          f"V={config.vocab_size})")
+                          f" do not fit the policy (H={width}, V={config.vocab_size})")
     torch.manual_seed(spec.config.seed)
-    model = trained.build(config, target.embed, d2t=mapping.d2t, t2d=mapping.t2d)
+    model = trained.build(config, target.embed, head=target.lm_head, d2t=mapping.d2t,
+                          t2d=mapping.t2d)
     return model, target, manifests
 
 
@@ -104,10 +91,11 @@ class Run:
 
     spec: TrainSpec
     ctx: DistContext
-    model: Eagle3Drafter
+    model: nn.Module  # the drafter algorithm's model
     target: Any  # the teacher (pipeline.capture.window.Target)
     reader: WindowReader
-    engine: Any  # DeepSpeed's engine around TTTObjective(model)
+    engine: Any  # DeepSpeed's engine around the algorithm's objective(model)
+    depth: int  # the objective's metric slots (TTT depth, DFlash's block - 1)
     scheduler: Any
     named: list[tuple[str, nn.Parameter]]  # the trainable parameters, by name
     per_epoch: int
@@ -155,12 +143,13 @@ def set_up(spec: TrainSpec, storage: Storage) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     import deepspeed
 
+    objective = algorithm(cfg.drafter_algorithm).objective(model, cfg)
     engine, _, _, scheduler = deepspeed.initialize(
-        model=TTTObjective(model, cfg.ttt_depth, cfg.ttt_decay), optimizer=optimizer,
-        lr_scheduler=scheduler, config=deepspeed_config(cfg))
+        model=objective, optimizer=optimizer, lr_scheduler=scheduler,
+        config=deepspeed_config(cfg))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return Run(spec, ctx, model, target, reader, engine, scheduler, named, per_epoch, total,
-               warm)
+    return Run(spec, ctx, model, target, reader, engine, objective.depth, scheduler, named,
+               per_epoch, total, warm)
 
 
 def resume(run: Run) -> bool:
@@ -192,7 +181,7 @@ def train_step(run: Run, batches: Iterator[tuple[Any, list]], collate_batch) -> 
     """One optimizer step: ``grad_accum`` micro-batches of this rank through the engine;
     the metrics summed over the ranks join the history."""
     cfg = run.config
-    sums = MetricSums.zeros(cfg.ttt_depth)
+    sums = MetricSums.zeros(run.depth)
     for _ in range(cfg.grad_accum):
         _, samples = next(batches)
         batch = collate_batch(samples)
@@ -216,17 +205,15 @@ def export(run: Run, seconds: float) -> TrainResult | None:
     params = full_fp32_params(run.engine, run.named)  # collective
     if run.ctx.rank != 0:
         return None
-    embed = model.embed_tokens.weight.cpu() if model.config.owns_embedding else \
-        run.target.embed
-    drafter = Eagle3Drafter(model.config, embed, d2t=model.d2t.cpu(), t2d=model.t2d.cpu())
+    algo = algorithm(cfg.drafter_algorithm)
+    drafter = algo.fresh(model, run.target)
     trained = {n for n, _ in drafter.named_parameters()}
     if set(params) != trained:  # every parameter trained: none left at its fresh init
         raise RuntimeError(f"gathered parameters {sorted(set(params) ^ trained)} differ "
                            "from the drafter's")
     persistent = {k: v for k, v in drafter.state_dict().items() if k not in trained}
     drafter.load_state_dict({**persistent, **params}, strict=True)  # d2t, t2d, own embed
-    save_drafter(drafter, model.config, run.spec.out_dir, overwrite=True,
-                 dtype=_EXPORT_DTYPES[cfg.export_dtype])
+    algo.save(drafter, run.spec.out_dir, dtype=_EXPORT_DTYPES[cfg.export_dtype])
     history, per_epoch = run.history, run.per_epoch
     window = max(1, min(per_epoch, len(history) // 4))  # first vs last quarter
     samples_done = (run.step - (run.resumed or 0)) * cfg.samples_per_step
@@ -238,10 +225,10 @@ def export(run: Run, seconds: float) -> TrainResult | None:
         samples_per_s=samples_done / seconds if seconds > 0 else 0.0,
         resumed_from_step=run.resumed, world_size=cfg.world_size, zero_stage=cfg.zero_stage,
         dtype=cfg.dtype,
-        final=aggregate(cfg.ttt_depth, (h["sums"] for h in history[-window:])).summary(),
-        first=aggregate(cfg.ttt_depth, (h["sums"] for h in history[:window])).summary(),
-        history=[_brief(h, cfg.ttt_depth) for h in history], warm_start=run.warm,
-        drafter_config=model.config.to_sglang_config(), out_dir=str(run.spec.out_dir))
+        final=aggregate(run.depth, (h["sums"] for h in history[-window:])).summary(),
+        first=aggregate(run.depth, (h["sums"] for h in history[:window])).summary(),
+        history=[_brief(h, run.depth) for h in history], warm_start=run.warm,
+        drafter_config=algo.config_json(model.config), out_dir=str(run.spec.out_dir))
     ckpt.write_atomic(Path(run.spec.work_dir) / RESULT_NAME, to_json(result).encode())
     return result
 
@@ -253,11 +240,11 @@ def train(spec: TrainSpec, storage: Storage) -> TrainResult:
     if not resume(run):
         log.info("training %d steps (%d per epoch) on %d samples, warm start: %s", run.total,
                  run.per_epoch, run.reader.num_samples, run.warm["reason"])
-    lm_head, t2d = run.target.lm_head.to(run.ctx.device), run.model.t2d
-    head = LogitHead.of(run.target.config)  # the target's soft-cap / scaling after the matmul
+    collate = algorithm(cfg.drafter_algorithm).collate
+    target = dataclasses.replace(run.target, lm_head=run.target.lm_head.to(run.ctx.device))
 
-    def collate_batch(samples: list) -> TTTBatch:
-        return collate(samples, lm_head, t2d, device=run.ctx.device, head=head)
+    def collate_batch(samples: list) -> Any:
+        return collate(samples, target=target, model=run.model, device=run.ctx.device)
 
     epoch_end = run.per_epoch * cfg.world_size * cfg.grad_accum  # micro-batches per epoch
     started = time.perf_counter()
@@ -278,11 +265,11 @@ def train(spec: TrainSpec, storage: Storage) -> TrainResult:
 
 
 def _log_step(run: Run) -> None:
-    s = MetricSums.from_list(run.config.ttt_depth, run.history[-1]["sums"]).summary()
+    s = MetricSums.from_list(run.depth, run.history[-1]["sums"]).summary()
     log.info("step %d/%d lr %.3g loss %.4f acc/depth [%s] sim_accept %.3f", run.step,
              run.total, run.history[-1]["lr"], s["loss"],
              " ".join(f"{a:.3f}" for a in s["depth_accuracy"]), s["sim_accept_length"])
-    log.info("%s", metrics_line(_brief(run.history[-1], run.config.ttt_depth)))
+    log.info("%s", metrics_line(_brief(run.history[-1], run.depth)))
 
 
 def _brief(h: dict[str, Any], depth: int) -> dict[str, Any]:

@@ -43,20 +43,22 @@ def exported(tmp_path_factory):
 
 
 def test_every_algorithm_is_registered_once_and_claims_its_own_exports():
-    assert DEFAULT_ALGORITHM == "eagle3" and list(ALGORITHMS) == ["eagle3", "eagle3.1"]
+    assert DEFAULT_ALGORITHM == "eagle3"
+    assert list(ALGORITHMS) == ["eagle3", "eagle3.1", "dflash"]
     for name, a in ALGORITHMS.items():
         assert a.name == name
         target = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 8,
                   "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 48,
-                  "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1e4}
-        exported = a.new_config(target, draft_vocab_size=24).to_sglang_config()
+                  "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1e4,
+                  "model_type": "llama"}
+        exported = a.config_json(a.new_config(target, draft_vocab_size=24))
         assert algorithm_of_config(exported, "x") is a
 
 
 def test_lookups_refuse_what_no_algorithm_claims_naming_it(tmp_path):
     assert algorithm("eagle3") is EAGLE3
     with pytest.raises(UnknownAlgorithmError,
-                       match=r"'medusa' is not one of \['eagle3', 'eagle3.1'\]"):
+                       match=r"'medusa' is not one of \['dflash', 'eagle3', 'eagle3.1'\]"):
         algorithm("medusa")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(UnknownAlgorithmError, match=r"config\.json: architectures "
@@ -151,8 +153,12 @@ def test_the_trained_algorithm_is_a_run_config_choice_fingerprinted_unless_defau
     assert TrainConfig(drafter_algorithm="eagle3").fingerprint() == TrainConfig().fingerprint()
     assert TrainConfig(drafter_algorithm="eagle3.1").fingerprint() != \
         TrainConfig().fingerprint()
-    with pytest.raises(UnknownAlgorithmError, match="'dflash' is not one of"):
-        TrainConfig(drafter_algorithm="dflash")
+    with pytest.raises(UnknownAlgorithmError, match="'medusa' is not one of"):
+        TrainConfig(drafter_algorithm="medusa")
+    # an algorithm's own settings count only when it is the one trained
+    assert TrainConfig(dflash_block_size=16).fingerprint() == TrainConfig().fingerprint()
+    dflash = TrainConfig(drafter_algorithm="dflash")
+    assert replace(dflash, dflash_block_size=16).fingerprint() != dflash.fingerprint()
     assert EAGLE31.new_config(
         {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 8,
          "num_attention_heads": 4, "vocab_size": 48, "max_position_embeddings": 64,

@@ -12,6 +12,7 @@ from pipeline.eagle3.config import DrafterConfig
 from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.evaluation.reference import greedy_reference
 from pipeline.vocab.mapping import build_vocab_mapping
+from tests.dflash.helpers import tiny_dflash
 from tests.families import tiny_llama, tiny_llama_config
 
 VOCAB = 300
@@ -80,3 +81,11 @@ def random_drafter(target: LlamaForCausalLM, seed: int = 0) -> Eagle3Drafter:
 @pytest.fixture(scope="session")
 def drafter(target) -> Eagle3Drafter:
     return random_drafter(target)
+
+
+@pytest.fixture(scope="session")
+def dflash(target):
+    """A random DFlash drafter (block of 8) on the target's own embedding and head."""
+    return tiny_dflash(0, target=target.config, block_size=8,
+                       embed=target.model.embed_tokens.weight.detach(),
+                       head=target.lm_head.weight.detach())

@@ -22,11 +22,12 @@ def mixed_rank(context, position):
     return [0, 0, 0, 1, 2, None][context_seed(position, context) % 6]
 
 
-def make(kind: str, target, drafter):
+def make(kind: str, target, drafter, dflash=None):
     return {"random": lambda: RandomDrafter(VOCAB, seed=3),
             "oracle": lambda: OracleDrafter(target),
             "mixed": lambda: OracleDrafter(target, top_prob=0.6, greedy_rank=mixed_rank),
             "eagle": lambda: drafter,
+            "dflash": lambda: dflash,
             "none": lambda: None}[kind]()
 
 
@@ -38,12 +39,13 @@ CASES = [
     ("mixed", SpecParams(5, 4, 8)), ("mixed", SpecParams(2, 4, 16)),
     ("eagle", SpecParams(5, 1, 6)), ("eagle", SpecParams(3, 2, 4)),
     ("eagle", SpecParams(5, 4, 8)),
+    ("dflash", SpecParams(7, 1, 8)), ("dflash", SpecParams(3, 1, 4)),
 ]
 
 
 @pytest.mark.parametrize("kind, params", CASES, ids=lambda c: str(c))
-def test_lossless(kind, params, target, drafter, prompts, references):
-    stats, outputs = evaluate(target, make(kind, target, drafter), prompts, params,
+def test_lossless(kind, params, target, drafter, dflash, prompts, references):
+    stats, outputs = evaluate(target, make(kind, target, drafter, dflash), prompts, params,
                               max_new_tokens=MAX_NEW)
     assert outputs == expected(references, MAX_NEW)
     assert stats.generated_tokens == sum(map(len, outputs)) == len(prompts) * MAX_NEW
@@ -59,11 +61,12 @@ def eos_ids(references) -> set[int]:
 
 @pytest.mark.parametrize("kind, params", [("mixed", SpecParams(5, 1, 6)),
                                           ("mixed", SpecParams(5, 4, 8)),
-                                          ("eagle", SpecParams(4, 2, 6)), ("none", None)],
+                                          ("eagle", SpecParams(4, 2, 6)),
+                                          ("dflash", SpecParams(5, 1, 6)), ("none", None)],
                          ids=str)
-def test_stops_at_eos(kind, params, target, drafter, prompts, references):
+def test_stops_at_eos(kind, params, target, drafter, dflash, prompts, references):
     eos = eos_ids(references)
-    stats, outputs = evaluate(target, make(kind, target, drafter), prompts, params,
+    stats, outputs = evaluate(target, make(kind, target, drafter, dflash), prompts, params,
                               max_new_tokens=MAX_NEW, eos_token_id=eos)
     want = expected(references, MAX_NEW, eos)
     assert outputs == want

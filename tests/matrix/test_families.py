@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.algorithms import algorithm_of_directory, format_errors
+from pipeline.algorithms import algorithm, algorithm_of_directory, format_errors
 from pipeline.capture.config import ExtractConfig
 from pipeline.capture.heldout import heldout_prompts
 from pipeline.capture.hf import HFCaptureBackend
@@ -49,6 +49,9 @@ TRAIN = TrainConfig(lr=1e-3, warmup_ratio=0.1, micro_batch_size=4, epochs=1, ttt
 NARROW = replace(TRAIN, drafter_hidden_size=32, drafter_head_dim=8)
 V31 = replace(TRAIN, drafter_algorithm="eagle3.1")
 V31_WORLDS = ("eagle3.1:llama3", "eagle3.1:qwen3_moe", "eagle3.1:mistral_window")
+DFLASH = replace(TRAIN, drafter_algorithm="dflash", dflash_layers=2, dflash_block_size=4,
+                 dflash_anchors=16)
+DFLASH_WORLDS = ("dflash:llama3", "dflash:qwen3_moe", "dflash:mistral_window")
 SETTINGS = {"chain": dict(num_steps=3, eagle_topk=1, num_draft_tokens=4),
             "tree": dict(num_steps=3, eagle_topk=2, num_draft_tokens=6)}
 
@@ -59,11 +62,14 @@ LANES = 2
 
 
 def _prepare(target, root: Path, config: TrainConfig = TRAIN) -> tuple:
-    """A world of ``target`` under ``root`` after capture, vocab and training: (storage,
-    target, the training refresh, the target's checkpoint directory)."""
+    """A world of ``target`` under ``root`` after capture (of the layers the trained
+    algorithm reads by default), vocab and training: (storage, target, the training
+    refresh, the target's checkpoint directory)."""
     torch.set_num_threads(1)  # this thread's torch: the captures stay one-threaded
+    ids = algorithm(config.drafter_algorithm).default_layer_ids(
+        target.config.num_hidden_layers, target.config.model_type)
     storage = build_world(root / "storage", (STEP,), samples=16, model=target,
-                          extract=replace(EXTRACT, heldout_fraction=0.3))
+                          extract=replace(EXTRACT, heldout_fraction=0.3), aux_layer_ids=ids)
     vocab_stage.run(storage, STEP, 1, 64)
     refresh = train_stage.run(storage, STEP, config, work_root=root / "work",
                               warm_start="none")
@@ -79,6 +85,8 @@ def _worlds_used(request) -> list[str]:
             used[item.callspec.params["refreshed"]] = None
         elif item.module is request.module and "refreshed_v31" in item.fixturenames:
             used[item.callspec.params["refreshed_v31"]] = None
+        elif item.module is request.module and "refreshed_dflash" in item.fixturenames:
+            used[item.callspec.params["refreshed_dflash"]] = None
         elif item.module is request.module and "narrow" in item.fixturenames:
             used["narrow"] = None
     return list(used)
@@ -98,6 +106,8 @@ def prepared(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
                 target, config = tiny_target("qwen3_moe"), NARROW  # H 64
             elif name.startswith("eagle3.1:"):
                 target, config = tiny_target(name.removeprefix("eagle3.1:")), V31
+            elif name.startswith("dflash:"):
+                target, config = tiny_target(name.removeprefix("dflash:")), DFLASH
             else:
                 target, config = tiny_target(name), TRAIN
             worlds[name] = lanes.submit(_prepare, target, tmp_path_factory.mktemp(name),
@@ -118,6 +128,13 @@ def refreshed(request, prepared):
 def refreshed_v31(request, prepared):
     """An EAGLE 3.1 drafter (``drafter_algorithm: eagle3.1``) trained on a world of Llama,
     Qwen3 (MoE) or a sliding-window target, like :func:`refreshed`."""
+    return prepared[request.param].result()
+
+
+@pytest.fixture(scope="module", params=DFLASH_WORLDS)
+def refreshed_dflash(request, prepared):
+    """A DFlash drafter (``drafter_algorithm: dflash``, a block of 4) trained on a world of
+    Llama, Qwen3 (MoE) or a sliding-window target whose capture recorded DFlash's layers."""
     return prepared[request.param].result()
 
 
@@ -323,6 +340,30 @@ def test_an_eagle31_drafter_trains_exports_and_decodes_losslessly(refreshed_v31,
     assert all(not torch.equal(w, torch.ones_like(w)) for w in trained)  # moved off init
     config = EvalConfig(max_prompts=4, max_new_tokens=12, reference_prompts=2,
                         **SETTINGS[drafting])
+    report = eval_stage.run(storage, STEP, drafter_prefix(STEP), None, config)
+    outcome = evaluation_sound(report)
+    assert outcome.passed, outcome.description
+    assert report.contestants["candidate"].acceptance.cycles > 0
+
+
+def test_a_dflash_drafter_trains_exports_and_decodes_losslessly(refreshed_dflash):
+    """Chosen in the run config, trained with the block loss on the layers the capture
+    recorded for it, exported as both engines' DFlash loaders read it (no embedding, no
+    head), and decoded by the in-process engine losslessly against the reference."""
+    storage, target, refresh, _ = refreshed_dflash
+    assert refresh.result.steps > 0 and math.isfinite(refresh.result.final["loss"])
+    assert len(refresh.result.final["depth_accuracy"]) == 3  # block 4: three draft slots
+    local = fetch(storage, drafter_prefix(STEP), kind="drafter_checkpoint", label="drafter")
+    written = json.loads((local / "config.json").read_text())
+    n = target.config.num_hidden_layers
+    assert written["dflash_config"]["target_layer_ids"] == \
+        list(algorithm("dflash").default_layer_ids(n, target.config.model_type))
+    assert (written["block_size"], written["num_target_layers"]) == (4, n)
+    assert algorithm_of_directory(local).name == "dflash" and format_errors(local) == ()
+    names = load_file(str(local / "model.safetensors"))
+    assert "lm_head.weight" not in names and "d2t" not in names
+    config = EvalConfig(max_prompts=4, max_new_tokens=12, reference_prompts=2,
+                        **SETTINGS["chain"])
     report = eval_stage.run(storage, STEP, drafter_prefix(STEP), None, config)
     outcome = evaluation_sound(report)
     assert outcome.passed, outcome.description

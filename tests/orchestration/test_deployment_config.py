@@ -148,9 +148,11 @@ def test_the_configuration_reference_lists_every_variable():
     page = (ROOT / "docs" / "reference" / "configuration.md").read_text()
     missing = []
     for key, (module, name, prefix) in ENV_BUILT.items():
-        cls = getattr(importlib.import_module(module), name)
+        mod = importlib.import_module(module)
+        cls, names = getattr(mod, name), getattr(mod, "_ENV", None)
         section = page.split(f"\n## {key} {{#{key}}}\n", 1)[1].split("\n## ", 1)[0]
-        missing += [f"{key}.{field}: {var}" for field, var in env_names(cls, prefix).items()
+        missing += [f"{key}.{field}: {var}"
+                    for field, var in env_names(cls, prefix, names).items()
                     if f"| `{field}` | `{var}` |" not in section]
     named = [v for module in ("storage", "mlflow", "ingest", "refresh")
              for v in importlib.import_module(f"resources.{module}")._ENV.values()]

@@ -58,14 +58,16 @@ def write_tokenized(storage: Storage, step: int, n: int, seed: int,
 
 
 def build_world(root: Path, steps: Sequence[int] = (1, 2, 3), samples: int = 32,
-                model: LlamaForCausalLM | None = None, extract: ExtractConfig = EXTRACT
-                ) -> Storage:
-    """Policy + tokenized + shards for ``steps`` under ``root`` (a file:// storage)."""
+                model: LlamaForCausalLM | None = None, extract: ExtractConfig = EXTRACT,
+                aux_layer_ids: Sequence[int] | None = None) -> Storage:
+    """Policy + tokenized + shards for ``steps`` under ``root`` (a file:// storage), the
+    states of ``aux_layer_ids`` captured (None: EAGLE-3's default layers)."""
     storage = Storage(root.as_uri())
     model = model or tiny_target()
     policy_dir = root.parent / f"{root.name}-policy"
     model.save_pretrained(policy_dir)
-    backend = HFCaptureBackend(model, token_budget=extract.token_budget)
+    backend = HFCaptureBackend(model, token_budget=extract.token_budget,
+                               aux_layer_ids=aux_layer_ids)
     for step in steps:
         publish_policy(storage, step, policy_dir)
         write_tokenized(storage, step, samples, seed=step)
