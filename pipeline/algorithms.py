@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.dflash.algorithm import DFLASH
 from pipeline.drafters.algorithm import DrafterAlgorithm
 from pipeline.eagle3.algorithm import EAGLE3, EAGLE31
+from pipeline.eagle3.spec import SpecParams
 
 if TYPE_CHECKING:
     from torch import nn
@@ -60,14 +61,7 @@ def algorithm_of_config(config: Mapping[str, Any], where: str) -> DrafterAlgorit
 
 def algorithm_of_directory(directory: str | Path) -> DrafterAlgorithm:
     """The algorithm of the drafter exported in ``directory``, from its ``config.json``."""
-    path = Path(directory) / CONFIG_NAME
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UnknownAlgorithmError(f"{path}: cannot be read as JSON ({e})") from e
-    if not isinstance(config, dict):
-        raise UnknownAlgorithmError(f"{path}: is not a JSON object")
-    return algorithm_of_config(config, str(path))
+    return algorithm_of_config(read_config(directory), str(Path(directory) / CONFIG_NAME))
 
 
 def algorithm_of_model(model: object) -> DrafterAlgorithm:
@@ -78,6 +72,26 @@ def algorithm_of_model(model: object) -> DrafterAlgorithm:
             return a
     raise UnknownAlgorithmError(f"{type(model).__name__} is no drafter algorithm's model "
                                 f"({sorted(ALGORITHMS)})")
+
+
+def read_config(directory: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of the export in ``directory``, as a JSON object."""
+    path = Path(directory) / CONFIG_NAME
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnknownAlgorithmError(f"{path}: cannot be read as JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise UnknownAlgorithmError(f"{path}: is not a JSON object")
+    return config
+
+
+def serving_of(config: Mapping[str, Any], settings: SpecParams, where: str
+               ) -> tuple[DrafterAlgorithm, SpecParams]:
+    """The algorithm of the export whose ``config.json`` is ``config`` (read from ``where``)
+    and the settings it is served and measured with, given the deployment's ``settings``."""
+    found = algorithm_of_config(config, where)
+    return found, found.settings_for(config, settings)
 
 
 def format_errors(directory: str | Path) -> tuple[str, ...]:

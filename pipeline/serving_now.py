@@ -13,8 +13,10 @@ Invariants:
 - The record is stdlib only, frozen, JSON round-trip with ``SCHEMA_VERSION``; a reader
   refuses a manifest written by a newer schema.
 - The settings are :class:`~pipeline.eagle3.spec.SpecParams`, the same record (and
-  SGLang rules) acceptance evaluation measures with; the flags are the drafter algorithm's
-  (:mod:`pipeline.algorithms`).
+  SGLang rules) acceptance evaluation measures with, as the drafter's algorithm serves it
+  (``algorithm``; a DFlash drafter's settings are its block's chain); the flags are that
+  algorithm's (:mod:`pipeline.algorithms`). Version-1 manifests (before the field) served
+  EAGLE-3 and are read so.
 - ``sglang_args`` hold the literal placeholder ``{drafter_dir}`` for the draft-model path:
   where the drafter lands is decided by whoever launches the server
   (:func:`ServingManifest.launch_args`).
@@ -36,7 +38,7 @@ from pipeline.records import from_json
 from pipeline.storage import Storage
 from pipeline.verified import DEFAULT_CACHE_BYTES, DatasetCache, IntegrityError, committed
 
-SERVING_SCHEMA_VERSION = 1
+SERVING_SCHEMA_VERSION = 2  # 2: the drafter's algorithm (1 served EAGLE-3 only)
 DRAFTER_DIR = "{drafter_dir}"
 
 
@@ -123,7 +125,10 @@ class ServingManifest:
     previous_sequence: int | None = None
     restored_from: int | None = None
     details: dict[str, str] = field(default_factory=dict, hash=False)
+    algorithm: str = DEFAULT_ALGORITHM  # the drafter's (pipeline.algorithms), whose flags
+    # sglang_args are and whose settings ``settings`` are
     schema_version: int = SERVING_SCHEMA_VERSION
+    READABLE_SCHEMA_VERSIONS = (1, SERVING_SCHEMA_VERSION)
 
     def launch_args(self, drafter_dir: str) -> list[str]:
         """The SGLang arguments with the local drafter directory filled in ([] without one)."""
@@ -197,7 +202,8 @@ class ServingLaunch:
         """The launch flags for ``engine`` (:data:`ENGINES`); () when serving no drafter."""
         if self.drafter_dir is None:
             return ()
-        return engine_args(engine, self.manifest.settings, str(self.drafter_dir))
+        return engine_args(engine, self.manifest.settings, str(self.drafter_dir),
+                           self.manifest.algorithm)
 
 
 def resolve_serving(storage: Storage, name: str, cache_dir: str | Path,

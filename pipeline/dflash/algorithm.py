@@ -4,8 +4,9 @@ SGLang serves it with ``--speculative-algorithm DFLASH`` and ``--speculative-num
 = the block size (the verify window, anchor included; SGLang forces one step and top-k 1);
 vLLM (0.33) with ``method: dflash`` and ``num_speculative_tokens`` = block size − 1. Both are
 written from :class:`~pipeline.eagle3.spec.SpecParams`, which for DFlash must be a chain
-(``eagle_topk`` 1) of ``num_steps`` = ``num_draft_tokens`` − 1 tokens; a drafter whose block
-is shorter than ``num_draft_tokens`` cannot fill it (the proposer refuses the extra depth).
+(``eagle_topk`` 1) of ``num_steps`` = ``num_draft_tokens`` − 1 tokens. The deployment's
+settings are EAGLE's: a DFlash drafter is served and measured with a chain as long as its
+own block instead (``settings_for``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,12 @@ def _warm_start(model: Any, directory: Any, label: str) -> Any:
     return warm_start_from(model, directory, label)
 
 
+def _settings_for(config: Any, settings: SpecParams) -> SpecParams:
+    """A chain as long as the drafter's block, whatever the deployment's EAGLE settings."""
+    block = DFlashConfig.from_config_json(config).block_size
+    return SpecParams(num_steps=block - 1, eagle_topk=1, num_draft_tokens=block)
+
+
 def _check_chain(settings: SpecParams) -> None:
     if settings.eagle_topk != 1 or settings.num_draft_tokens != settings.num_steps + 1:
         raise ValueError(f"DFlash drafts a chain: serve it with eagle_topk 1 and "
@@ -110,4 +117,5 @@ DFLASH = DrafterAlgorithm(
     default_layer_ids=lambda layers, model_type: default_target_layer_ids(layers),
     load=_load, format_errors=_format_errors, proposer=_proposer, objective=_objective,
     collate=_collate, fresh=_fresh, save=_save, warm_start=_warm_start,
+    settings_for=_settings_for,
     sglang_settings=_sglang_settings, vllm_settings=_vllm_settings)

@@ -71,6 +71,9 @@ class DrafterAlgorithm:
     save: Callable[..., Path]  # (model, directory, dtype=) -> the export, replaced if there
     # (model, directory, label) -> the warm start's record, the weights copied when it fits
     warm_start: Callable[[nn.Module, Path, str], dict[str, Any]]
+    # (an export's config.json, the deployment's settings) -> the settings it is served and
+    # measured with (EAGLE: the deployment's; DFlash: a chain as long as its block)
+    settings_for: Callable[[Mapping[str, Any], SpecParams], SpecParams]
     sglang_settings: Callable[[SpecParams], tuple[str, ...]]  # flags after the draft path
     vllm_settings: Callable[[SpecParams], Mapping[str, Any]]  # speculative_config entries
 

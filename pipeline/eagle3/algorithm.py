@@ -120,6 +120,7 @@ EAGLE3 = DrafterAlgorithm(
     default_layer_ids=default_aux_layer_ids,
     load=_load, format_errors=_format_errors, proposer=_proposer, objective=_objective,
     collate=_collate, fresh=_fresh, save=_save, warm_start=_warm_start,
+    settings_for=lambda config, settings: settings,
     sglang_settings=lambda settings: tuple(settings.sglang_args()),
     vllm_settings=_vllm_settings)
 

@@ -29,6 +29,9 @@ class Contestant:
     tau_interval: list[float] = field(default_factory=list)  # [lo, hi] at report.confidence
     ties: int = 0  # mismatches (either check) that diverged at a near-tie (bf16 in process,
     # or as the no-drafter server ranks them on an engine)
+    # the SpecParams it drafted with when its algorithm serves with other settings than the
+    # report's (a DFlash drafter: its block's chain); None: the report's
+    settings: dict[str, Any] | None = None
 
     @property
     def acceptance(self) -> AcceptanceStats:

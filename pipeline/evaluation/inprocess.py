@@ -14,11 +14,12 @@ import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from pipeline.algorithms import algorithm_of_directory
+from pipeline.algorithms import algorithm_of_directory, read_config, serving_of
 from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.confidence import tau_interval
 from pipeline.evaluation.config import EvalConfig
@@ -58,8 +59,10 @@ def measure(storage: Storage, step: int, ids: list[list[int]], config: EvalConfi
     target = _load_target(storage, step, device, dtype)
     params = config.spec_params(target.config.architectures)
     settings = {**asdict(params), "max_new_tokens": config.max_new_tokens}
-    TargetRunner(target).check_length(max(map(len, ids)) + config.max_new_tokens
-                                      + params.num_steps)  # refuse before any work
+    served = {name: serving_of(read_config(directory), params, str(directory))[1]
+              for name, (directory, _, _) in drafters.items()}  # each as its algorithm serves
+    TargetRunner(target).check_length(max(map(len, ids)) + config.max_new_tokens + max(
+        [params.num_steps, *(s.num_steps for s in served.values())]))  # refuse before work
     log.info("step %d: measuring at %s (%s) on %d prompts, %s %s", step, sampler.label,
              source, len(ids), device, config.dtype)
     contest = _Contest(target, ids, params, config, sampler)
@@ -70,8 +73,10 @@ def measure(storage: Storage, step: int, ids: list[list[int]], config: EvalConfi
     for name, (directory, uri, fingerprint) in drafters.items():
         drafter = algorithm_of_directory(directory).load(directory, embed, head=head,
                                                          dtype=dtype, device=device)
-        results[name] = contest.contestant(name, uri, fingerprint, contest.measure(drafter),
-                                           base)
+        own = served[name]
+        results[name] = contest.contestant(name, uri, fingerprint,
+                                           contest.measure(drafter, own), base,
+                                           None if own == params else asdict(own))
     return Measurement(results, settings, checked=contest.checked, sample=contest.sample,
                        reference_prompts=len(contest.sample), device=str(device),
                        dtype=config.dtype, evaluator=dict(INPROCESS_RECORD))
@@ -96,21 +101,25 @@ class _Contest:
                           for i in self.sample}
         self.checked = list(range(len(ids))) if sampler.greedy else self.sample
 
-    def measure(self, drafter: nn.Module | None) -> _Measured:
-        run = self._decode(drafter, self.ids, self.sampler)
+    def measure(self, drafter: nn.Module | None, params: SpecParams | None = None
+                ) -> _Measured:
+        """``drafter`` decoded with ``params`` (default: the contest's)."""
+        params = params or self.params
+        run = self._decode(drafter, self.ids, self.sampler, params)
         if self.sampler.greedy:
             return _Measured(run, dict(enumerate(run.outputs)))
-        greedy = self._decode(drafter, [self.ids[i] for i in self.checked], GREEDY)
+        greedy = self._decode(drafter, [self.ids[i] for i in self.checked], GREEDY, params)
         return _Measured(run, dict(zip(self.checked, greedy.outputs, strict=True)))
 
     def _decode(self, drafter: nn.Module | None, ids: list[list[int]],
-                sampler: SamplingParams) -> EvalRun:
-        return evaluate(self.target, drafter, ids, self.params if drafter is not None else None,
+                sampler: SamplingParams, params: SpecParams) -> EvalRun:
+        return evaluate(self.target, drafter, ids, params if drafter is not None else None,
                         max_new_tokens=self.config.max_new_tokens, eos_token_id=self.eos,
                         sampler=sampler, seed=self.config.seed)
 
     def contestant(self, name: str, prefix: str | None, fingerprint: str | None,
-                   measured: _Measured, base: _Measured) -> Contestant:
+                   measured: _Measured, base: _Measured,
+                   settings: dict[str, Any] | None = None) -> Contestant:
         expected = {i: base.greedy[i] for i in self.checked}
         match, ties = self._compare(measured.greedy, expected)
         if match + ties < len(self.checked):
@@ -123,7 +132,7 @@ class _Contest:
         return Contestant(name, prefix, fingerprint, to_dict(measured.run.stats), match,
                           ref_match, per_prompt,
                           list(tau_interval(per_prompt, self.config.confidence)),
-                          ties + ref_ties)
+                          ties + ref_ties, settings)
 
     def _compare(self, outputs: dict[int, list[int]], expected: dict[int, list[int]]
                  ) -> tuple[int, int]:

@@ -37,10 +37,11 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pipeline.algorithms import read_config, serving_of
 from pipeline.eagle3.spec import SpecParams
 from pipeline.evaluation.confidence import tau_interval
 from pipeline.evaluation.config import EvalConfig
@@ -48,6 +49,7 @@ from pipeline.evaluation.contest import NO_DRAFTER, Contestant, Measurement, ref
 from pipeline.evaluation.engine_api import EngineAPI, EngineRun
 from pipeline.evaluation.metrics import AcceptanceStats
 from pipeline.evaluation.servers import EngineServers, LaunchedServer, launched
+from pipeline.evaluation.sglang_mode import SpeculativeConfigError
 from pipeline.layout import policy_prefix
 from pipeline.records import to_dict
 from pipeline.sampling import GREEDY, SamplingParams
@@ -86,17 +88,20 @@ def measure_on_engine(engine: EngineAPI, storage: Storage, step: int, ids: list[
     infos: dict[str, dict[str, Any]] = {}
     client = {"concurrency": servers.concurrency, "timeout": servers.request_timeout_s}
     subset = [ids[i] for i in checked]
+    served = {name: _served_as(directory, params)
+              for name, (directory, _, _) in drafters.items()}  # as its algorithm serves it
     with _log_dir(servers) as logs:
         for name, (directory, _, _) in drafters.items():
+            own = served[name]
             with launched(servers, f"{engine.name} server for {name}", policy_dir,
-                          engine.speculative_args(directory, params), logs) as server:
+                          engine.speculative_args(directory, own), logs) as server:
                 info = infos[name] = _checked(server, lambda s: engine.server_info(s.url))
                 _check_version(engine, server.label, infos)
-                engine.check_drafter(server.label, info, directory, params)
-                run = _checked(server, lambda s: engine.speculate(
-                    s.url, ids, max_new, sampler, config.seed, params, **client))
-                greedy = run if sampler.greedy else _checked(server, lambda s: engine.speculate(
-                    s.url, subset, max_new, GREEDY, config.seed, params, **client))
+                engine.check_drafter(server.label, info, directory, own)
+                run = _checked(server, lambda s, p=own: engine.speculate(
+                    s.url, ids, max_new, sampler, config.seed, p, **client))
+                greedy = run if sampler.greedy else _checked(server, lambda s, p=own: (
+                    engine.speculate(s.url, subset, max_new, GREEDY, config.seed, p, **client)))
                 runs[name] = run, dict(zip(checked, greedy.outputs, strict=True))
                 _check_drafting(server.label, run, name)
         with launched(servers, f"{engine.name} server without a drafter", policy_dir, [],
@@ -115,8 +120,10 @@ def measure_on_engine(engine: EngineAPI, storage: Storage, step: int, ids: list[
     contestants = {NO_DRAFTER: _baseline(base, len(checked), config.confidence)}
     for name, (_, uri, fingerprint) in drafters.items():
         run, greedy = runs[name]
-        contestants[name] = _contestant(name, uri, fingerprint, run, params, greedy, expected,
-                                        config.confidence, ties[name])
+        contestants[name] = replace(
+            _contestant(name, uri, fingerprint, run, served[name], greedy, expected,
+                        config.confidence, ties[name]),
+            settings=None if served[name] == params else asdict(served[name]))
     return Measurement(contestants, {**asdict(params), "max_new_tokens": max_new},
                        checked=checked, sample=sample, reference_prompts=0,
                        device=engine.name, dtype=str(engine.dtype(infos[NO_DRAFTER])),
@@ -233,3 +240,11 @@ def _record(engine: EngineAPI, infos: Mapping[str, dict[str, Any]], servers: Eng
     return {"kind": engine.name, "engine": engine.name, "version": engine.version(base),
             **servers.record(),
             "server_args": {k: base[k] for k in engine.recorded_args if k in base}}
+
+
+def _served_as(directory: Path, params: SpecParams) -> SpecParams:
+    """The settings the drafter in ``directory`` is served with (its algorithm's)."""
+    try:
+        return serving_of(read_config(directory), params, str(directory))[1]
+    except ValueError as e:  # an UnknownAlgorithmError too
+        raise SpeculativeConfigError(f"the drafter to serve: {e}") from e

@@ -27,15 +27,18 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from pipeline.algorithms import DEFAULT_ALGORITHM, serving_of
 from pipeline.eagle3.spec import SpecParams
 from pipeline.manifest import read_manifest
 from pipeline.release.ledger import ServingLedger
 from pipeline.serving_now import ServingManifest, ServingTarget, materialize_drafter
 from pipeline.storage import StorageError
+from pipeline.verified import read_verified
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +125,9 @@ class LedgerBackend:
         before = self.ledger.current()
         if token is not None:  # before the servers change, not only before the record does
             self.ledger.check_token(token, before)
+        algorithm, settings = DEFAULT_ALGORITHM, self.settings
         if target is not None:
-            self._check_published(target)
+            algorithm, settings = self._served_as(target)
         details: dict[str, str] = {}
         if self.actuator is not None:
             new_dir = self._local(target)
@@ -133,9 +137,9 @@ class LedgerBackend:
                 self.actuator.check(new_dir, current_dir)
             details = self.actuator.activate(new_dir, target)
         try:
-            return self.ledger.publish(target, self.settings, mode=self.mode, reason=reason,
+            return self.ledger.publish(target, settings, mode=self.mode, reason=reason,
                                        restored_from=restored_from, details=details,
-                                       token=token)
+                                       token=token, algorithm=algorithm)
         except Exception as e:
             if self.actuator is not None:
                 self._reactivate(before, e)
@@ -151,17 +155,25 @@ class LedgerBackend:
                                f"({error}) and re-activating the previous drafter failed too "
                                f"({again}); servers may run an unrecorded drafter") from again
 
-    def _check_published(self, target: ServingTarget) -> None:
-        """Refuse a drafter that readers could not fetch: it must be committed (manifest
-        present) under this storage's root."""
+    def _served_as(self, target: ServingTarget) -> tuple[str, SpecParams]:
+        """The algorithm of ``target`` and the settings it is served with, from its committed
+        ``config.json``; a drafter that readers could not fetch (not committed under this
+        storage's root) or that no algorithm claims is refused."""
         storage = self.ledger.storage
         try:
-            committed = read_manifest(storage, storage.key_of(target.drafter_uri))
+            key = storage.key_of(target.drafter_uri)
+            committed = read_manifest(storage, key)
         except (StorageError, ValueError) as e:
             raise ServingRefused(f"drafter {target.drafter_uri} cannot be served: {e}") from e
         if committed is None:
             raise ServingRefused(f"drafter {target.drafter_uri} has no committed manifest; "
                                  f"readers could not fetch it")
+        try:
+            config = json.loads(read_verified(storage, key, committed, "config.json"))
+            algorithm, settings = serving_of(config, self.settings, target.drafter_uri)
+        except (StorageError, ValueError, KeyError) as e:  # UnknownAlgorithmError too
+            raise ServingRefused(f"drafter {target.drafter_uri} cannot be served: {e}") from e
+        return algorithm.name, settings
 
     def _local(self, target: ServingTarget | None) -> Path | None:
         if target is None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime
 
+from pipeline.algorithms import DEFAULT_ALGORITHM
 from pipeline.eagle3.spec import SpecParams
 from pipeline.layout import serving_prefix
 from pipeline.records import to_json
@@ -80,7 +81,8 @@ class ServingLedger:
     def publish(self, target: ServingTarget | None, settings: SpecParams, *,
                 mode: str, reason: str, restored_from: int | None = None,
                 details: dict[str, str] | None = None,
-                token: int | None = None) -> ServingManifest:
+                token: int | None = None, algorithm: str = DEFAULT_ALGORITHM
+                ) -> ServingManifest:
         """Record ``target`` as what is served now; returns the manifest written. ``token``:
         the writer's fencing token (refused when lower than the current manifest's)."""
         previous = self.current()
@@ -92,7 +94,8 @@ class ServingLedger:
         manifest = ServingManifest(
             name=self.name, sequence=(sequences[-1] if sequences else 0) + 1, mode=mode,
             target=target, settings=settings,
-            sglang_args=serving_args(settings) if target is not None else (),
+            sglang_args=serving_args(settings, algorithm=algorithm) if target is not None
+            else (), algorithm=algorithm,
             written_at=datetime.now(UTC).isoformat(timespec="milliseconds"), reason=reason,
             previous_sequence=previous.sequence if previous else None,
             restored_from=restored_from, details=details)

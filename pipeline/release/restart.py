@@ -4,10 +4,12 @@ restarts the rollout engine on a drafter.
 The command is an argv list (no shell) whose items may contain placeholders:
 
     {drafter_dir}        local directory of the drafter to serve
-    {num_steps} {topk} {num_draft_tokens}    the speculative settings
+    {num_steps} {topk} {num_draft_tokens}    the speculative settings the drafter is
+                         served with (a DFlash drafter's: its block's chain)
+    {algorithm}          SGLang's --speculative-algorithm for the drafter (EAGLE3, DFLASH)
     {registry_version} {fingerprint}         which registered drafter it is
     {speculative_config}  vLLM's --speculative-config JSON for the drafter (vllm-restart;
-                          EAGLE-3 chains only, so topk must be 1)
+                          chains only, so an EAGLE-3 drafter's topk must be 1)
 
 e.g. ``["systemctl", "restart", "sglang@{registry_version}"]`` or
 ``["/opt/aerie/restart-sglang.sh", "{drafter_dir}"]``, where the script relaunches
@@ -35,15 +37,16 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from pipeline.algorithms import format_errors, read_config, serving_of
 from pipeline.argv_template import placeholders
-from pipeline.eagle3.export import read_drafter_config
+from pipeline.drafters.algorithm import DrafterAlgorithm
 from pipeline.eagle3.spec import SpecParams
 from pipeline.release.backend import ServingError, ServingRefused
-from pipeline.serving_now import ServingTarget, vllm_speculative_config
+from pipeline.serving_now import ServingTarget
 
 log = logging.getLogger(__name__)
 
-PLACEHOLDERS = frozenset({"drafter_dir", "num_steps", "topk", "num_draft_tokens",
+PLACEHOLDERS = frozenset({"drafter_dir", "num_steps", "topk", "num_draft_tokens", "algorithm",
                           "registry_version", "fingerprint", "speculative_config"})
 RESTART_MODES = ("sglang-restart", "vllm-restart")
 _TAIL = 2000
@@ -81,22 +84,31 @@ class RestartHook:
         self.env = dict(env) if env is not None else None
 
     def check(self, new_dir: Path, current_dir: Path | None) -> None:
-        try:
-            read_drafter_config(new_dir)
-        except (OSError, ValueError, KeyError) as e:
-            raise ServingRefused(f"{new_dir} is not a loadable drafter: {e}") from e
+        errors = format_errors(new_dir)
+        if errors:
+            raise ServingRefused(f"{new_dir} is not a loadable drafter: {'; '.join(errors)}")
         if "speculative_config" in placeholders(self.argv):
             self._speculative_config(new_dir)  # refuses a tree before anything runs
 
-    def _speculative_config(self, new_dir: Path) -> str:
+    def _served_as(self, new_dir: Path) -> tuple[DrafterAlgorithm, SpecParams]:
         try:
-            return vllm_speculative_config(self.settings, str(new_dir))
+            return serving_of(read_config(new_dir), self.settings, str(new_dir))
+        except ValueError as e:
+            raise ServingRefused(f"{new_dir} is not a loadable drafter: {e}") from e
+
+    def _speculative_config(self, new_dir: Path) -> str:
+        algorithm, settings = self._served_as(new_dir)
+        try:
+            return algorithm.vllm_speculative_config(settings, str(new_dir))
         except ValueError as e:
             raise ServingRefused(str(e)) from e
 
     def activate(self, new_dir: Path | None, target: ServingTarget | None) -> dict[str, str]:
-        values = {"num_steps": self.settings.num_steps, "topk": self.settings.eagle_topk,
-                  "num_draft_tokens": self.settings.num_draft_tokens}
+        algorithm, settings = (None, self.settings) if new_dir is None else \
+            self._served_as(new_dir)
+        values = {"num_steps": settings.num_steps, "topk": settings.eagle_topk,
+                  "num_draft_tokens": settings.num_draft_tokens,
+                  "algorithm": algorithm.sglang_algorithm if algorithm else ""}
         if new_dir is None:
             if self.no_drafter_argv is None:
                 raise ServingRefused("sglang-restart cannot serve 'no drafter': configure "

@@ -31,6 +31,7 @@ from typing import Any
 
 import requests
 
+from pipeline.algorithms import algorithm_of_directory
 from pipeline.eagle3.config import shapes_match
 from pipeline.eagle3.export import read_drafter_config
 from pipeline.eagle3.spec import SpecParams
@@ -45,6 +46,13 @@ def reload_refusals(current_dir: Path, new_dir: Path) -> tuple[str, ...]:
     """Why ``new_dir``'s weights cannot be loaded in place of ``current_dir``'s (empty: they
     can): vLLM re-reads the weights and ``d2t``, never ``config.json``, so the shapes, the
     aux layers and the RoPE must be the running drafter's."""
+    try:
+        was, now = algorithm_of_directory(current_dir), algorithm_of_directory(new_dir)
+    except ValueError as e:  # an UnknownAlgorithmError
+        return (f"cannot read drafter configs: {e}",)
+    if was != now or now.vllm_method != "eagle3":
+        return (f"the serving drafter is {was.title} and the new one {now.title}: this mode "
+                f"reloads EAGLE-3 weights over an EAGLE-3 drafter of the same kind only",)
     try:
         old, new = read_drafter_config(current_dir), read_drafter_config(new_dir)
     except (OSError, ValueError, KeyError) as e:

@@ -84,6 +84,25 @@ def test_a_champion_of_another_algorithm_is_measured_alike(world, tmp_path):
     assert (written["fc_norm"], written["norm_output"]) == (True, True)
 
 
+def test_a_dflash_candidate_is_measured_with_its_blocks_chain_against_an_eagle3_champion(
+        world, tmp_path):
+    """Another family is an ordinary contest too: the same prompts and sampler, each drafter
+    drafting as its engine serves it (DFlash: a chain as long as its block, recorded on its
+    contestant), both losslessly."""
+    storage, target = world
+    candidate = publish_drafter(storage, target, 2, seed=7, tmp=tmp_path, algorithm="dflash")
+    champion = publish_drafter(storage, target, 1, seed=6, tmp=tmp_path)
+    report = stage.run(storage, 2, candidate, champion,
+                       EvalConfig(max_prompts=4, max_new_tokens=12, **SETTINGS))
+    outcome = evaluation_sound(report)
+    assert outcome.passed, outcome.description
+    dflash, eagle = report.contestants["candidate"], report.contestants["champion"]
+    assert dflash.settings == {"num_steps": 7, "eagle_topk": 1, "num_draft_tokens": 8}
+    assert eagle.settings is None and report.settings["num_steps"] == 3
+    assert dflash.acceptance.num_steps == 7 and eagle.acceptance.num_steps == 3
+    assert dflash.acceptance.cycles > 0
+
+
 def test_report_keys_track_prompts_and_settings(world, tmp_path):
     storage, target = world
     candidate = publish_drafter(storage, target, 2, seed=3, tmp=tmp_path)

@@ -10,8 +10,6 @@ import torch
 
 from pipeline.algorithms import ALGORITHMS
 from pipeline.contracts import Manifest
-from pipeline.eagle3.export import save_drafter
-from pipeline.eagle3.model import Eagle3Drafter
 from pipeline.manifest import entry_for, write_manifest
 from pipeline.storage import Storage
 from tests.training.world import EXTRACT, build_world, tiny_target
@@ -33,14 +31,17 @@ def publish_drafter(storage: Storage, target, step: int, seed: int, tmp: Path,
                     algorithm: str = "eagle3") -> str:
     """A random drafter of ``algorithm`` published like the training stage does (manifest
     last)."""
-    cfg = ALGORITHMS[algorithm].new_config(target.config, draft_vocab_size=64)
+    found = ALGORITHMS[algorithm]
+    cfg = found.new_config(target.config, draft_vocab_size=64)
     torch.manual_seed(seed)
-    model = Eagle3Drafter(cfg, target.get_input_embeddings().weight.detach())
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[torch.randperm(cfg.vocab_size)[:64]] = True
-    used = t2d.nonzero().flatten()
-    model.set_vocab(used - torch.arange(64), t2d)
-    local = save_drafter(model, cfg, tmp / f"drafter-{seed}", dtype=torch.float32)
+    model = found.build(cfg, target.get_input_embeddings().weight.detach(),
+                        head=target.get_output_embeddings().weight.detach())
+    if hasattr(model, "set_vocab"):  # a draft vocab of its own (EAGLE)
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[torch.randperm(cfg.vocab_size)[:64]] = True
+        used = t2d.nonzero().flatten()
+        model.set_vocab(used - torch.arange(64), t2d)
+    local = found.save(model, tmp / f"drafter-{seed}", dtype=torch.float32)
     return publish_drafter_dir(storage, local, f"drafters/step={step:06d}-seed{seed}", step,
                                f"fp-{seed}")
 

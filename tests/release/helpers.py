@@ -70,6 +70,26 @@ def make_drafter_dir(path: Path, seed: int = 0, *, draft_vocab_size: int = 24,
     return save_drafter(model, config, path, dtype=torch.float32, overwrite=True)
 
 
+def make_dflash_dir(path: Path, seed: int = 0, *, block_size: int = 6) -> Path:
+    """A valid DFlash drafter directory (two layers, fp32, random weights) of the same
+    target as :func:`make_drafter_dir`'s."""
+    import torch
+
+    from pipeline.dflash.config import DFlashConfig
+    from pipeline.dflash.export import save_drafter as save_dflash
+    from pipeline.dflash.model import DFlashDrafter
+
+    target = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 8,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": TARGET_VOCAB,
+              "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "model_type": "llama"}
+    config = DFlashConfig.from_target(target, layers=2, block_size=block_size)
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(TARGET_VOCAB, 32, generator=g)
+    model = DFlashDrafter(config, table, table)
+    return save_dflash(model, path, dtype=torch.float32, overwrite=True)
+
+
 def publish_drafter(storage: Storage, step: int, local_dir: Path,
                     fingerprint: str | None = None) -> str:
     """Publish ``local_dir`` as ``drafters/step=NNNNNN`` with a manifest whose fingerprint

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
+from dataclasses import replace
 
 import pytest
 
 from pipeline.eagle3.spec import SpecParams
-from pipeline.records import from_json
+from pipeline.records import from_json, to_json
 from pipeline.release.backend import LedgerBackend, ServingError
 from pipeline.release.ledger import ServingLedger
 from pipeline.serving_now import ServingManifest, ServingTarget, read_serving, resolve_serving
 from pipeline.storage import Storage
 from pipeline.verified import IntegrityError
 from tests.conftest import on_every_storage
-from tests.release.helpers import make_drafter_dir, publish_drafter
+from tests.release.helpers import make_dflash_dir, make_drafter_dir, publish_drafter
 
 SETTINGS = SpecParams(3, 1, 4)
 
@@ -132,6 +134,28 @@ def test_restore_writes_a_new_manifest_naming_the_old_one(tmp_path):
     assert restored.target == first.target
     nothing = backend.restore(None, reason="no drafter")
     assert nothing.target is None and nothing.launch_args("/x") == []
+
+
+def test_a_dflash_drafter_is_recorded_with_its_algorithm_its_blocks_chain_and_its_flags(
+        tmp_path):
+    storage = Storage((tmp_path / "s").as_uri())
+    backend = LedgerBackend(ServingLedger(storage, "m"), SETTINGS)
+    eagle = backend.apply(target("1", publish_drafter(storage, 1, make_drafter_dir(
+        tmp_path / "e"))), reason="v1")
+    assert (eagle.algorithm, eagle.settings) == ("eagle3", SETTINGS)
+    uri = publish_drafter(storage, 2, make_dflash_dir(tmp_path / "d", block_size=6), "fp2")
+    served = backend.apply(target("2", uri), reason="v2")
+    assert served.algorithm == "dflash" and served.settings == SpecParams(5, 1, 6)
+    assert served.launch_args("/x") == [
+        "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/x",
+        "--speculative-num-draft-tokens", "6"]
+    launch = resolve_serving(storage, "m", tmp_path / "cache")
+    assert launch.args_for("vllm") == (
+        "--speculative-config",
+        f'{{"method":"dflash","model":"{launch.drafter_dir}","num_speculative_tokens":5}}')
+    v1 = {**json.loads(to_json(eagle)), "schema_version": 1}
+    del v1["algorithm"]  # written before manifests named the algorithm: EAGLE-3
+    assert from_json(ServingManifest, json.dumps(v1)) == replace(eagle, schema_version=1)
 
 
 def test_manifest_schema_and_settings_are_validated():
