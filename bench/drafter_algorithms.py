@@ -1,8 +1,8 @@
 """Benchmark: the drafter algorithms side by side on the demo world.
 
     python bench/drafter_algorithms.py [--storage DIR] [--work DIR] [--step S] [--window 4]
-        [--algorithms eagle3,eagle3.1] [--epochs-factor 5] [--prompts 32] [--max-new-tokens 160]
-        [--spec 5,1,6] [--temperatures 0,1] [--seed 0] [--json out.json]
+        [--algorithms eagle3,eagle3.1,dflash] [--epochs-factor 5] [--prompts 32]
+        [--max-new-tokens 160] [--spec 5,1,6] [--temperatures 0,1] [--seed 0] [--json out.json]
 
 Needs an ingested demo world (``aerie demo`` makes one; default storage: the embedded
 default's). Each algorithm trains in its own copy of the storage under ``--work``, so the
@@ -17,6 +17,13 @@ with the in-process engine on the same held-out prompts (those no drafter traine
 each regime of ``--temperatures`` (0: greedy; above: speculative sampling, every prompt
 seeded from ``--seed``). τ = tokens emitted per draft-verify cycle (bonus included), with its
 95% bootstrap interval over prompts; training seconds are wall time on this machine.
+
+Each algorithm drafts as its engines serve it: EAGLE-3 and 3.1 with ``--spec``, DFlash with
+a chain as long as its block (``dflash_block_size`` - 1 tokens, one draft forward per cycle
+where EAGLE runs ``num_steps``). Every cycle is one target forward, so τ is also the tokens
+per target forward; the table adds the drafts proposed and the draft forwards per cycle. A
+window captured for several algorithms (``AERIE_CAPTURE_AUX_LAYER_IDS`` holding each one's
+default layers) trains each on its own layers.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=Path("/tmp/aerie-algorithms"))
     p.add_argument("--step", type=int, default=None, help="default: the newest with shards")
     p.add_argument("--window", type=int, default=4)
-    p.add_argument("--algorithms", default="eagle3,eagle3.1")
+    p.add_argument("--algorithms", default="eagle3,eagle3.1,dflash")
     p.add_argument("--epochs-factor", type=int, default=5)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=160)
@@ -61,7 +68,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.algorithms import algorithm
+    from pipeline.algorithms import algorithm, read_config, serving_of
     from pipeline.capture.heldout import heldout_prompts
     from pipeline.eagle3.spec import SpecParams
     from pipeline.evaluation.confidence import tau_interval
@@ -112,11 +119,16 @@ def main(argv=None) -> int:
             export = storage.download_dir(drafter_prefix(step), Path(tmp) / name)
             model = algorithm(name).load(export, embed, dtype=torch.float32,
                                          head=target.get_output_embeddings().weight.detach())
-            entry = {"step": step, "train_steps": r.result.steps,
+            own = serving_of(read_config(export), params, str(export))[1]
+            entry = {"step": step, "train_steps": r.result.steps, "spec": str(own),
+                     "draft_forwards_per_cycle": 1 if name == "dflash" else own.num_steps,
+                     "layers": r.result.drafter_config.get("dflash_config", {}).get(
+                         "target_layer_ids") or r.result.drafter_config.get(
+                         "eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"),
                      "train_s": None if r.reused else round(train_s, 1),
                      "final_loss": r.result.final["loss"], "regimes": {}}
             for sampler in samplers:
-                run = evaluate(target, model, ids, params, max_new_tokens=args.max_new_tokens,
+                run = evaluate(target, model, ids, own, max_new_tokens=args.max_new_tokens,
                                eos_token_id=target.config.eos_token_id, sampler=sampler,
                                seed=args.seed)
                 entry["regimes"][sampler.label] = {
@@ -134,14 +146,15 @@ def main(argv=None) -> int:
 
 def table(out: dict) -> str:
     regimes = next(iter(out["algorithms"].values()))["regimes"]
-    head = "| algorithm | training | " + " | ".join(f"τ {r}" for r in regimes) + " |"
-    lines = [head, "|" + "---|" * (2 + len(regimes))]
+    head = ("| algorithm | drafts (spec) | draft forwards / cycle | training | "
+            + " | ".join(f"τ {r}" for r in regimes) + " |")
+    lines = [head, "|" + "---|" * (4 + len(regimes))]
     for name, e in out["algorithms"].items():
         cells = [f"{v['tau']:.3f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]"
                  for v in e["regimes"].values()]
         seconds = "cached" if e["train_s"] is None else f"{e['train_s']:.0f} s"
-        lines.append(f"| {name} | {e['train_steps']} steps, {seconds} | "
-                     + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {e['spec']} | {e['draft_forwards_per_cycle']} | "
+                     f"{e['train_steps']} steps, {seconds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

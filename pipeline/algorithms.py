@@ -94,6 +94,16 @@ def serving_of(config: Mapping[str, Any], settings: SpecParams, where: str
     return found, found.settings_for(config, settings)
 
 
+def trained_layers(name: str, captured: tuple[int, ...], target: Mapping[str, Any]
+                   ) -> tuple[int, ...]:
+    """The captured layers a drafter of algorithm ``name`` trains on: its default layers for
+    ``target`` (a ``config.json``) when the window holds every one of them (a window captured
+    for several algorithms), else all the window holds (the capture's choice)."""
+    default = algorithm(name).default_layer_ids(int(target["num_hidden_layers"]),
+                                                target.get("model_type"))
+    return tuple(default) if set(default) <= set(captured) else tuple(captured)
+
+
 def format_errors(directory: str | Path) -> tuple[str, ...]:
     """Every reason ``directory`` is not a loadable export of a registered algorithm, by
     that algorithm's own check; empty when it is one. Never raises for a bad export."""

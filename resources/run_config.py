@@ -14,9 +14,11 @@ config of its own is run with that config whole, never the job's default). A mis
 bad YAML or anything but a mapping stops the code location from loading, naming the
 variable. :func:`deep_merge` is how a run config is laid over another.
 
-``AERIE_DRAFTER_ALGORITHM`` (``eagle3`` by default, or ``eagle3.1``) names the drafter
-algorithm the refresh job trains: it becomes ``drafter_checkpoint``'s ``drafter_algorithm``
-in the job's default run config, under what ``AERIE_REFRESH_RUN_CONFIG`` sets. A name no
+``AERIE_DRAFTER_ALGORITHM`` (``eagle3`` by default, ``eagle3.1`` or ``dflash``) names the
+drafter algorithm the refresh job trains: it becomes ``drafter_checkpoint``'s
+``drafter_algorithm`` in the job's default run config, under what ``AERIE_REFRESH_RUN_CONFIG``
+sets (and, unless ``AERIE_CAPTURE_AUX_LAYER_IDS`` is set, which target layers the capture
+records: ``resources.capture``). A name no
 algorithm has stops the code location from loading, naming the choices.
 """
 

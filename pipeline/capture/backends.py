@@ -12,7 +12,6 @@ when it opens.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -21,6 +20,7 @@ from pipeline.algorithms import algorithm
 from pipeline.capture.config import DEFAULT_TOKEN_BUDGET
 from pipeline.eagle3.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 from pipeline.records import from_dict
+from pipeline.snapshot.policy import load_policy_config
 from pipeline.storage import Storage
 
 if TYPE_CHECKING:
@@ -117,21 +117,10 @@ def _open_hf(storage: Storage, step: int, aux_layer_ids: Sequence[int] | None,
         yield backend
 
 
-def _policy_config(storage: Storage, step: int) -> dict[str, Any]:
-    """The step's checkpoint ``config.json``, checked against its manifest."""
-    from pipeline.layout import policy_prefix
-    from pipeline.snapshot.policy import POLICY_KIND
-    from pipeline.verified import committed, read_verified
-
-    prefix = policy_prefix(step)
-    return json.loads(read_verified(storage, prefix, committed(storage, prefix, POLICY_KIND),
-                                    "config.json"))
-
-
 def _engine_geometry(storage: Storage, step: int, aux_layer_ids: Sequence[int] | None,
                      kind: str) -> tuple[int, int, tuple[int, ...]]:
     """``(hidden_size, layers, aux ids)`` from the step's checkpoint ``config.json``."""
-    config = _policy_config(storage, step)
+    config = load_policy_config(storage, step)
     layers = int(config["num_hidden_layers"])
     ids = check_aux_layer_ids(  # SGLang's DeepSeek files number layers their own way
         aux_layer_ids if aux_layer_ids is not None else default_aux_layer_ids(layers),
@@ -206,7 +195,7 @@ def open_backend(storage: Storage, step: int, kind: str = "hf", *,
     (None: EAGLE-3's)."""
     settings = backend_options(kind, options)
     if aux_layer_ids is None and layers_for is not None:
-        config = _policy_config(storage, step)
+        config = load_policy_config(storage, step)
         aux_layer_ids = algorithm(layers_for).default_layer_ids(
             int(config["num_hidden_layers"]), config.get("model_type"))
     with BACKENDS[kind].open(storage, step, aux_layer_ids, token_budget, settings) as backend:

@@ -146,3 +146,13 @@ def load_policy_ref(storage: Storage, step: int) -> PolicyRef:
         vocab_size=meta_int(storage, prefix, manifest, "vocab_size", minimum=1,
                             maximum=_MAX_VOCAB),
         tokenizer_fingerprint=meta_str(storage, prefix, manifest, "tokenizer_fingerprint"))
+
+
+def load_policy_config(storage: Storage, step: int) -> dict:
+    """The ``config.json`` of ``step``'s committed policy checkpoint, checked against its
+    manifest."""
+    from pipeline.verified import committed, read_verified
+
+    prefix = policy_prefix(step)
+    return json.loads(read_verified(storage, prefix, committed(storage, prefix, POLICY_KIND),
+                                    "config.json"))

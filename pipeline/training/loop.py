@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.algorithms import algorithm
+from pipeline.algorithms import algorithm, trained_layers
 from pipeline.capture.window import WindowError, load_target, read_window, shard_geometry
 from pipeline.records import from_dict, to_dict, to_json
 from pipeline.storage import Storage
@@ -62,15 +62,25 @@ _EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
                   "float32": torch.float32}
 
 
+def layer_columns(captured: tuple[int, ...], used: tuple[int, ...], hidden: int
+                  ) -> torch.Tensor | None:
+    """The aux columns of the ``used`` layers among the ``captured`` ones (each ``hidden``
+    wide), in ``used`` order; None when they are all of them in order."""
+    if used == captured:
+        return None
+    return torch.cat([torch.arange(hidden) + captured.index(i) * hidden for i in used])
+
+
 def build_drafter(spec: TrainSpec, storage: Storage) -> tuple[nn.Module, Any, dict]:
     """The drafter (seeded init, vocab installed), the teacher weights, and the shards."""
     target = load_target(storage, spec.step)
     if target.sha256 != spec.policy_sha256:
         raise WindowError(f"{target.uri} changed since the run was planned")
     manifests = read_window(storage, spec.window_steps)
-    hidden, aux_ids = shard_geometry(manifests)
+    hidden, captured = shard_geometry(manifests)
     mapping = load_mapping(storage, spec.vocab_key)
     trained = algorithm(spec.config.drafter_algorithm)
+    aux_ids = trained_layers(trained.name, captured, target.config)
     config = trained.new_config(target.config, draft_vocab_size=mapping.draft_vocab_size,
                                 aux_layer_ids=aux_ids, shape=spec.config.drafter_shape,
                                 train=spec.config)
@@ -106,6 +116,7 @@ class Run:
     history: list[dict[str, Any]] = field(default_factory=list)
     resumed: int | None = None  # the checkpoint's step, when resumed
     tokens_seen: int = 0
+    columns: torch.Tensor | None = None  # the aux columns the drafter reads (None: all)
 
     @property
     def config(self) -> TrainConfig:
@@ -148,8 +159,10 @@ def set_up(spec: TrainSpec, storage: Storage) -> Run:
         model=objective, optimizer=optimizer, lr_scheduler=scheduler,
         config=deepspeed_config(cfg))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    hidden, captured = shard_geometry(manifests)
     return Run(spec, ctx, model, target, reader, engine, objective.depth, scheduler, named,
-               per_epoch, total, warm)
+               per_epoch, total, warm,
+               columns=layer_columns(captured, tuple(model.config.aux_layer_ids), hidden))
 
 
 def resume(run: Run) -> bool:
@@ -244,6 +257,9 @@ def train(spec: TrainSpec, storage: Storage) -> TrainResult:
     target = dataclasses.replace(run.target, lm_head=run.target.lm_head.to(run.ctx.device))
 
     def collate_batch(samples: list) -> Any:
+        if run.columns is not None:  # the drafter reads some of the captured layers
+            samples = [dataclasses.replace(s, aux_hidden=s.aux_hidden[:, run.columns])
+                       for s in samples]
         return collate(samples, target=target, model=run.model, device=run.ctx.device)
 
     epoch_end = run.per_epoch * cfg.world_size * cfg.grad_accum  # micro-batches per epoch

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pipeline.algorithms import algorithm, trained_layers
 from pipeline.capture.window import read_window, shard_geometry, verify_window
 from pipeline.contracts import Manifest
 from pipeline.layout import (
@@ -49,7 +50,7 @@ from pipeline.manifest import (
 )
 from pipeline.records import to_dict, to_json
 from pipeline.serving_now import serving_history
-from pipeline.snapshot.policy import load_policy_ref
+from pipeline.snapshot.policy import load_policy_config, load_policy_ref
 from pipeline.storage import Storage, StorageError
 from pipeline.training.config import TrainConfig
 from pipeline.training.curve import TrainingObserver, display_points, read_curve, write_curve
@@ -157,6 +158,7 @@ def plan(storage: Storage, step: int, config: TrainConfig, work_root: Path,
     read_window(storage, window)  # names any missing step
     shard_sha = {str(s): hashlib.sha256(storage.read_bytes(
         manifest_key(shards_prefix(s)))).hexdigest() for s in window}
+    check_drafts_for(storage, step, config, window)
     warm = resolve_warm_start(storage, step, warm_start, serving_name)
     spec = TrainSpec(config=config, storage_url=storage.root_url, step=step,
                      window_steps=tuple(window), shard_manifest_sha256=shard_sha,
@@ -167,6 +169,22 @@ def plan(storage: Storage, step: int, config: TrainConfig, work_root: Path,
                      warm_start_identity=warm and warm.identity,
                      superseded_identity=warm and warm.superseded)
     return in_work_root(spec, Path(work_root))
+
+
+def check_drafts_for(storage: Storage, step: int, config: TrainConfig,
+                     window: list[int] | tuple[int, ...]) -> None:
+    """Refuse, before any training runs, a drafter the algorithm cannot build for ``step``'s
+    policy on the window's layers (DFlash for a family no engine captures it for, a RoPE or
+    a width it cannot take), naming the reason."""
+    target = load_policy_config(storage, step)
+    _, captured = shard_geometry(read_window(storage, window))
+    try:
+        algorithm(config.drafter_algorithm).new_config(
+            target, aux_layer_ids=trained_layers(config.drafter_algorithm, captured, target),
+            shape=config.drafter_shape, train=config)
+    except ValueError as e:
+        raise ValueError(f"step {step}: cannot train a {config.drafter_algorithm} drafter for "
+                         f"this policy: {e}") from e
 
 
 def in_work_root(spec: TrainSpec, work_root: Path) -> TrainSpec:

@@ -8,7 +8,13 @@ import json
 import pytest
 import torch
 
-from pipeline.algorithms import algorithm, algorithm_of_directory, as_drafter, format_errors
+from pipeline.algorithms import (
+    algorithm,
+    algorithm_of_directory,
+    as_drafter,
+    format_errors,
+    trained_layers,
+)
 from pipeline.dflash.config import DFlashConfig, default_target_layer_ids
 from pipeline.dflash.export import load_drafter, save_drafter, warm_start_from
 from pipeline.dflash.objective import BlockBatch, block_loss, lay_out, valid_anchors
@@ -17,6 +23,7 @@ from pipeline.dflash.reference import block_logits
 from pipeline.drafters.protocol import ROOT, CandidateTree
 from pipeline.eagle3.spec import SpecParams
 from pipeline.serving_now import serving_args, vllm_speculative_config
+from pipeline.training.loop import layer_columns
 from tests.dflash.helpers import VOCAB, tiny_dflash, tiny_target_config
 
 T = 20
@@ -200,3 +207,13 @@ def test_dflash_serves_with_each_engines_count_of_its_block():
     with pytest.raises(ValueError, match="DFlash drafts a chain"):
         serving_args(SpecParams(3, 2, 6), "/d", algorithm="dflash")
     assert algorithm("dflash").title == "DFlash"
+
+
+def test_a_window_captured_for_several_algorithms_trains_each_on_its_own_layers():
+    target = {"num_hidden_layers": 8, "model_type": "llama"}
+    union = (1, 2, 3, 4, 5)  # EAGLE-3's 1, 3, 4 and DFlash's 1..5 for an 8-layer target
+    assert trained_layers("eagle3", union, target) == (1, 3, 4)
+    assert trained_layers("dflash", union, target) == union
+    assert trained_layers("eagle3", (0, 2, 5), target) == (0, 2, 5)  # the capture's choice
+    assert layer_columns(union, (1, 3, 4), 2).tolist() == [0, 1, 4, 5, 6, 7]
+    assert layer_columns(union, union, 2) is None

@@ -63,11 +63,14 @@ LANES = 2
 
 def _prepare(target, root: Path, config: TrainConfig = TRAIN) -> tuple:
     """A world of ``target`` under ``root`` after capture (of the layers the trained
-    algorithm reads by default), vocab and training: (storage, target, the training
-    refresh, the target's checkpoint directory)."""
+    algorithm reads by default; for DFlash, EAGLE-3's too), vocab and training: (storage,
+    target, the training refresh, the target's checkpoint directory)."""
     torch.set_num_threads(1)  # this thread's torch: the captures stay one-threaded
-    ids = algorithm(config.drafter_algorithm).default_layer_ids(
-        target.config.num_hidden_layers, target.config.model_type)
+    layers, kind = target.config.num_hidden_layers, target.config.model_type
+    ids = algorithm(config.drafter_algorithm).default_layer_ids(layers, kind)
+    if config.drafter_algorithm == "dflash":  # a window captured for EAGLE-3 and DFlash both:
+        # the drafter trains on its own layers among them
+        ids = tuple(sorted({*ids, *algorithm("eagle3").default_layer_ids(layers, kind)}))
     storage = build_world(root / "storage", (STEP,), samples=16, model=target,
                           extract=replace(EXTRACT, heldout_fraction=0.3), aux_layer_ids=ids)
     vocab_stage.run(storage, STEP, 1, 64)
@@ -368,3 +371,13 @@ def test_a_dflash_drafter_trains_exports_and_decodes_losslessly(refreshed_dflash
     outcome = evaluation_sound(report)
     assert outcome.passed, outcome.description
     assert report.contestants["candidate"].acceptance.cycles > 0
+
+
+def test_dflash_is_refused_before_training_for_a_family_no_engine_drafts_it_for(tmp_path):
+    target = tiny_target("gemma2")
+    storage = build_world(tmp_path / "storage", (STEP,), samples=4, model=target)
+    vocab_stage.run(storage, STEP, 1, 64)
+    with pytest.raises(ValueError, match=r"step 1: cannot train a dflash drafter for this "
+                                         r"policy: DFlash cannot be served for a 'gemma2'"):
+        train_stage.plan(storage, STEP, DFLASH, tmp_path / "work", "none")
+    assert not (tmp_path / "work").exists()  # nothing launched
