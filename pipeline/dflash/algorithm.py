@@ -22,7 +22,9 @@ from pipeline.eagle3.spec import SpecParams
 def _build(config: DFlashConfig, embed: Any, *, head: Any = None, **_: Any) -> Any:
     from pipeline.dflash.model import DFlashDrafter
 
-    return DFlashDrafter(config, embed, embed if head is None else head)
+    if head is None:
+        raise ValueError("a DFlash drafter drafts with the target's lm_head: pass head=")
+    return DFlashDrafter(config, embed, head)
 
 
 def _is_model(obj: object) -> bool:

@@ -214,6 +214,13 @@ class DFlashConfig:
             if nested.get(key):
                 raise ValueError(f"config.json sets dflash_config.{key}: this release's "
                                  f"DFlash drafter computes non-causal, full-attention blocks")
+        if cfg.get("is_causal"):
+            raise ValueError("config.json sets is_causal: this release's DFlash drafter "
+                             "computes non-causal blocks")
+        if cfg.get("is_neox_style", True) is not True:
+            raise ValueError("config.json sets is_neox_style false: this release's DFlash "
+                             "drafter rotates the halves layout (a mismatch is silent in "
+                             "vLLM)")
         block = nested.get("block_size", cfg.get("block_size"))
         if cfg.get("block_size") is not None and block != cfg.get("block_size"):
             raise ValueError(f"config.json: block_size {cfg.get('block_size')} and "

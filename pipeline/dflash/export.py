@@ -64,8 +64,12 @@ def read_config(directory: str | Path) -> DFlashConfig:
 def load_drafter(directory: str | Path, target_embedding: torch.Tensor, *,
                  head: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                  device: str | torch.device = "cpu") -> DFlashDrafter:
-    """The drafter saved in ``directory`` on the target's embedding and ``head`` (its
-    ``lm_head`` weight; the embedding when omitted, as for a tied target)."""
+    """The drafter saved in ``directory`` on the target's embedding and ``head``, its
+    ``lm_head`` weight (the embedding itself for a tied target): required, since drafting
+    with another head than the target's would be lossless but wrong."""
+    if head is None:
+        raise ValueError(f"{directory}: a DFlash drafter drafts with the target's lm_head; "
+                         f"pass head= (the embedding itself for a tied target)")
     directory = Path(directory)
     config = read_config(directory)
     expected = exported_names(config)
@@ -78,7 +82,7 @@ def load_drafter(directory: str | Path, target_embedding: torch.Tensor, *,
         state = {name: f.get_tensor(name) for name in expected}
     dtype = dtype or state["fc.weight"].dtype
     embed = target_embedding.detach().to("cpu", dtype)
-    model = DFlashDrafter(config, embed, embed if head is None else head.detach().to("cpu", dtype))
+    model = DFlashDrafter(config, embed, head.detach().to("cpu", dtype))
     model.to(dtype)
     model.load_state_dict(state, strict=True)
     return model.to(device)
@@ -140,6 +144,10 @@ def warm_start_from(model: DFlashDrafter, directory: Path, label: str) -> dict:
     if old.target_layer_ids != new.target_layer_ids:
         return scratch(label, f"target layer ids differ: {list(old.target_layer_ids)} vs "
                               f"{list(new.target_layer_ids)}")
+    for name in ("mask_token_id", "rope_theta", "rope_scaling"):  # what the weights read
+        if getattr(old, name) != getattr(new, name):
+            return scratch(label, f"{name} differs (old, new): ({getattr(old, name)}, "
+                                  f"{getattr(new, name)})")
     previous = load_drafter(directory, model.embed_tokens.weight, head=model.head,
                             dtype=model.dtype)
     model.load_state_dict(previous.state_dict(), strict=True)

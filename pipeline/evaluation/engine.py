@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.algorithms import as_drafter
+from pipeline.algorithms import algorithm_of_model, as_drafter
 from pipeline.attention_kernels import shape_stable
 from pipeline.drafters.protocol import Drafter
 from pipeline.eagle3.spec import SpecParams
@@ -88,15 +88,19 @@ def evaluate(target: nn.Module, drafter: nn.Module | Drafter | None,
     ``target``: a transformers Llama-style causal LM. ``drafter``: a
     drafter family's model (e.g. from its ``load``), any :class:`Drafter`, or None for
     the no-drafter baseline. ``params`` default to SGLang's auto choice for the target's
-    architecture (ignored without a drafter). ``eos_token_id``: None never stops early.
+    architecture, as the drafter's algorithm serves with them (DFlash: its block's chain;
+    ignored without a drafter). ``eos_token_id``: None never stops early.
     ``sampler``: how the target samples (greedy by default); ``seed`` seeds prompt i's
     generator with ``prompt_seed(seed, i)``.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     proposer = as_drafter(drafter) if drafter is not None else None
-    if proposer is not None and params is None:
+    if proposer is not None and params is None:  # as the drafter's algorithm serves it
         params = SpecParams.auto_for(getattr(target.config, "architectures", None))
+        if proposer is not drafter:  # an algorithm's model
+            found = algorithm_of_model(drafter)
+            params = found.settings_for(found.config_json(drafter.config), params)
     eos = _eos_set(eos_token_id)
     runner = TargetRunner(target, proposer.aux_layer_ids if proposer is not None else ())
     stats = AcceptanceStats(params.num_steps if proposer is not None and params else 0)

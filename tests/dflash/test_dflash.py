@@ -4,6 +4,7 @@ the equations written out, its export, its serving flags, and its loss."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -54,6 +55,8 @@ def test_the_engines_default_layers_and_the_config_they_read():
     ({"dflash_config": {"target_layer_ids": [1, 3, 5], "mask_token_id": 4, "causal": True}},
      "non-causal"),
     ({"block_size": 9}, "block_size 9 and dflash_config.block_size 6 differ"),
+    ({"is_causal": True}, "non-causal blocks"),
+    ({"is_neox_style": False}, "halves layout"),
 ])
 def test_a_config_the_engines_would_read_otherwise_is_refused_by_name(change, error):
     written = DFlashConfig.from_target(tiny_target_config(), layers=3,
@@ -143,16 +146,43 @@ def test_drafting_proposes_the_block_the_equations_give():
         proposer.propose(tree, [*node, *node], 1)
 
 
-def test_the_loss_reads_only_valid_anchors_and_learns():
+def test_the_loss_is_the_weighted_cross_entropy_of_valid_anchors_and_learns():
     mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0], dtype=torch.bool)
     real = torch.tensor([1, 1, 1, 1, 1, 1, 1, 0], dtype=torch.bool)
     assert valid_anchors(mask, real).nonzero().flatten().tolist() == [1, 2, 5]
     model = tiny_dflash(3)
     model.train()
     batch = _batch(model, 4)
+    for n in (3, 99):  # drawn: min(n, #valid) distinct valid anchors per row
+        torch.manual_seed(1)
+        blocks = lay_out(batch, 4, n, model.config.mask_token_id, 4.0)
+        for row in range(2):
+            valid = set(valid_anchors(batch.loss_mask[row], batch.real[row]).nonzero()
+                        .flatten().tolist())
+            starts = blocks.positions[row, blocks.slot[row] == 0].tolist()
+            anchors = [p for p in starts if p > 0]  # padding blocks sit at 0 (never valid)
+            assert len(set(anchors)) == min(n, len(valid)) and set(anchors) <= valid
+    # by hand, for fixed anchors: Σ CE·w / Σ w over the scored slots
+    anchors = [[5, 16], [9]]
+    loss, _ = block_loss(model, batch, 0, gamma=2.0, anchors=anchors)
+    num = den = 0.0
+    for row, chosen in enumerate(anchors):
+        for a in chosen:
+            logits = block_logits(model, batch.aux_hidden[row, :a].detach(),
+                                  [int(batch.input_ids[row, a])] + [47] * 3, a)
+            for j in range(1, 4):
+                p = a + j
+                if p < int(batch.real[row].sum()) and batch.loss_mask[row, p]:
+                    w = math.exp(-(j - 1) / 2.0)
+                    ce = -torch.log_softmax(logits[j - 1], -1)[int(batch.input_ids[row, p])]
+                    num, den = num + w * float(ce), den + w
+    assert float(loss.detach()) == pytest.approx(num / den, rel=1e-4)
     torch.manual_seed(0)
     first, metrics = block_loss(model, batch, 8)
     assert len(metrics.accuracy) == 3 and sum(metrics.count) > 0
+    frozen = (model.embed_tokens.weight.clone(), model.head.clone())
+    assert not any(p is model.head or p is model.embed_tokens.weight
+                   for p in model.trainable_parameters())
     optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=3e-3)
     for _ in range(30):
         torch.manual_seed(0)  # the same anchors: a fixed batch to fit
@@ -161,7 +191,8 @@ def test_the_loss_reads_only_valid_anchors_and_learns():
         loss.backward()
         optimizer.step()
     assert float(loss.detach()) < 0.5 * float(first.detach())
-    assert model.embed_tokens.weight.grad is None and model.head.grad is None  # frozen
+    assert torch.equal(model.embed_tokens.weight, frozen[0])  # the target's: never trained
+    assert torch.equal(model.head, frozen[1])
 
 
 def test_an_export_loads_in_the_engines_names_and_is_checked(tmp_path):
@@ -191,10 +222,14 @@ def test_a_warm_start_copies_every_weight_only_when_shapes_and_layers_fit(tmp_pa
     source = save_drafter(tiny_dflash(6), tmp_path / "src", dtype=torch.float32)
     model = tiny_dflash(7)
     assert warm_start_from(model, source, "src")["mode"] == "warm"
-    assert torch.equal(model.fc.weight, load_drafter(source, model.embed_tokens.weight).fc.weight)
+    assert torch.equal(model.fc.weight, load_drafter(source, model.embed_tokens.weight,
+                                                     head=model.head).fc.weight)
     deeper = tiny_dflash(7, layers=3)
     record = warm_start_from(deeper, source, "src")
     assert record["mode"] == "scratch" and "num_hidden_layers': (2, 3)" in record["reason"]
+    other_mask = tiny_dflash(7, target=tiny_target_config(mask_token_id=3))
+    assert warm_start_from(other_mask, source, "src")["reason"] == \
+        "mask_token_id differs (old, new): (47, 3)"
 
 
 def test_dflash_serves_with_each_engines_count_of_its_block():
