@@ -99,6 +99,8 @@ class DrafterRunConfig(Config):
     dflash_mask_token_id: int = Field(default=_T.dflash_mask_token_id,
                                       description="DFlash: the mask token (-1: the target's "
                                                   "mask_token_id, else its last vocab row)")
+    dflash_kd: bool = Field(default=_T.dflash_kd, description="DFlash: distil the target's "
+                            "next-token distributions instead of the rollout's tokens")
     warm_start: str = Field(default="serving", description="serving (the drafter serving now) "
                             "| previous (the newest committed one) | none | a storage prefix "
                             "or local drafter dir")

@@ -62,7 +62,7 @@ def _proposer(model: Any) -> Any:
 def _objective(model: Any, train: Any) -> Any:
     from pipeline.dflash.objective import BlockObjective
 
-    return BlockObjective(model, train.dflash_anchors, train.dflash_gamma)
+    return BlockObjective(model, train.dflash_anchors, train.dflash_gamma, train.dflash_kd)
 
 
 def _collate(samples: Any, *, target: Any, model: Any, device: Any) -> Any:

@@ -8,6 +8,9 @@ Per sequence (tokens ``x``, loss mask ``m``, target features at every position):
              context (features) at positions < a and the whole block, nothing of other blocks
     slot j   (1 <= j < B) predicts x[a+j], weight m[a+j] · exp(-(j-1)/γ) (0 past the end)
     loss     Σ CE · weight / Σ weight   over the target's whole vocab (its frozen head)
+    KD       (``kd``) CE against the target's own distribution at the label's previous
+             position, softmax(lm_head(final_hidden[a+j-1])), instead of the token
+             (ModelOpt's variant); accuracy is still counted against the token
 
 The anchor's own features are excluded because at serving time the anchor is the bonus token
 of the last verification, whose target state does not exist yet. Metrics per slot (loss,
@@ -44,6 +47,7 @@ class BlockBatch:
     aux_hidden: torch.Tensor  # (B, T, K·H) target layer outputs
     loss_mask: torch.Tensor  # (B, T) bool
     attention_mask: torch.Tensor  # (B, T) bool: real tokens (ones, then zeros)
+    final_hidden: torch.Tensor | None = None  # (B, T, H) the target's post-norm states (KD)
 
     @property
     def real(self) -> torch.Tensor:
@@ -54,11 +58,13 @@ class _Sample(Protocol):
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     aux_hidden: torch.Tensor
+    final_hidden: torch.Tensor
 
 
 def collate(samples: Sequence[_Sample], *, device: torch.device | str | None = None
             ) -> BlockBatch:
-    """Right-pad shard samples into a :class:`BlockBatch` (no teacher: labels are tokens)."""
+    """Right-pad shard samples into a :class:`BlockBatch` (the target's final states kept
+    for KD; the teacher's logits are computed only at the rows the loss reads)."""
     if not samples:
         raise ValueError("collate needs at least one sample")
     lengths = [int(s.input_ids.shape[0]) for s in samples]
@@ -69,12 +75,15 @@ def collate(samples: Sequence[_Sample], *, device: torch.device | str | None = N
     mask = torch.zeros(b, t, dtype=torch.bool, device=dev)
     real = torch.zeros(b, t, dtype=torch.bool, device=dev)
     aux = torch.zeros(b, t, width, dtype=samples[0].aux_hidden.dtype, device=dev)
+    final = torch.zeros(b, t, samples[0].final_hidden.shape[-1],
+                        dtype=samples[0].final_hidden.dtype, device=dev)
     for row, (s, n) in enumerate(zip(samples, lengths, strict=True)):
         ids[row, :n] = s.input_ids.to(dev, torch.int64)
         mask[row, :n] = s.loss_mask.to(dev, torch.bool)
         real[row, :n] = True
         aux[row, :n] = s.aux_hidden.to(dev)
-    return BlockBatch(ids, aux, mask, real)
+        final[row, :n] = s.final_hidden.to(dev)
+    return BlockBatch(ids, aux, mask, real, final)
 
 
 @dataclass(frozen=True)
@@ -144,9 +153,10 @@ def lay_out(batch: BlockBatch, block_size: int, num_anchors: int, mask_token_id:
 
 
 def block_loss(model: DFlashDrafter, batch: BlockBatch, num_anchors: int, *,
-               gamma: float | None = None, anchors: Sequence[Sequence[int]] | None = None
-               ) -> tuple[torch.Tensor, TTTMetrics]:
-    """The weighted block cross-entropy and its per-slot metrics (module docstring)."""
+               gamma: float | None = None, anchors: Sequence[Sequence[int]] | None = None,
+               kd: bool = False) -> tuple[torch.Tensor, TTTMetrics]:
+    """The weighted block cross-entropy and its per-slot metrics (module docstring); ``kd``:
+    against the target's distributions instead of the tokens."""
     cfg = model.config
     blocks = lay_out(batch, cfg.block_size, num_anchors, cfg.mask_token_id,
                      gamma if gamma else default_gamma(cfg.block_size), anchors)
@@ -157,7 +167,16 @@ def block_loss(model: DFlashDrafter, batch: BlockBatch, num_anchors: int, *,
     scored = blocks.weight > 0  # (B, Q)
     logits = model.compute_logits(hidden[scored]).float()  # (N, V)
     labels, weight, slot = blocks.labels[scored], blocks.weight[scored], blocks.slot[scored]
-    ce = F.cross_entropy(logits, labels, reduction="none")  # (N,)
+    if kd:
+        if batch.final_hidden is None:
+            raise ValueError("KD needs the target's final states in the batch")
+        row = torch.arange(b, device=logits.device)[:, None].expand_as(scored)[scored]
+        with torch.no_grad():  # the teacher at a+j-1 predicts the token at a+j
+            states = batch.final_hidden[row, blocks.positions[scored] - 1].float()
+            teacher = torch.softmax(states @ model.head.float().T, dim=-1)  # (N, V)
+        ce = -(teacher * torch.log_softmax(logits, dim=-1)).sum(-1)  # (N,)
+    else:
+        ce = F.cross_entropy(logits, labels, reduction="none")  # (N,)
     loss = (ce * weight).sum() / weight.sum().clamp(min=1e-12)
     return loss, _metrics(loss, ce.detach(), logits.detach().argmax(-1) == labels, slot,
                           cfg.block_size)
@@ -179,10 +198,11 @@ def _metrics(loss: torch.Tensor, ce: torch.Tensor, correct: torch.Tensor, slot: 
 class BlockObjective(nn.Module):
     """The drafter with its block loss as ``forward``, so DeepSpeed's engine runs the loss."""
 
-    def __init__(self, drafter: DFlashDrafter, num_anchors: int, gamma: float):
+    def __init__(self, drafter: DFlashDrafter, num_anchors: int, gamma: float,
+                 kd: bool = False):
         super().__init__()
-        self.drafter, self.num_anchors, self.gamma = drafter, num_anchors, gamma
+        self.drafter, self.num_anchors, self.gamma, self.kd = drafter, num_anchors, gamma, kd
         self.depth = drafter.config.block_size - 1  # metric slots
 
     def forward(self, batch: BlockBatch) -> tuple[torch.Tensor, TTTMetrics]:
-        return block_loss(self.drafter, batch, self.num_anchors, gamma=self.gamma)
+        return block_loss(self.drafter, batch, self.num_anchors, gamma=self.gamma, kd=self.kd)

@@ -82,6 +82,7 @@ class TrainConfig:
     dflash_anchors: int = 64  # blocks trained per sample, at most
     dflash_gamma: float = 0.0  # loss decay over the block; 0: by block size (8: 4, 16: 7)
     dflash_mask_token_id: int = -1  # -1: the target's mask_token_id, else its last row
+    dflash_kd: bool = False  # distil the target's distributions instead of its tokens
 
     @property
     def drafter_shape(self) -> DrafterShape:

@@ -82,7 +82,8 @@ def _batch(model, seed: int = 0) -> BlockBatch:
     mask[:, :4] = False  # a prompt
     real = torch.ones(2, T, dtype=torch.bool)
     real[1, 15:] = False  # right padding
-    return BlockBatch(ids, aux, mask, real)
+    final = torch.randn(2, T, model.config.hidden_size, generator=g)
+    return BlockBatch(ids, aux, mask, real, final)
 
 
 def test_training_computes_each_block_as_the_equations_do():
@@ -162,21 +163,27 @@ def test_the_loss_is_the_weighted_cross_entropy_of_valid_anchors_and_learns():
             starts = blocks.positions[row, blocks.slot[row] == 0].tolist()
             anchors = [p for p in starts if p > 0]  # padding blocks sit at 0 (never valid)
             assert len(set(anchors)) == min(n, len(valid)) and set(anchors) <= valid
-    # by hand, for fixed anchors: Σ CE·w / Σ w over the scored slots
+    # by hand, for fixed anchors: Σ CE·w / Σ w over the scored slots, CE against the token
+    # or (KD) against the target's distribution at the position before it
     anchors = [[5, 16], [9]]
-    loss, _ = block_loss(model, batch, 0, gamma=2.0, anchors=anchors)
-    num = den = 0.0
-    for row, chosen in enumerate(anchors):
-        for a in chosen:
-            logits = block_logits(model, batch.aux_hidden[row, :a].detach(),
-                                  [int(batch.input_ids[row, a])] + [47] * 3, a)
-            for j in range(1, 4):
-                p = a + j
-                if p < int(batch.real[row].sum()) and batch.loss_mask[row, p]:
-                    w = math.exp(-(j - 1) / 2.0)
-                    ce = -torch.log_softmax(logits[j - 1], -1)[int(batch.input_ids[row, p])]
-                    num, den = num + w * float(ce), den + w
-    assert float(loss.detach()) == pytest.approx(num / den, rel=1e-4)
+    for kd in (False, True):
+        loss, _ = block_loss(model, batch, 0, gamma=2.0, anchors=anchors, kd=kd)
+        num = den = 0.0
+        for row, chosen in enumerate(anchors):
+            for a in chosen:
+                logits = block_logits(model, batch.aux_hidden[row, :a].detach(),
+                                      [int(batch.input_ids[row, a])] + [47] * 3, a)
+                for j in range(1, 4):
+                    p = a + j
+                    if p < int(batch.real[row].sum()) and batch.loss_mask[row, p]:
+                        w = math.exp(-(j - 1) / 2.0)
+                        log_q = torch.log_softmax(logits[j - 1], -1)
+                        teacher = torch.softmax(
+                            batch.final_hidden[row, p - 1].double() @ model.head.double().T, -1)
+                        ce = -(teacher * log_q).sum() if kd else \
+                            -log_q[int(batch.input_ids[row, p])]
+                        num, den = num + w * float(ce), den + w
+        assert float(loss.detach()) == pytest.approx(num / den, rel=1e-4)
     torch.manual_seed(0)
     first, metrics = block_loss(model, batch, 8)
     assert len(metrics.accuracy) == 3 and sum(metrics.count) > 0
