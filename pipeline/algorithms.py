@@ -116,13 +116,10 @@ def format_errors(directory: str | Path) -> tuple[str, ...]:
     return found.format_errors(Path(directory))
 
 
-def served_name_known(sglang_algorithm: object = None, vllm_method: object = None) -> bool:
-    """Whether an engine reports serving an algorithm Aerie knows: SGLang's
-    ``speculative_algorithm`` (case-insensitive) or vLLM's ``method``."""
-    return any((sglang_algorithm is not None
-                and str(sglang_algorithm).upper() == a.sglang_algorithm)
-               or (vllm_method is not None and vllm_method == a.vllm_method)
-               for a in ALGORITHMS.values())
+def served_name_known(sglang_algorithm: object) -> bool:
+    """Whether SGLang reports serving an algorithm Aerie knows (its ``speculative_algorithm``,
+    case-insensitive)."""
+    return any(str(sglang_algorithm).upper() == a.sglang_algorithm for a in ALGORITHMS.values())
 
 
 def as_drafter(obj: nn.Module | Drafter) -> Drafter:

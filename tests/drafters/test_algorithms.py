@@ -114,11 +114,10 @@ def test_eagle3_serves_with_the_flags_it_always_had():
 
 
 def test_what_an_engine_reports_serving_is_checked_against_the_engines_names():
-    assert served_name_known(sglang_algorithm="eagle3")  # SGLang upper-cases
-    assert served_name_known(vllm_method="eagle3")
-    assert not served_name_known(sglang_algorithm="NEXTN")
-    assert not served_name_known(vllm_method="EAGLE3")  # vLLM's names are exact
-    assert not served_name_known()
+    assert served_name_known("eagle3")  # SGLang upper-cases
+    assert served_name_known("DFLASH")
+    assert not served_name_known("NEXTN")
+    assert not served_name_known(None)
 
 
 class OtherDraft(nn.Module):
