@@ -120,4 +120,7 @@ DFLASH = DrafterAlgorithm(
     load=_load, format_errors=_format_errors, proposer=_proposer, objective=_objective,
     collate=_collate, fresh=_fresh, save=_save, warm_start=_warm_start,
     settings_for=_settings_for,
+    # SGLang forces one step and top-k 1 for DFLASH; its verify window is the block
+    sglang_reported=lambda s: (1, 1, s.num_draft_tokens),
+    from_sglang_reported=lambda steps, topk, tokens: SpecParams(tokens - 1, 1, tokens),
     sglang_settings=_sglang_settings, vllm_settings=_vllm_settings)

@@ -75,6 +75,10 @@ class DrafterAlgorithm:
     # measured with (EAGLE: the deployment's; DFlash: a chain as long as its block)
     settings_for: Callable[[Mapping[str, Any], SpecParams], SpecParams]
     sglang_settings: Callable[[SpecParams], tuple[str, ...]]  # flags after the draft path
+    # the (speculative_num_steps, eagle_topk, num_draft_tokens) SGLang's /server_info reports
+    # when serving with these settings, and back (SGLang forces DFlash's steps to 1)
+    sglang_reported: Callable[[SpecParams], tuple[int, int, int]]
+    from_sglang_reported: Callable[[int, int, int], SpecParams]
     vllm_settings: Callable[[SpecParams], Mapping[str, Any]]  # speculative_config entries
 
     def sglang_args(self, settings: SpecParams, drafter_dir: str) -> tuple[str, ...]:

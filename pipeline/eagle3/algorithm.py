@@ -121,6 +121,8 @@ EAGLE3 = DrafterAlgorithm(
     load=_load, format_errors=_format_errors, proposer=_proposer, objective=_objective,
     collate=_collate, fresh=_fresh, save=_save, warm_start=_warm_start,
     settings_for=lambda config, settings: settings,
+    sglang_reported=lambda s: (s.num_steps, s.eagle_topk, s.num_draft_tokens),
+    from_sglang_reported=lambda steps, topk, tokens: SpecParams(steps, topk, tokens),
     sglang_settings=lambda settings: tuple(settings.sglang_args()),
     vllm_settings=_vllm_settings)
 

@@ -63,15 +63,16 @@ class SGLang:
         if str(path) != str(drafter) and Path(str(path)).name != drafter.name:
             raise SpeculativeConfigError(f"{label} loaded the drafter {path}, not the one it "
                                          f"was given ({drafter})")
-        expected = _algorithm_of(drafter).sglang_algorithm
-        if str(algorithm).upper() != expected:
+        found = _algorithm_of(drafter)
+        if str(algorithm).upper() != found.sglang_algorithm:
             raise SpeculativeConfigError(f"{label} serves its drafter as {algorithm!r}, the "
-                                         f"drafter's algorithm is {expected}")
+                                         f"drafter's algorithm is {found.sglang_algorithm}")
         reported = (info.get("speculative_num_steps"), info.get("speculative_eagle_topk"),
                     info.get("speculative_num_draft_tokens"))
-        if reported != (params.num_steps, params.eagle_topk, params.num_draft_tokens):
+        if reported != found.sglang_reported(params):
             raise SpeculativeConfigError(f"{label} runs speculative settings {reported}, not "
-                                         f"the {tuple(asdict(params).values())} asked for")
+                                         f"the {found.sglang_reported(params)} of the "
+                                         f"{tuple(asdict(params).values())} asked for")
 
     def check_plain(self, label: str, info: dict[str, Any]) -> None:
         if info.get("speculative_algorithm") or info.get("speculative_draft_model_path"):

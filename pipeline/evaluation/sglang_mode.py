@@ -389,9 +389,12 @@ def _check_settings(urls: tuple[str, ...], infos: list[dict[str, Any]]) -> dict[
             raise SpeculativeConfigError(
                 f"server at {url} reports speculative settings "
                 f"{dict(zip(_SETTING_KEYS, numbers, strict=True))}; expected positive integers")
-        found.append({"num_steps": numbers[0], "eagle_topk": numbers[1],
-                      "num_draft_tokens": numbers[2], "draft_model_path": str(draft),
-                      "sglang_version": info.get("version")})
+        served = next(a for a in ALGORITHMS.values()
+                      if a.sglang_algorithm == str(algorithm).upper())
+        params = served.from_sglang_reported(*numbers)  # DFlash: its block's chain
+        found.append({"num_steps": params.num_steps, "eagle_topk": params.eagle_topk,
+                      "num_draft_tokens": params.num_draft_tokens,
+                      "draft_model_path": str(draft), "sglang_version": info.get("version")})
     differing = [url for url, f in zip(urls, found, strict=True)
                  if {k: v for k, v in f.items() if k != "sglang_version"}
                  != {k: v for k, v in found[0].items() if k != "sglang_version"}]

@@ -23,7 +23,8 @@ from pipeline.evaluation.sglang_mode import SpeculativeConfigError
 from pipeline.evaluation.stage import NO_DRAFTER, read_report
 from pipeline.storage import Storage
 from tests.evaluation.world import SETTINGS, eval_world, publish_drafter_dir
-from tests.sglang_contract.drafters import save_copy_drafter
+from tests.sglang_contract.drafters import save_copy_dflash, save_copy_drafter
+from tests.training.world import tiny_target
 
 pytestmark = pytest.mark.integration
 
@@ -297,4 +298,28 @@ def test_aerie_eval_measures_a_drafter_directory_on_sglang(world, monkeypatch, c
     monkeypatch.setenv("AERIE_EVALUATOR_SGLANG_LAUNCH", json.dumps(LAUNCH[:-1]))
     assert cli.main(["eval", str(world.candidate_dir), "--evaluator", "sglang"]) == 2
     assert "must use {speculative_args}" in capsys.readouterr().err
+    assert not _contract_servers_running()
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_a_dflash_candidate_is_judged_on_the_engines_as_in_process(world, kind, tmp_path):
+    """A DFlash drafter launched with DFlash's flags (SGLang reports its forced one step;
+    vLLM drafts block - 1 tokens) counts what the in-process engine counts, prompt by
+    prompt, against an EAGLE-3 champion."""
+    target = tiny_target(seed=4, tie=True)  # the world's
+    local_dir = save_copy_dflash(target, tmp_path / "dflash", block_size=6)
+    candidate = publish_drafter_dir(world.storage, local_dir, "drafters/dflash", 2, "fp-dflash")
+    sampled = replace(CONFIG, **SAMPLED)
+    local = stage.run(world.storage, 2, candidate, world.champion, sampled)
+    engine = stage.run(world.storage, 2, candidate, world.champion, sampled,
+                       sglang(world, engine=kind, log_dir=str(tmp_path / "logs")))
+    assert local.contestants["candidate"].settings == \
+        engine.contestants["candidate"].settings == \
+        {"num_steps": 5, "eagle_topk": 1, "num_draft_tokens": 6}  # its block's chain
+    assert engine.settings == local.settings and engine.settings["num_steps"] == 3  # EAGLE's
+    for name in ("candidate", "champion", NO_DRAFTER):
+        assert engine.contestants[name].per_prompt == local.contestants[name].per_prompt
+    assert engine.contestants["candidate"].tau > 1.0
+    outcome = evaluation_sound(engine)
+    assert outcome.passed, outcome.description
     assert not _contract_servers_running()

@@ -54,3 +54,32 @@ def save_copy_drafter(target: torch.nn.Module, directory: Path, outputs: list[li
         head.add_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0))
                   * head.std() * noise)
     return save_drafter(model, cfg, directory, dtype=torch.float32)
+
+
+def save_copy_dflash(target: torch.nn.Module, directory: Path, block_size: int = 4) -> Path:
+    """A real DFlash checkpoint that proposes its anchor (the last verified token) at every
+    slot, which a target repeating its last token confirms: one layer whose attention is
+    uniform (q, k = 0) and whose values keep the anchor's normed embedding but drop the mask
+    token's (``v_proj`` projects the mask's direction out; the context is 0 with ``fc`` = 0),
+    scaled up by ``o_proj`` so the slot's state points at the anchor's embedding, which the
+    target's tied head then ranks first."""
+    from pipeline.dflash.config import DFlashConfig
+    from pipeline.dflash.export import save_drafter as save_dflash
+    from pipeline.dflash.model import DFlashDrafter
+    from pipeline.eagle3.config import DrafterShape
+
+    config = target.config
+    heads = config.num_attention_heads
+    cfg = DFlashConfig.from_target(config, layers=1, block_size=block_size,
+                                   shape=DrafterShape(num_key_value_heads=heads))
+    embed = target.get_input_embeddings().weight.detach()
+    model = DFlashDrafter(cfg, embed, target.get_output_embeddings().weight.detach())
+    layer, h = model.layers[0], cfg.hidden_size
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_() if p.dim() == 2 else p.fill_(1.0)  # matrices 0, norms 1
+        mask = layer.input_layernorm(embed[cfg.mask_token_id].float())
+        u = mask / mask.norm()
+        layer.self_attn.v_proj.weight.copy_(torch.eye(h) - torch.outer(u, u))
+        layer.self_attn.o_proj.weight.copy_(torch.eye(h) * 1000.0)
+    return save_dflash(model, directory, dtype=torch.float32, overwrite=True)

@@ -114,7 +114,10 @@ FAULT_KINDS = frozenset({"http500", "drop", "garbage", "slow", "short", "nan", "
 # how a launched server misbehaves from its start (the engine evaluator's faults)
 LAUNCH_FAULTS = ("unhealthy", "no_spec", "wrong_drafter", "lossy", "near_tie", "dies")
 DIES_AT = 3  # "dies": the process exits on this /generate request
-SPEC_ALGORITHM = "EAGLE3"
+SPEC_ALGORITHM = "EAGLE3"  # what aux capture reports, and the default drafter's
+# DFLASH: SGLang 0.5.23 forces one step and top-k 1 (speculative_hook.py) and verifies a
+# chain of num_draft_tokens (the block, default: the drafter's block_size)
+SPEC_ALGORITHMS = ("EAGLE3", "DFLASH")
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,9 @@ class SpecDecoder:
     def __init__(self, model: Model, params: Any, drafter: Any) -> None:
         target = model.model
         self.model, self.params, self.drafter = model, params, drafter
+        # (steps, topk, draft tokens) as /server_info shows them (SGLang's view)
+        self.reported = None if params is None else (params.num_steps, params.eagle_topk,
+                                                     params.num_draft_tokens)
         eos = target.config.eos_token_id
         self.eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self.vocab = target.config.vocab_size
@@ -193,19 +199,29 @@ class SpecDecoder:
 
     @classmethod
     def for_endpoint(cls, config: EndpointConfig, model: Model) -> SpecDecoder:
-        from pipeline.algorithms import as_drafter
-        from pipeline.eagle3.export import load_drafter
+        from pipeline.algorithms import algorithm_of_directory, as_drafter, read_config
         from pipeline.eagle3.spec import SpecParams
 
-        target = model.model
-        params = SpecParams.resolve(
-            config.speculative_num_steps, config.speculative_eagle_topk,
-            config.speculative_num_draft_tokens, architecture=target.config.architectures)
-        drafter = as_drafter(load_drafter(config.speculative_draft_model_path,
-                                          target.get_input_embeddings()).eval())
+        target, path = model.model, config.speculative_draft_model_path
+        found = algorithm_of_directory(path)
+        if found.sglang_algorithm != config.speculative_algorithm:
+            raise SystemExit(f"contract server: {path} is a {found.title} drafter, not "
+                             f"{config.speculative_algorithm}'s")
+        if found.sglang_algorithm == "DFLASH":  # steps and top-k forced to 1
+            block = config.speculative_num_draft_tokens or int(read_config(path)["block_size"])
+            params = found.from_sglang_reported(1, 1, block)
+        else:
+            params = SpecParams.resolve(
+                config.speculative_num_steps, config.speculative_eagle_topk,
+                config.speculative_num_draft_tokens, architecture=target.config.architectures)
+        drafter = as_drafter(found.load(path, target.get_input_embeddings().weight.detach(),
+                                        head=target.get_output_embeddings().weight.detach()
+                                        ).eval())
         if config.launch_fault == "wrong_drafter":  # loads nothing useful: drafts no token
             drafter = None
-        return cls(model, params, drafter)
+        decoder = cls(model, params, drafter)
+        decoder.reported = found.sglang_reported(params)
+        return decoder
 
     def generate(self, ids: list[int], max_new: int, stop: frozenset[int],
                  sampler: Any, seed: int | None) -> tuple[list[int], list[int]]:
@@ -340,7 +356,7 @@ class ContractHTTPServer(ThreadingHTTPServer):
     def server_info(self) -> dict[str, Any]:
         c = self.state.config
         aux = c.mode == "aux"
-        spec = self.spec.params if self.spec else None
+        spec = self.spec.reported if self.spec else None
         internal: dict[str, Any] = {"last_gen_throughput": 0.0}
         with self.state.lock:
             average = self.state.spec.average()
@@ -348,9 +364,9 @@ class ContractHTTPServer(ThreadingHTTPServer):
             internal["avg_spec_accept_length"] = average
         return {"model_path": self.model.path, "version": VERSION, "contract_server": True,
                 "speculative_draft_model_path": c.speculative_draft_model_path,
-                "speculative_num_steps": spec.num_steps if spec else None,
-                "speculative_eagle_topk": spec.eagle_topk if spec else None,
-                "speculative_num_draft_tokens": spec.num_draft_tokens if spec else None,
+                "speculative_num_steps": spec[0] if spec else None,
+                "speculative_eagle_topk": spec[1] if spec else None,
+                "speculative_num_draft_tokens": spec[2] if spec else None,
                 "decode_log_interval": c.decode_log_interval,
                 "internal_states": [internal],
                 "enable_return_hidden_states": c.hidden_states,
@@ -627,15 +643,16 @@ def _spec_decoder(config: EndpointConfig, model: Model) -> SpecDecoder | None:
     """The engine of a speculative endpoint; None for the others. Bad flags exit."""
     numbers = (config.speculative_num_steps, config.speculative_eagle_topk,
                config.speculative_num_draft_tokens)
-    if config.speculative_algorithm not in (None, SPEC_ALGORITHM):
+    if config.speculative_algorithm not in (None, *SPEC_ALGORITHMS):
         raise SystemExit(f"contract server: --speculative-algorithm "
-                         f"{config.speculative_algorithm} is not served (only {SPEC_ALGORITHM})")
+                         f"{config.speculative_algorithm} is not served (only "
+                         f"{', '.join(SPEC_ALGORITHMS)})")
     if not config.speculative:
         if any(v is not None for v in numbers):
             raise SystemExit("--speculative-num-* need --speculative-draft-model-path")
         return None
     if config.speculative_algorithm is None:
-        raise SystemExit("--speculative-draft-model-path needs --speculative-algorithm EAGLE3")
+        raise SystemExit("--speculative-draft-model-path needs --speculative-algorithm")
     if config.mode != "final":
         raise SystemExit("contract server: speculative decoding with aux capture is not served")
     if config.decode_log_interval < 1:
@@ -668,8 +685,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[EndpointConfig], str
                         "decode_log_interval)")
     p.add_argument("--wait-for-model", type=float, default=0.0, metavar="SECONDS",
                    help="poll this long for the model dir to appear")
-    p.add_argument("--speculative-algorithm", help="EAGLE3 (the only one served)")
-    p.add_argument("--speculative-draft-model-path", help="an Aerie/SGLang EAGLE-3 drafter dir")
+    p.add_argument("--speculative-algorithm", help="EAGLE3 or DFLASH")
+    p.add_argument("--speculative-draft-model-path", help="an Aerie drafter dir of it")
     p.add_argument("--speculative-num-steps", type=int)
     p.add_argument("--speculative-eagle-topk", type=int)
     p.add_argument("--speculative-num-draft-tokens", type=int)

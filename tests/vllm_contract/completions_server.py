@@ -9,7 +9,8 @@ does). Binds 127.0.0.1 only.
 As vLLM 0.33 (``vllm serve``; sources in docs/vllm.md):
 
 - ``--speculative-config`` parsed strictly (:func:`tests.vllm_contract.server.
-  speculative_drafter`): EAGLE-3 drafted as a chain of ``num_speculative_tokens``.
+  speculative_drafter`): EAGLE-3 or DFlash drafted as a chain of
+  ``num_speculative_tokens``.
   ``--per-request-spec-decode-metrics`` other than ``none`` without it stops the server at
   start.
 - ``GET /health`` (200, empty), ``GET /version`` (``{"version": "0.33.0"}``), ``GET
@@ -216,13 +217,14 @@ def main(argv: list[str] | None = None) -> None:
     model = Model(args.model)
     spec = None
     if spec_json:
-        from pipeline.algorithms import as_drafter
-        from pipeline.eagle3.export import load_drafter
+        from pipeline.algorithms import algorithm_of_directory, as_drafter
         from pipeline.eagle3.spec import SpecParams
 
         drafter_dir, k = speculative_drafter(spec_json)
-        drafter = as_drafter(load_drafter(drafter_dir,
-                                          model.model.get_input_embeddings()).eval())
+        target = model.model
+        drafter = as_drafter(algorithm_of_directory(drafter_dir).load(
+            drafter_dir, target.get_input_embeddings().weight.detach(),
+            head=target.get_output_embeddings().weight.detach()).eval())
         spec = SpecDecoder(model, SpecParams(k, 1, k + 1),
                            None if args.launch_fault == "wrong_drafter" else drafter)
     server = CompletionsServer(args.port, args.model, model, spec, metrics, args.launch_fault,

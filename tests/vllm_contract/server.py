@@ -98,16 +98,24 @@ def speculative_drafter(spec_json: str) -> tuple[Path, int]:
     unknown = set(spec) - SPEC_KEYS
     if unknown:
         raise SystemExit(f"--speculative-config: unknown keys {sorted(unknown)}")
-    if spec.get("method") != "eagle3":
-        raise SystemExit(f"--speculative-config: method {spec.get('method')!r} is not eagle3")
+    method = spec.get("method")
+    if method not in ("eagle3", "dflash"):
+        raise SystemExit(f"--speculative-config: method {method!r} is not eagle3 or dflash")
     k = spec.get("num_speculative_tokens")
     if not isinstance(k, int) or k < 1:
         raise SystemExit(f"--speculative-config: num_speculative_tokens {k!r}")
     path = Path(spec["model"])
     config = json.loads((path / "config.json").read_text())
-    if not any(a.endswith("Eagle3") or a.startswith("Eagle3")
-               for a in config.get("architectures", [])):
-        raise SystemExit(f"{path}: architectures {config.get('architectures')} is no EAGLE-3")
+    architectures = config.get("architectures", [])
+    if method == "eagle3" and not any(a.endswith("Eagle3") or a.startswith("Eagle3")
+                                      for a in architectures):
+        raise SystemExit(f"{path}: architectures {architectures} is no EAGLE-3")
+    if method == "dflash":  # qwen3_dflash: the bonus token and k mask tokens per request
+        if "DFlashDraftModel" not in architectures:
+            raise SystemExit(f"{path}: architectures {architectures} is no DFlash drafter")
+        if k > int(config["block_size"]) - 1:
+            raise SystemExit(f"--speculative-config: num_speculative_tokens {k} exceeds the "
+                             f"block of {config['block_size']}")
     return path, k
 
 
