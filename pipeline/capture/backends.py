@@ -20,7 +20,6 @@ from pipeline.algorithms import algorithm
 from pipeline.capture.config import DEFAULT_TOKEN_BUDGET
 from pipeline.eagle3.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 from pipeline.records import from_dict
-from pipeline.snapshot.policy import load_policy_config
 from pipeline.storage import Storage
 
 if TYPE_CHECKING:
@@ -120,6 +119,8 @@ def _open_hf(storage: Storage, step: int, aux_layer_ids: Sequence[int] | None,
 def _engine_geometry(storage: Storage, step: int, aux_layer_ids: Sequence[int] | None,
                      kind: str) -> tuple[int, int, tuple[int, ...]]:
     """``(hidden_size, layers, aux ids)`` from the step's checkpoint ``config.json``."""
+    from pipeline.snapshot.policy import load_policy_config  # pyarrow: not at load time
+
     config = load_policy_config(storage, step)
     layers = int(config["num_hidden_layers"])
     ids = check_aux_layer_ids(  # SGLang's DeepSeek files number layers their own way
@@ -195,6 +196,8 @@ def open_backend(storage: Storage, step: int, kind: str = "hf", *,
     (None: EAGLE-3's)."""
     settings = backend_options(kind, options)
     if aux_layer_ids is None and layers_for is not None:
+        from pipeline.snapshot.policy import load_policy_config
+
         config = load_policy_config(storage, step)
         aux_layer_ids = algorithm(layers_for).default_layer_ids(
             int(config["num_hidden_layers"]), config.get("model_type"))
