@@ -3,7 +3,7 @@
 A checkpoint is a directory with ``config.json`` (:meth:`DFlashConfig.to_config_json`) and
 ``model.safetensors`` holding exactly :func:`~pipeline.dflash.model.exported_names` in one
 float dtype: no embedding, no head, no ``d2t`` (the engines use the target's). Written
-atomically, as EAGLE-3's (:func:`pipeline.eagle3.export.publish_directory`).
+atomically (:func:`pipeline.drafters.files.write_export`).
 
 The loader rules re-implemented by :func:`format_errors` (SGLang 0.5.23
 ``models/dflash.py`` and ``dflash_utils.py``, vLLM 0.33 ``qwen3_dflash.py``; SGLang silently
@@ -19,41 +19,24 @@ ignores unknown names, so an unknown name is an error here):
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from pipeline.dflash.config import DFlashConfig, shapes_match
 from pipeline.dflash.model import DFlashDrafter, exported_names
-from pipeline.eagle3.export import CONFIG_NAME, DTYPE_NAMES, WEIGHTS_NAME, publish_directory
+from pipeline.drafters.files import CONFIG_NAME, WEIGHTS_NAME, check_dtype, write_export
 
 
 def save_drafter(model: DFlashDrafter, directory: str | Path, *,
                  dtype: torch.dtype = torch.bfloat16, overwrite: bool = False) -> Path:
     """Write ``model`` as a checkpoint directory both engines load; returns its path."""
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {dtype}")
-    directory = Path(directory)
-    if directory.exists() and not overwrite:
-        raise FileExistsError(f"{directory} exists (pass overwrite=True to replace it)")
+    name = check_dtype(dtype)
     tensors = {n: x.to("cpu", dtype).contiguous()
                for n, x in model.exported_state_dict().items()}
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        cfg = model.config.to_config_json(dtype=DTYPE_NAMES[dtype])
-        (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        publish_directory(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory
+    return write_export(directory, tensors, model.config.to_config_json(dtype=name),
+                        overwrite=overwrite)
 
 
 def read_config(directory: str | Path) -> DFlashConfig:

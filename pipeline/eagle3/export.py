@@ -20,23 +20,15 @@ Invariants:
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
+from pipeline.drafters.files import CONFIG_NAME, WEIGHTS_NAME, check_dtype, write_export
 from pipeline.eagle3.config import DrafterConfig, shapes_match
 from pipeline.eagle3.model import OWN_EMBEDDING, Eagle3Drafter, exported_names
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16",
-                torch.float32: "float32"}
 
 
 def save_drafter(model: Eagle3Drafter, config: DrafterConfig, directory: str | Path, *,
@@ -44,38 +36,13 @@ def save_drafter(model: Eagle3Drafter, config: DrafterConfig, directory: str | P
     """Write ``model`` as an SGLang-loadable checkpoint directory; returns its path."""
     if config != model.config:
         raise ValueError("config does not match the model's config")
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {dtype}")
-    directory = Path(directory)
-    if directory.exists() and not overwrite:
-        raise FileExistsError(f"{directory} exists (pass overwrite=True to replace it)")
+    name = check_dtype(dtype)
     tensors = {}
-    for name, x in model.exported_state_dict().items():
+    for key, x in model.exported_state_dict().items():
         x = x.to("cpu")
-        tensors[name] = (x if name in ("d2t", "t2d") else x.to(dtype)).contiguous()
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        cfg = config.to_sglang_config(dtype=DTYPE_NAMES[dtype])
-        (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        publish_directory(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory
-
-
-def publish_directory(tmp: Path, directory: Path) -> None:
-    """Rename ``tmp`` to ``directory``, replacing an existing one (old moved aside first)."""
-    if not directory.exists():
-        os.replace(tmp, directory)
-        return
-    old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
-    os.replace(directory, old)
-    os.replace(tmp, directory)
-    shutil.rmtree(old, ignore_errors=True)
+        tensors[key] = (x if key in ("d2t", "t2d") else x.to(dtype)).contiguous()
+    return write_export(directory, tensors, config.to_sglang_config(dtype=name),
+                        overwrite=overwrite)
 
 
 def read_drafter_config(directory: str | Path) -> DrafterConfig:

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from pipeline.eagle3 import export
+from pipeline.drafters import files
 from pipeline.eagle3.config import DrafterShape
 from pipeline.eagle3.export import load_drafter, save_drafter, warm_start
 from pipeline.eagle3.model import EXPORTED_NAMES, Eagle3Drafter, project_embedding
@@ -115,7 +115,7 @@ def test_save_is_atomic_and_refuses_to_clobber(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(export, "save_file", boom)
+    monkeypatch.setattr(files, "save_file", boom)  # every algorithm's export writes there
     with pytest.raises(OSError, match="disk full"):
         save_drafter(model, model.config, target, overwrite=True)
     assert (target / "model.safetensors").read_bytes() == before  # old checkpoint intact
