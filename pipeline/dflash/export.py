@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from pipeline.dflash.config import DFlashConfig, shapes_match
 from pipeline.dflash.model import DFlashDrafter, exported_names
+from pipeline.drafters.algorithm import scratch
 from pipeline.drafters.files import CONFIG_NAME, WEIGHTS_NAME, check_dtype, write_export
 
 
@@ -119,8 +120,6 @@ def _expected_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
 def warm_start_from(model: DFlashDrafter, directory: Path, label: str) -> dict:
     """Warm-start ``model`` in place from the DFlash drafter in ``directory`` when every
     weight has its shape and it reads the same target layers; the record of what was done."""
-    from pipeline.eagle3.warm import scratch
-
     old, new = read_config(directory), model.config
     if not shapes_match(old, new):
         return scratch(label, f"shapes differ (old, new): {_shape_diff(old, new)}")

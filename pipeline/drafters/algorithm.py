@@ -91,3 +91,8 @@ class DrafterAlgorithm:
         return json.dumps({"method": self.vllm_method, "model": drafter_dir,
                            **self.vllm_settings(settings)}, separators=(",", ":"))
 
+
+def scratch(label: str | None, reason: str) -> dict[str, Any]:
+    """The warm-start record of a run that starts from scratch, and why (every algorithm's
+    ``warm_start`` returns this shape)."""
+    return {"mode": "scratch", "source": label, "reason": reason, "lm_head_rows_carried": 0}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pipeline.drafters.algorithm import scratch
 from pipeline.eagle3.config import shapes_match
 from pipeline.eagle3.export import load_drafter, read_drafter_config, warm_start
 from pipeline.eagle3.model import Eagle3Drafter
@@ -36,8 +37,3 @@ def warm_start_from(model: Eagle3Drafter, directory: Path, label: str) -> dict[s
     rows = warm_start(model, previous)
     return {"mode": "warm", "source": label, "lm_head_rows_carried": rows,
             "reason": f"shapes match; {rows}/{new.draft_vocab_size} lm_head rows carried over"}
-
-
-def scratch(label: str | None, reason: str) -> dict[str, Any]:
-    """The record of a run that starts from scratch, and why."""
-    return {"mode": "scratch", "source": label, "reason": reason, "lm_head_rows_carried": 0}

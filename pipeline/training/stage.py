@@ -155,10 +155,10 @@ def plan(storage: Storage, step: int, config: TrainConfig, work_root: Path,
          warm_start: str = "previous", serving_name: str | None = None) -> TrainSpec:
     """The spec of ``step``'s refresh (reads manifests only)."""
     window, mapping = load_window_vocab(storage, step)
-    read_window(storage, window)  # names any missing step
+    manifests = read_window(storage, window)  # names any missing step
     shard_sha = {str(s): hashlib.sha256(storage.read_bytes(
         manifest_key(shards_prefix(s)))).hexdigest() for s in window}
-    check_drafts_for(storage, step, config, window)
+    check_drafts_for(storage, step, config, manifests)
     warm = resolve_warm_start(storage, step, warm_start, serving_name)
     spec = TrainSpec(config=config, storage_url=storage.root_url, step=step,
                      window_steps=tuple(window), shard_manifest_sha256=shard_sha,
@@ -172,12 +172,12 @@ def plan(storage: Storage, step: int, config: TrainConfig, work_root: Path,
 
 
 def check_drafts_for(storage: Storage, step: int, config: TrainConfig,
-                     window: list[int] | tuple[int, ...]) -> None:
+                     manifests: Mapping[int, Manifest]) -> None:
     """Refuse, before any training runs, a drafter the algorithm cannot build for ``step``'s
     policy on the window's layers (DFlash for a family no engine captures it for, a RoPE or
     a width it cannot take), naming the reason."""
     target = load_policy_config(storage, step)
-    _, captured = shard_geometry(read_window(storage, window))
+    _, captured = shard_geometry(manifests)
     try:
         algorithm(config.drafter_algorithm).new_config(
             target, aux_layer_ids=trained_layers(config.drafter_algorithm, captured, target),

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from pipeline.algorithms import algorithm_of_directory, algorithm_of_model
-from pipeline.eagle3.warm import scratch
+from pipeline.drafters.algorithm import scratch
 
 
 def apply_warm_start(model: nn.Module, directory: str | Path | None,
