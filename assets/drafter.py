@@ -156,17 +156,18 @@ def vocab_mapping(context: AssetExecutionContext, config: VocabRunConfig,
 @asset(partitions_def=refresh_steps, group_name="drafter", kinds={"pytorch", "deepspeed"},
        code_version=CODE_VERSIONS["drafter_checkpoint"], deps=["vocab_mapping"],
        retry_policy=SERVICE_RETRY,
-       description="EAGLE-3 drafter trained on the window (DeepSpeed, resumable), in SGLang's "
-                   "format, warm-started from the drafter serving now; the training curve is "
-                   "stored with the refresh's charts. " + WINDOW_NOTE,
+       description="The drafter (EAGLE-3, EAGLE 3.1 or DFlash: run config drafter_algorithm) "
+                   "trained on the window (DeepSpeed, resumable), in the format SGLang and "
+                   "vLLM load, warm-started from the drafter serving now; the training curve "
+                   "is stored with the refresh's charts. " + WINDOW_NOTE,
        check_specs=[spec("drafter_checkpoint", "training_loss",
                          "every logged loss finite (blocking) and the loss falling (warning)",
                          blocking=True)])
 def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
                        storage: StorageResource, trainer: TrainerResource,
                        mlflow: MlflowResource) -> MaterializeResult:
-    """EAGLE-3 drafter trained on the window (DeepSpeed, resumable), in SGLang's format;
-    warm-started from the drafter serving now (the registered model's serving ledger)."""
+    """The configured family's drafter trained on the window (DeepSpeed, resumable), in the
+    engines' format; warm-started from the drafter serving now (the serving ledger)."""
     from pipeline.evaluation.charts import publish_chart, training_curve
     from pipeline.training.curve import CURVE_FILE, display_points
     from pipeline.training.metrics import depth_table
@@ -187,6 +188,7 @@ def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
                                     training_curve(display_points(r.curve, 1000))))
     details = {
         "stored at": r.uri, "reused (committed before)": r.reused,
+        "fingerprint": meta["fingerprint"],
         "vocab cache key": meta["vocab_cache_key"], "vocab coverage": round(meta["coverage"], 4),
         "draft vocab size": meta["draft_vocab_size"], "aux layer ids": meta["aux_layer_ids"],
         "warm start": res.warm_start["reason"], "epochs": round(res.epochs, 3),
@@ -194,6 +196,7 @@ def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
         "ZeRO stage": res.zero_stage, "dtype": res.dtype, "logged steps": len(r.curve),
         "training curve data": f"{r.uri}/{CURVE_FILE}"}
     return MaterializeResult(metadata={  # the numbers that matter first, rounded
+        "algorithm": config.drafter_algorithm,
         "final_loss": round(res.final["loss"], 4), "first_loss": round(res.first["loss"], 4),
         "sim_accept_length": round(res.final["sim_accept_length"], 3),
         "warm_start": res.warm_start["mode"],
@@ -205,7 +208,7 @@ def drafter_checkpoint(context: AssetExecutionContext, config: DrafterRunConfig,
             registry.runs.experiment_id(), run.run_id))} if run.run_id else {}),
         "per_depth": _md_table(depth_table(res.final)),
         "window_steps": MetadataValue.json(meta["window_steps"]),
-        "fingerprint": meta["fingerprint"],
+        "fingerprint": meta["fingerprint"][:12],  # in full in details
         "details": MetadataValue.md(details_table(details)),
     }, check_results=[_loss_check(res, r.curve)])
 

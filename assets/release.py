@@ -47,7 +47,6 @@ from assets.summary import refresh_summary
 from assets.versions import CODE_VERSIONS
 from pipeline.checks import CheckOutcome
 from pipeline.release.gate import GatePolicy
-from pipeline.release.lineage import parse_tag
 from pipeline.release.mlflow_registry import DrafterRegistry
 from pipeline.release.promotion import PromotionResult
 from pipeline.serving_now import drafter_name
@@ -105,7 +104,7 @@ def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
     return MaterializeResult(metadata={
         "drafter": name, "model": v.model, "version": v.version, "run_id": v.run_id or "",
         "source": v.source, "reused": r.registration.reused,
-        "window_steps": MetadataValue.json(parse_tag(v.tags.get("rl_step_window", "[]"))),
+        "window_steps": MetadataValue.json(v.lineage.get("rl_step_window", [])),
         "candidate_tau": round(r.tau, 3), "fingerprint": v.fingerprint or "", **links})
 
 

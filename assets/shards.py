@@ -1,4 +1,5 @@
-"""``hidden_state_shards``: EAGLE-3 target states of one RL step's tokenized samples."""
+"""``hidden_state_shards``: the target's hidden states of one RL step's tokenized samples (the
+layers the configured drafter algorithm reads)."""
 
 
 from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset

@@ -31,8 +31,8 @@ drafter_refresh = define_asset_job(
     tags={"aerie/serial": "drafter_refresh"},  # one at a time: see aerie/cli.py INSTANCE_YAML
     config=DEFAULT_RUN_CONFIG,
     description="Choose the draft vocab of the window ending at the partition's RL step, "
-                "train and publish its drafter (EAGLE-3 or 3.1; warm-started from the previous "
-                "one of its algorithm), "
+                "train and publish its drafter (EAGLE-3, 3.1 or DFlash; warm-started from the "
+                "previous one of its algorithm), "
                 "measure it against the champion on held-out prompts, register it in MLflow "
                 "and promote it to serving if the acceptance gate passes; then delete the "
                 "shards of RL steps older than the refresh policy's retain_steps, if set.")

@@ -40,6 +40,7 @@ from pipeline.storage import Storage
 
 VERIFY_ACTOR = "aerie (post-promotion check)"
 VERDICT_TAG = "post_promotion.verdict"
+EVIDENCE_TAG = "post_promotion.evidence"  # JSON {source, reason, at} of the verdict
 
 
 # called with the verdict and the rollback's result while the promotion lock is held
@@ -159,9 +160,9 @@ def _settle(registry: DrafterRegistry, serving: ServingBackend, verification: Ve
 
     def record_verdict() -> None:
         registry.set_tags(verification.version, {
-            VERDICT_TAG: verification.verdict, "post_promotion.source": verification.source,
-            "post_promotion.reason": verification.reason,
-            "post_promotion.at": datetime.now(UTC).isoformat(timespec="seconds")})
+            VERDICT_TAG: verification.verdict, EVIDENCE_TAG: {
+                "source": verification.source, "reason": verification.reason,
+                "at": datetime.now(UTC).isoformat(timespec="seconds")}})
 
     def rolled_back(result: PromotionResult) -> None:  # the verdict first: a follow-up
         record_verdict()                                # that fails cannot lose it

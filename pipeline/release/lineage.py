@@ -12,8 +12,13 @@ Invariants:
   has an empty value, and returns only strings (MLflow tag values are strings): ``str``
   values as they are, everything else as compact, key-sorted JSON (floats keep full
   precision), so a tag can be parsed back with :func:`parse_tag`.
-- No value exceeds :data:`MAX_TAG_VALUE` characters (MLflow's limit for model-version tags);
-  a longer one is refused, never silently truncated.
+- No value exceeds :data:`MAX_TAG_VALUE` characters (within MLflow's limits: 8,000 for run
+  tags, 100,000 for model-version tags); a longer one is refused, never silently truncated.
+
+A registered *version* shows a few tags (:func:`version_tags`): the headline a user reads and
+filters on (:data:`HEADLINE`: fingerprint, algorithm, RL step, τ) and the rest of the record
+as one compact JSON tag, ``lineage``. Its training run keeps every key as its own tag.
+:func:`read_lineage` reads both that layout and the older one-tag-per-key layout.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 MAX_TAG_VALUE = 5000
+MAX_VERSION_TAG_VALUE = 100_000  # MLflow 3's limit for a model-version tag value
 TAG_DIGITS = 4  # tau, alpha and coverage in tags: shown rounded; the run holds every digit
 
 FINGERPRINT = "fingerprint"
@@ -42,6 +48,9 @@ REQUIRED_LINEAGE_KEYS = (
     "alpha",
     "dagster_run_id",
 )
+ALGORITHM = "algorithm"
+HEADLINE = (FINGERPRINT, ALGORITHM, "rl_step", "tau")  # a version's own tags
+LINEAGE = "lineage"  # the version tag holding the rest of the record (JSON)
 
 
 class LineageError(ValueError):
@@ -82,6 +91,35 @@ def lineage_tags(lineage: Mapping[str, Any], *,
     return tags
 
 
+def version_tags(tags: Mapping[str, str]) -> dict[str, str]:
+    """A registered version's tags for validated lineage ``tags``: the :data:`HEADLINE`
+    keys as they are, everything else in one ``lineage`` JSON object of parsed values."""
+    rest = {k: parse_tag(v) for k, v in sorted(tags.items()) if k not in HEADLINE}
+    record = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                        default=_jsonable)
+    if len(record) > MAX_VERSION_TAG_VALUE:
+        raise LineageError(f"the lineage record is {len(record)} characters, over a version "
+                           f"tag's {MAX_VERSION_TAG_VALUE}")
+    return {**{k: tags[k] for k in HEADLINE if k in tags}, LINEAGE: record}
+
+
+def read_lineage(tags: Mapping[str, str]) -> dict[str, Any]:
+    """A version's lineage as parsed values, from either layout: headline tags plus the
+    ``lineage`` record (:func:`version_tags`), or one tag per key (versions registered before
+    it; the decision and promotion tags beside them are left out)."""
+    if LINEAGE in tags:
+        record = parse_tag(tags[LINEAGE])
+        out = dict(record) if isinstance(record, dict) else {}
+        out.update({k: parse_tag(tags[k]) for k in HEADLINE if k in tags})
+        return out
+    return {k: parse_tag(v) for k, v in tags.items() if not _decision_or_promotion(k)}
+
+
+def _decision_or_promotion(key: str) -> bool:
+    return key.startswith(("gate.", "post_promotion", "promot", "rolled_back", "rollback",
+                           "reconcil", "forced_by", "force_reason", "previous_champion"))
+
+
 def lineage_from_manifest(meta: Mapping[str, Any], *, drafter_uri: str, policy_uri: str,
                           tau: float, alpha: tuple[float, ...] | list[float],
                           dagster_run_id: str, **extra: Any) -> dict[str, str]:
@@ -102,8 +140,16 @@ def lineage_from_manifest(meta: Mapping[str, Any], *, drafter_uri: str, policy_u
         "tau": round(float(tau), TAG_DIGITS),
         "alpha": [round(float(a), TAG_DIGITS) for a in alpha],
         "dagster_run_id": dagster_run_id,
+        **({ALGORITHM: _algorithm(meta)} if _algorithm(meta) else {}),
         **extra,
     })
+
+
+def _algorithm(meta: Mapping[str, Any]) -> str | None:
+    """The drafter family the manifest's training config names (None: not recorded)."""
+    config = meta.get("config")
+    value = config.get("drafter_algorithm") if isinstance(config, Mapping) else None
+    return str(value) if value else None
 
 
 def _rounded(value: Any) -> Any:

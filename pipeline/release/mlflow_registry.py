@@ -12,10 +12,14 @@ sqlite database or a server URL) and knows Aerie's conventions:
   is what SGLang loads), with the lineage tags of :mod:`pipeline.release.lineage`;
 - aliases, not stages: ``challenger`` marks the newest registered version, ``champion`` the
   one being served (moved only by :mod:`pipeline.release.promotion`);
-- decisions about a version (the gate's, a manual override's) are tags: decision ``n`` of a
-  version under ``gate.<n>.*`` (:meth:`DrafterRegistry.record_decision`), and its standing,
-  the decision that counts, under ``gate.decision``, ``gate.reasons``, … with
-  ``gate.decision_id`` = n (:meth:`DrafterRegistry.set_standing`).
+- a version shows a few tags: the headline of its lineage (fingerprint, algorithm, RL step,
+  τ rounded) and the rest of it as one ``lineage`` JSON tag
+  (:func:`~pipeline.release.lineage.version_tags`); its training run holds every key;
+- decisions about a version (the gate's, a manual override's) are tags too: decision ``n``
+  as one JSON tag ``gate.<n>`` (:meth:`DrafterRegistry.record_decision`), and its standing,
+  the decision that counts, as ``gate.decision`` with ``gate.decision_id`` = n
+  (:meth:`DrafterRegistry.set_standing`). Versions registered before this layout keep one tag
+  per field (``gate.<n>.decision``, …, and one tag per lineage key); both are read.
 
 Invariants:
 
@@ -25,7 +29,7 @@ Invariants:
   version never exists without them.
 - Every tag value is a string; alias reads go to the server (no caching), because alias
   moves are last-writer-wins and promotion must read them back.
-- A decision's ``gate.<n>.*`` tags are written once and never rewritten (n is the next free
+- A decision's ``gate.<n>`` tag is written once and never rewritten (n is the next free
   number, taken under the promotion lock); a standing ``promoted`` or ``forced`` is never
   replaced by a ``refused`` one, so the champion's ``gate.decision`` cannot turn ``refused``.
 - ``mlflow`` is imported only inside :meth:`DrafterRegistry.connect`; this module never
@@ -38,6 +42,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import re
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -45,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.algorithms import ALGORITHMS
 from pipeline.release.lease import PostgresLease, fenced, redacted
 from pipeline.release.lineage import (
     DRAFTER_URI,
@@ -52,7 +58,9 @@ from pipeline.release.lineage import (
     MAX_TAG_VALUE,
     lineage_tags,
     parse_tag,
+    read_lineage,
     tag_value,
+    version_tags,
 )
 from pipeline.release.lock import FileLock, ProcessLock
 from pipeline.release.mlflow_runs import TrainingRuns, check_fingerprint, error_code
@@ -68,7 +76,8 @@ _FAMILY = re.compile(r"^[a-z0-9][a-z0-9._-]{0,99}$")
 PROMOTED, FORCED, REFUSED = "promoted", "forced", "refused"
 DECISIONS = (PROMOTED, FORCED, REFUSED)
 STANDING = "gate.decision"
-_ENTRY = re.compile(r"^gate\.(\d+)\.decision$")
+STANDING_ID = "gate.decision_id"
+_ENTRY = re.compile(r"^gate\.(\d+)(\.decision)?$")  # gate.<n>; gate.<n>.decision before it
 _CLIENT_WRITES = ("create_registered_model", "create_model_version", "update_model_version",
                   "set_model_version_tag", "delete_model_version_tag",
                   "set_registered_model_alias", "delete_registered_model_alias")
@@ -98,10 +107,16 @@ class DrafterVersion:
         return self.tags.get(FINGERPRINT)
 
     @property
+    def lineage(self) -> dict[str, Any]:
+        """The version's lineage, parsed, from either tag layout (module docstring)."""
+        return read_lineage(self.tags)
+
+    @property
     def drafter_uri(self) -> str | None:
-        """Storage key of the published drafter (lineage tag; a full URL if an older
-        release registered it), if recorded."""
-        return self.tags.get(DRAFTER_URI)
+        """Storage key of the published drafter (a full URL if an older release registered
+        it), if recorded."""
+        value = self.lineage.get(DRAFTER_URI)
+        return None if value is None else str(value)
 
 
 @dataclass(frozen=True)
@@ -115,17 +130,20 @@ class Registration:
 
 def model_card(model: str, family: str) -> str:
     """The registered model's description: what its versions are and how to serve one."""
-    return (f"EAGLE-3 speculative-decoding drafters for the {family} policy, one version per "
-            f"Aerie refresh, each trained on the RL steps of its window with the policy's own "
-            f"hidden states and evaluated on held-out prompts. Alias `champion`: the drafter "
-            f"serving now; `challenger`: the newest registered. A version's files are an "
-            f"SGLang draft-model directory (config.json, model.safetensors with d2t/t2d): "
+    return (f"Speculative-decoding drafters (EAGLE-3, EAGLE 3.1 or DFlash, as the version's "
+            f"`algorithm` tag says) for the {family} policy, one version per Aerie refresh, "
+            f"each trained on the RL steps of its window with the policy's own hidden states "
+            f"and evaluated on held-out prompts. Alias `champion`: the drafter serving now; "
+            f"`challenger`: the newest registered. A version's files are a draft-model "
+            f"directory that SGLang and vLLM load (config.json, model.safetensors): e.g. "
             f"`python -m sglang.launch_server --speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path <dir>`; `mlflow artifacts download -u "
-            f"models:/{model}/<version>` fetches one. Tags hold the lineage (RL-step window, "
-            f"policy, shards, vocab mapping, aux layers), τ and α, the Dagster run, and every "
-            f"gate decision (gate.<n>.*). Change the champion with `aerie promote VERSION "
-            f"--reason WHY` or `aerie rollback` (the Dagster jobs promote_drafter_manually and "
+            f"--speculative-draft-model-path <dir>` (DFLASH for DFlash); `mlflow artifacts "
+            f"download -u models:/{model}/<version>` fetches one. Tags: fingerprint, "
+            f"algorithm, RL step and τ; `lineage` (JSON) holds the rest (RL-step window, "
+            f"policy, shards, vocab mapping, target layers, α, the Dagster run) and the "
+            f"version's training run every key; `gate.<n>` each gate decision, `gate.decision` "
+            f"the one that stands. Change the champion with `aerie promote VERSION --reason "
+            f"WHY` or `aerie rollback` (the Dagster jobs promote_drafter_manually and "
             f"rollback_drafter), not by moving the alias by hand: they move the serving record, "
             f"the alias and the tags together and record who and why; while the alias "
             f"disagrees with the serving record, promotion and rollback refuse. Model: {model}.")
@@ -134,12 +152,14 @@ def model_card(model: str, family: str) -> str:
 def describe_version(model: str, tags: Mapping[str, str],
                      standing: DecisionRecord | None = None) -> str:
     """A version's description: what the drafter is, its τ, and the gate's standing."""
-    window = parse_tag(tags.get("rl_step_window", "[]")) or ["?"]
-    settings = parse_tag(tags.get("settings", "{}")) or {}
+    lineage = read_lineage(tags)
+    window = lineage.get("rl_step_window") or ["?"]
+    settings = lineage.get("settings") or {}
     spec = ", ".join(f"{k} {v}" for k, v in settings.items() if k in (
-        "num_steps", "eagle_topk", "num_draft_tokens"))
+        "num_steps", "eagle_topk", "num_draft_tokens")) if isinstance(settings, dict) else ""
     tau = tags.get("tau")
-    lines = [f"EAGLE-3 drafter of {model} for the policy of RL step {tags.get('rl_step', '?')}"
+    kind = _title(lineage.get("algorithm"))
+    lines = [f"{kind} drafter of {model} for the policy of RL step {tags.get('rl_step', '?')}"
              f", trained on RL steps {window[0]}–{window[-1]} (fingerprint "
              f"{tags.get(FINGERPRINT, '?')[:12]})."]
     if tau is not None:
@@ -172,27 +192,42 @@ class DecisionRecord:
             raise ValueError(f"decision {self.decision!r} is not one of {DECISIONS}")
         object.__setattr__(self, "reasons", tuple(self.reasons))
 
-    def tags(self) -> dict[str, str]:
-        """The record as tag values (``champion`` None is ``none``; no ``run_id``: absent)."""
-        out = {"decision": self.decision, "reasons": _reasons_tag(self.reasons),
-               "actor": self.actor, "decided_at": self.decided_at,
-               "baseline": self.baseline, "relative_gain": tag_value(self.relative_gain),
-               "champion": self.champion or "none"}
+    def to_tag(self) -> str:
+        """The record as one tag value: compact JSON (``relative_gain`` NaN is null,
+        ``champion`` None is ``none``, no ``run_id``: absent; reasons cut to
+        :data:`MAX_TAG_VALUE` characters)."""
+        out: dict[str, Any] = {
+            "decision": self.decision, "reasons": _reasons(self.reasons), "actor": self.actor,
+            "decided_at": self.decided_at, "baseline": self.baseline,
+            "relative_gain": None if math.isnan(self.relative_gain) else self.relative_gain,
+            "champion": self.champion or "none"}
         if self.run_id:
             out["run_id"] = self.run_id
-        return out
+        return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+
+    @classmethod
+    def from_tag(cls, text: str) -> DecisionRecord:
+        entry = json.loads(text)
+        gain = entry.get("relative_gain")
+        return cls._of(entry, [str(r) for r in entry.get("reasons", [])],
+                       math.nan if gain is None else float(gain))
+
+    @classmethod
+    def _of(cls, entry: Mapping[str, Any], reasons: Sequence[str], gain: float
+            ) -> DecisionRecord:
+        champion = entry.get("champion", "none")
+        return cls(decision=entry["decision"], reasons=tuple(reasons),
+                   actor=entry.get("actor", ""), decided_at=entry.get("decided_at", ""),
+                   baseline=entry.get("baseline", ""), relative_gain=gain,
+                   champion=None if champion == "none" else champion,
+                   run_id=entry.get("run_id"))
 
     @classmethod
     def from_tags(cls, tags: Mapping[str, str]) -> DecisionRecord:
+        """A decision kept one tag per field (``gate.<n>.*``, before :meth:`to_tag`)."""
         reasons = parse_tag(tags.get("reasons", "[]"))
-        champion = tags.get("champion", "none")
-        return cls(decision=tags["decision"],
-                   reasons=tuple(reasons) if isinstance(reasons, list) else (str(reasons),),
-                   actor=tags.get("actor", ""), decided_at=tags.get("decided_at", ""),
-                   baseline=tags.get("baseline", ""),
-                   relative_gain=float(parse_tag(tags.get("relative_gain", "nan"))),
-                   champion=None if champion == "none" else champion,
-                   run_id=tags.get("run_id"))
+        return cls._of(tags, reasons if isinstance(reasons, list) else [str(reasons)],
+                       float(parse_tag(tags.get("relative_gain", "nan"))))
 
 
 class DrafterRegistry:
@@ -301,7 +336,7 @@ class DrafterRegistry:
                                     reused=True)
             registry.ensure_model()
             created = registry.client.create_model_version(
-                self.model_name, source, run_id=run_id, tags=tags,
+                self.model_name, source, run_id=run_id, tags=version_tags(tags),
                 description=describe_version(self.model_name, tags))
             version = str(created.version)
             registry.set_alias(CHALLENGER, version)
@@ -361,26 +396,23 @@ class DrafterRegistry:
 
     # -- decisions --------------------------------------------------------------------
     def record_decision(self, version: str, record: DecisionRecord) -> int:
-        """Keep ``record`` as the next decision ``n`` of ``version`` (tags ``gate.<n>.*``,
+        """Keep ``record`` as the next decision ``n`` of ``version`` (tag ``gate.<n>``,
         written once) and return ``n``. Call under :meth:`promotion_lock`: n is read, then
         taken."""
         taken = self.decisions(version)
         n = max(taken, default=0) + 1
-        self.set_tags(version, {f"gate.{n}.{k}": v for k, v in record.tags().items()})
+        self.set_tags(version, {f"gate.{n}": record.to_tag()})
         return n
 
     def set_standing(self, version: str, n: int) -> bool:
-        """Make decision ``n`` of ``version`` its standing (``gate.decision``, …); a
-        ``refused`` never replaces a ``promoted`` or ``forced`` standing. Returns whether the
-        standing changed."""
+        """Make decision ``n`` of ``version`` its standing (``gate.decision``,
+        ``gate.decision_id``); a ``refused`` never replaces a ``promoted`` or ``forced``
+        standing. Returns whether the standing changed."""
         tags = self.get_version(version).tags
-        record = DecisionRecord.from_tags(_entry_tags(tags, n))
+        record = _decision(tags, n)
         if record.decision == REFUSED and tags.get(STANDING) in (PROMOTED, FORCED):
             return False
-        standing = record.tags()
-        self.set_tags(version, {**{f"gate.{k}": standing[k] for k in (
-            "decision", "reasons", "decided_at", "baseline", "relative_gain")},
-            "gate.decision_id": n})
+        self.set_tags(version, {STANDING: record.decision, STANDING_ID: n})
         self.client.update_model_version(self.model_name, str(version),
                                          describe_version(self.model_name, tags, record))
         return True
@@ -388,8 +420,14 @@ class DrafterRegistry:
     def decisions(self, version: str) -> dict[int, DecisionRecord]:
         """Every recorded decision of ``version`` by its number."""
         tags = self.get_version(version).tags
-        numbers = sorted(int(m.group(1)) for k in tags if (m := _ENTRY.match(k)))
-        return {n: DecisionRecord.from_tags(_entry_tags(tags, n)) for n in numbers}
+        numbers = sorted({int(m.group(1)) for k in tags if (m := _ENTRY.match(k))})
+        return {n: _decision(tags, n) for n in numbers}
+
+    def standing(self, version: str) -> DecisionRecord | None:
+        """The decision that stands for ``version`` (None: none recorded yet)."""
+        tags = self.get_version(version).tags
+        n = tags.get(STANDING_ID)
+        return _decision(tags, int(n)) if n and n.isdigit() else None
 
     # -- aliases ----------------------------------------------------------------------
     def alias(self, alias: str) -> str | None:
@@ -423,14 +461,34 @@ class DrafterRegistry:
             self.set_alias(CHALLENGER, version.version)
 
 
-def _entry_tags(tags: Mapping[str, str], n: int) -> dict[str, str]:
+def _title(name: Any) -> str:
+    """An algorithm's name for people (``EAGLE-3``), generic when none is recorded."""
+    if isinstance(name, str) and name in ALGORITHMS:
+        return ALGORITHMS[name].title
+    return "Speculative-decoding"
+
+
+def _decision(tags: Mapping[str, str], n: int) -> DecisionRecord:
+    """Decision ``n`` of a version's ``tags``, in either layout (module docstring)."""
+    if f"gate.{n}" in tags:
+        return DecisionRecord.from_tag(tags[f"gate.{n}"])
     prefix = f"gate.{n}."
-    return {k[len(prefix):]: v for k, v in tags.items() if k.startswith(prefix)}
+    return DecisionRecord.from_tags({k[len(prefix):]: v for k, v in tags.items()
+                                     if k.startswith(prefix)})
 
 
-def _reasons_tag(reasons: Sequence[str]) -> str:
-    text = json.dumps(list(reasons), ensure_ascii=False)
-    return text if len(text) <= MAX_TAG_VALUE else text[:MAX_TAG_VALUE - 3] + "..."
+def _reasons(reasons: Sequence[str]) -> list[str]:
+    """``reasons`` cut so that their JSON stays within :data:`MAX_TAG_VALUE` characters."""
+    out: list[str] = []
+    used = 2
+    for reason in reasons:
+        room = MAX_TAG_VALUE - used - 4
+        if room <= 3:
+            break
+        text = reason if len(reason) <= room else reason[:room - 3] + "..."
+        out.append(text)
+        used += len(json.dumps(text, ensure_ascii=False)) + 1
+    return out
 
 
 def _step_of(lineage: Mapping[str, Any]) -> int:

@@ -28,8 +28,9 @@ Invariants:
   :class:`PromotionError` is raised.
 - A decision made against another champion than the current one is stale and refused.
 - The champion's ``previous_champion`` tag (a version, or ``none``) is the rollback chain.
-- Every decision is kept as its own ``gate.<n>.*`` tags (written before the switch, never
-  rewritten; a failed switch adds ``gate.<n>.error``); the standing ``gate.decision`` moves
+- Every decision is kept as its own ``gate.<n>`` tag (who, when, why, against which
+  champion, in which run; written before the switch, never rewritten; a failed switch adds
+  ``gate.<n>.error``); the standing ``gate.decision`` moves
   to a promotion only after the switch succeeded, and a refusal never replaces a promotion
   (:meth:`~pipeline.release.mlflow_registry.DrafterRegistry.set_standing`).
 """
@@ -63,6 +64,8 @@ log = logging.getLogger(__name__)
 
 NONE = "none"
 PREVIOUS_CHAMPION = "previous_champion"
+ROLLED_BACK = "rolled_back"  # JSON {at, by, reason, run_id}: the version's newest rollback
+RECONCILED = "reconciled"  # JSON {at, by, reason}: the alias moved back to the served version
 
 
 class PromotionError(RuntimeError):
@@ -128,11 +131,8 @@ def promote(registry: DrafterRegistry, serving: ServingBackend, candidate_versio
                            dagster_run_id, served, (stale,))
         record = DecisionRecord(PROMOTED, decision.reasons, actor, _now(), decision.baseline,
                                 decision.relative_gain, current, dagster_run_id)
-        tags = {PREVIOUS_CHAMPION: current or NONE, "promoted_at": _now(),
-                "promoted_by": actor}
-        if dagster_run_id:
-            tags["promoted_in_run"] = dagster_run_id
-        manifest = _make_champion(registry, serving, candidate_version, tags,
+        manifest = _make_champion(registry, serving, candidate_version,
+                                  {PREVIOUS_CHAMPION: current or NONE},
                                   reason=f"promoted v{candidate_version} by the gate: "
                                   f"{decision.reasons[0]}", decision=record)
         return PromotionResult("promoted", registry.model_name, candidate_version, current,
@@ -158,18 +158,15 @@ def force_promote(registry: DrafterRegistry, serving: ServingBackend, candidate_
                                        (f"v{current} is the champion already",))
             why = (f"alias {CHAMPION} moved from {_v(alias)} to the served v{current} by "
                    f"{actor}: {reason}")
-            registry.set_tags(current, {"reconciled_at": _now(), "reconciled_by": actor,
-                                        "reconcile_reason": reason})
+            registry.set_tags(current, {RECONCILED: {"at": _now(), "by": actor,
+                                                     "reason": reason}})
             registry.set_alias(CHAMPION, current)  # previous_champion stays as it was
             return PromotionResult("forced", registry.model_name, current, alias,
                                    serving.current(), (why,))
         record = DecisionRecord(FORCED, (f"forced by {actor}: {reason}",), actor, _now(),
                                 "override", math.nan, current, dagster_run_id)
-        tags = {PREVIOUS_CHAMPION: current or NONE, "promoted_at": _now(),
-                "promoted_by": actor, "forced_by": actor, "force_reason": reason}
-        if dagster_run_id:
-            tags["promoted_in_run"] = dagster_run_id
-        manifest = _make_champion(registry, serving, candidate_version, tags,
+        manifest = _make_champion(registry, serving, candidate_version,
+                                  {PREVIOUS_CHAMPION: current or NONE},
                                   reason=f"force v{candidate_version} by {actor}: {reason}",
                                   decision=record)
         return PromotionResult("forced", registry.model_name, candidate_version, current,
@@ -234,9 +231,9 @@ def _rollback(registry: DrafterRegistry, serving: ServingBackend, actor: str, re
     if previous is None:
         raise PromotionError(f"{registry.model_name} v{current.version} has no "
                              f"{PREVIOUS_CHAMPION} tag; nothing to roll back to")
-    registry.set_tags(current.version, {
-        "rolled_back_at": _now(), "rolled_back_by": actor, "rollback_reason": reason,
-        **({"rolled_back_in_run": dagster_run_id} if dagster_run_id else {})})
+    registry.set_tags(current.version, {ROLLED_BACK: {
+        "at": _now(), "by": actor, "reason": reason,
+        **({"run_id": dagster_run_id} if dagster_run_id else {})}})
     why = f"rollback v{current.version} -> {previous} by {actor}: {reason}"
     if previous == NONE:
         manifest = _clear_champion(registry, serving, reason=why)

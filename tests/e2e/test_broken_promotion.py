@@ -13,6 +13,7 @@ The healthy promotion left alone is in test_drift_loop (v1 verified healthy at s
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -24,8 +25,9 @@ from aerie import cli
 from aerie.demo import RefreshLoop, asset_events, reported_records
 from pipeline.demo.config import DemoConfig
 from pipeline.demo.world import StepOutput, generate_world
-from pipeline.monitor.stage import VERDICT_TAG, VERIFY_ACTOR
+from pipeline.monitor.stage import EVIDENCE_TAG, VERDICT_TAG, VERIFY_ACTOR
 from pipeline.release.mlflow_registry import CHAMPION
+from pipeline.release.promotion import ROLLED_BACK
 from pipeline.serving_now import read_serving
 from pipeline.snapshot.writer import SnapshotWriter
 from pipeline.storage import Storage
@@ -109,7 +111,8 @@ def test_manifest_mode_rolls_back_on_what_the_trainer_reports(world, tmp_path):
         assert read_serving(storage, registry.model_name).target is None  # no drafter again
         assert registry.alias(CHAMPION) is None
         tags = registry.get_version("1").tags
-        assert tags[VERDICT_TAG] == "broken" and tags["rolled_back_by"] == VERIFY_ACTOR
+        assert tags[VERDICT_TAG] == "broken"
+        assert json.loads(tags[ROLLED_BACK])["by"] == VERIFY_ACTOR
         event = _meta(instance, "serving_drafter", "step-000001")  # the rollback's event
         assert (event["action"], event["champion"]) == ("rolled_back", "none")
 
@@ -135,4 +138,5 @@ def test_sglang_restart_mode_rolls_back_when_the_servers_do_not_speculate(world,
         (check,) = _check(instance)
         assert not check.passed and "do not speculate as served" in check.description
         assert read_serving(storage, registry.model_name).target is None
-        assert registry.get_version("1").tags["post_promotion.source"] == "live"
+        evidence = json.loads(registry.get_version("1").tags[EVIDENCE_TAG])
+        assert evidence["source"] == "live"

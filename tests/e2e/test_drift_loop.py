@@ -5,6 +5,7 @@ sensor asks for a refresh at once, before the fixed cadence would, and only once
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -73,9 +74,11 @@ def test_every_step_has_its_serving_acceptance_and_the_chart(drift):
 def test_the_healthy_promotion_was_verified_and_left_alone(drift):
     """In ``manifest`` mode v1 is judged on what the trainer reported with it (step 6 on):
     healthy, so it kept serving until the drift refresh."""
-    from pipeline.monitor.stage import VERDICT_TAG
+    from pipeline.monitor.stage import EVIDENCE_TAG, VERDICT_TAG
+    from pipeline.release.promotion import ROLLED_BACK
     from resources.mlflow import mlflow_from_environment
 
     tags = mlflow_from_environment().get_version("1").tags
-    assert tags[VERDICT_TAG] == "healthy" and tags["post_promotion.source"] == "reported"
-    assert "rolled_back_by" not in tags
+    assert tags[VERDICT_TAG] == "healthy"
+    assert json.loads(tags[EVIDENCE_TAG])["source"] == "reported"
+    assert ROLLED_BACK not in tags

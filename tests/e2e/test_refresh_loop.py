@@ -459,6 +459,31 @@ def test_ui_mlflow_opens_the_refresh_experiment_on_its_training_runs(loop, mlflo
     _save(browser, tmp_path, "mlflow_experiment.png")
 
 
+def test_ui_mlflow_version_shows_a_few_tags(loop, mlflow_ui, browser, tmp_path):
+    """The champion's version page: the headline tags, one lineage record and one tag per
+    decision, not a field per row (35 rows before)."""
+    from resources.mlflow import mlflow_resource_from_environment
+
+    resource = mlflow_resource_from_environment()
+    registry = resource.build()
+    tags = registry.get_version("1").tags
+    assert len(tags) <= 10, sorted(tags)
+    browser.get(resource.version_link(registry.model_name, "1"))
+    for name in ("fingerprint", "lineage", "gate.1", "gate.decision"):
+        _wait_text(browser, name)  # a row of the tags table
+    assert not browser.find_elements("xpath", "//*[normalize-space()='gate.1.actor']")
+    _save(browser, tmp_path, "mlflow_version.png")
+
+
+def test_ui_checkpoint_metadata_leads_with_the_numbers(loop, webserver, browser, tmp_path):
+    """``drafter_checkpoint``: the algorithm and the rounded numbers first, the plumbing in
+    one details table."""
+    browser.get(f"{webserver}/assets/drafter_checkpoint?partition={REFRESHES[-1]}")
+    for key in ("algorithm", "final_loss", "details"):
+        _wait_text(browser, key)
+    _save(browser, tmp_path, "checkpoint_metadata.png")
+
+
 def _image_width(driver, width: int, timeout: float = 120) -> int:
     """``width`` once an image of that natural width has loaded on the page."""
     from selenium.webdriver.support.ui import WebDriverWait

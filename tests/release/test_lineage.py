@@ -13,7 +13,9 @@ from pipeline.release.lineage import (
     lineage_from_manifest,
     lineage_tags,
     parse_tag,
+    read_lineage,
     tag_value,
+    version_tags,
 )
 from tests.release.helpers import lineage
 
@@ -58,3 +60,25 @@ def test_lineage_from_a_drafter_manifest():
     with pytest.raises(LineageError, match="policy_sha256"):
         lineage_from_manifest({**meta, "policy_sha256": None}, drafter_uri="u",
                               policy_uri="p", tau=1.0, alpha=(), dagster_run_id="r")
+
+
+def test_a_version_shows_the_headline_and_one_lineage_record():
+    meta = {"step": 12, "fingerprint": "abc", "window_steps": [10, 11, 12],
+            "shard_manifest_sha256": {"10": "a"}, "vocab_cache_key": "v", "coverage": 0.5,
+            "policy_sha256": "p", "aux_layer_ids": [1, 3, 4],
+            "config": {"drafter_algorithm": "dflash"}}
+    tags = lineage_from_manifest(meta, drafter_uri="drafters/step=000012", policy_uri="p",
+                                 tau=3.123456789, alpha=(0.9,), dagster_run_id="r1")
+    shown = version_tags(tags)
+    assert set(shown) == {"fingerprint", "algorithm", "rl_step", "tau", "lineage"}
+    assert shown["algorithm"] == "dflash" and shown["tau"] == "3.1235"
+    back = read_lineage(shown)
+    assert back == read_lineage(tags)  # the old layout (a tag per key) reads the same
+    assert back["rl_step_window"] == [10, 11, 12]
+    assert back["shard_manifest_sha256"] == {"10": "a"}
+    assert back["rl_step"] == 12 and back["drafter_uri"] == "drafters/step=000012"
+    legacy = {**tags, "gate.1.decision": "refused", "gate.decision": "refused",
+              "previous_champion": "none", "promoted_at": "t", "post_promotion.verdict": "ok"}
+    assert read_lineage(legacy) == read_lineage(tags)  # decisions are not lineage
+    with pytest.raises(LineageError, match="over a version tag"):
+        version_tags({**tags, "note": "x" * 100_001})

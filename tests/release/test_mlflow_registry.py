@@ -63,13 +63,17 @@ def test_publish_logs_a_run_and_registers_a_tagged_version(registry, drafter_dir
         metrics={"eval/tau": 2.5, "eval/alpha_1": 0.8}, charts=[chart])
     v = reg.version
     assert not reg.reused and v.version == "1" and v.model == registry.model_name
-    assert v.fingerprint == f and v.tags["rl_step_window"] == "[8,9,10]"
-    assert v.tags["dagster_run_id"] == "run-123" and v.tags["tau"] == "2.5"
+    assert v.fingerprint == f and v.lineage["rl_step_window"] == [8, 9, 10]
+    assert v.lineage["dagster_run_id"] == "run-123" and v.tags["tau"] == "2.5"
     assert all(isinstance(x, str) for x in v.tags.values())
+    assert set(v.tags) == {"fingerprint", "rl_step", "tau", "lineage"}  # a few, not ~20
+    run_tags = registry.client.get_run(reg.run_id).data.tags  # the run: one tag per key
+    assert run_tags["rl_step_window"] == "[8,9,10]" and run_tags["dagster_run_id"] == "run-123"
     assert registry.alias(CHALLENGER) == "1" and registry.alias(CHAMPION) is None
     assert registry.champion() is None
     described = registry.client.get_model_version(registry.model_name, "1").description
-    assert described == (f"EAGLE-3 drafter of {registry.model_name} for the policy of RL step "
+    assert described == (f"Speculative-decoding drafter of {registry.model_name} for the "
+                         f"policy of RL step "
                          f"10, trained on RL steps 8–10 (fingerprint {f[:12]}). τ 2.50 on "
                          f"held-out prompts. Gate: not decided yet.")
     card = registry.client.get_registered_model(registry.model_name).description

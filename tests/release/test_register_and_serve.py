@@ -6,7 +6,6 @@ champion is then measured as the champion of the next candidate's report.
 
 from __future__ import annotations
 
-import json
 import uuid
 
 import pytest
@@ -54,8 +53,8 @@ def test_a_worse_candidate_is_registered_but_refused(world, registry, tmp_path):
     reg = register_stage.run(storage, registry, 2, "run-1")
     v = reg.registration.version
     assert v.fingerprint == "f" * 64 and "challenger" in v.aliases
-    assert json.loads(v.tags["rl_step_window"]) == list(STEPS)
-    assert v.tags["heldout_key"] == report.heldout_key
+    assert v.lineage["rl_step_window"] == list(STEPS)
+    assert v.lineage["heldout_key"] == report.heldout_key
     assert float(v.tags["tau"]) == round(report.contestants["candidate"].tau, 4)  # shown rounded
     again = register_stage.run(storage, registry, 2, "run-2")
     assert again.registration.version.version == v.version  # idempotent

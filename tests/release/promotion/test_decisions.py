@@ -13,6 +13,7 @@ from pipeline.manifest import read_manifest
 from pipeline.release.backend import LedgerBackend, ServingError
 from pipeline.release.gate import ALREADY_CHAMPION, Candidate, EvalSummary, decide
 from pipeline.release.ledger import ServingLedger
+from pipeline.release.lineage import lineage_tags
 from pipeline.release.mlflow_registry import (
     CHAMPION,
     DecisionRecord,
@@ -128,9 +129,8 @@ def test_every_decision_keeps_its_own_tags_and_a_promotion_never_turns_refused(
     assert better.action == "promoted"
     tags = registry.get_version(v2).tags
     assert (tags["gate.decision"], tags["gate.decision_id"]) == ("promoted", "2")
-    assert "beats" in json.loads(tags["gate.reasons"])[0]  # the deciding reason first
-    assert {k: tags[k] for k in first if k.startswith("gate.1.")} == \
-        {k: v for k, v in first.items() if k.startswith("gate.1.")}  # decision 1 as written
+    assert "beats" in registry.standing(v2).reasons[0]  # the deciding reason first
+    assert tags["gate.1"] == first["gate.1"]  # decision 1 as written
 
     rollback(registry, serving, actor="ops", reason="τ regressed")
     later = promote(registry, serving, v2, gate(v2, 1.9, summary(2.0, v1)),
@@ -177,7 +177,7 @@ def test_a_promotion_that_was_not_applied_stays_a_decision_not_a_standing(
     with pytest.raises(PromotionNotApplied, match="restart hook timed out"):
         promote(registry, failing, v2, gate(v2, 2.5, summary(2.0, v1)))
     tags = registry.get_version(v2).tags
-    assert tags["gate.2.decision"] == "promoted"
+    assert registry.decisions(v2)[2].decision == "promoted"
     assert "restart hook timed out" in tags["gate.2.error"]
     assert tags["gate.decision"] == "refused"  # what counts: it was not promoted
     assert registry.alias(CHAMPION) == v1
@@ -202,17 +202,64 @@ def test_a_decision_number_is_never_reused(sqlite_registry, storage, drafter_dir
     v = register(registry, storage, drafter_dirs[0], 10)
     record = DecisionRecord("refused", ("gain: worse",), "gate", "t0", "champion", -0.1, "3")
     assert [registry.record_decision(v, record) for _ in range(3)] == [1, 2, 3]
-    registry.client.delete_model_version_tag(registry.model_name, v, "gate.2.reasons")
+    registry.client.delete_model_version_tag(registry.model_name, v, "gate.2")
     assert registry.record_decision(v, record) == 4
     assert registry.decisions(v)[1] == record
 
 
-def test_decision_records_round_trip_through_tags():
-    long = DecisionRecord("refused", ("x" * 6000,), "gate", "t", "no-drafter", math.nan)
-    tags = long.tags()
-    assert len(tags["reasons"]) == 5000 and "run_id" not in tags and tags["champion"] == "none"
-    back = DecisionRecord.from_tags(tags)
-    assert back.reasons == (tags["reasons"],) and back.champion is None  # truncated: as text
+def test_decision_records_round_trip_through_one_tag():
+    long = DecisionRecord("refused", ("x" * 6000, "second"), "gate", "t", "no-drafter", math.nan)
+    text = long.to_tag()
+    entry = json.loads(text)
+    assert len(json.dumps(entry["reasons"])) <= 5000 and entry["reasons"][0].endswith("...")
+    assert "run_id" not in entry and entry["champion"] == "none"
+    assert entry["relative_gain"] is None  # NaN: JSON has no spelling for it
+    back = DecisionRecord.from_tag(text)
+    assert back.reasons == tuple(entry["reasons"]) and back.champion is None
     assert math.isnan(back.relative_gain)
+    record = DecisionRecord("promoted", ("beats v3",), "gate", "t", "champion", 0.25, "3", "r")
+    assert DecisionRecord.from_tag(record.to_tag()) == record
     with pytest.raises(ValueError, match="decision"):
         DecisionRecord("maybe", (), "gate", "t", "champion", 0.0)
+
+
+def test_a_version_shows_a_few_rounded_tags(sqlite_registry, serving, storage, drafter_dirs):
+    """The headline, one lineage record, one tag per decision and the standing: nothing
+    else, and every float rounded; the training run keeps each key."""
+    registry = sqlite_registry
+    v1 = register(registry, storage, drafter_dirs[0], 10)
+    assert promote(registry, serving, v1, gate(v1, 2.0, None)).action == "promoted"
+    tags = registry.get_version(v1).tags
+    assert set(tags) == {"fingerprint", "rl_step", "tau", "lineage", "gate.1", "gate.decision",
+                         "gate.decision_id", "previous_champion"}, sorted(tags)
+    lineage = registry.get_version(v1).lineage
+    assert lineage["rl_step_window"] == [8, 9, 10] and lineage["alpha"] == [0.8, 0.6, 0.4]
+    assert registry.get_version(v1).drafter_uri == lineage["drafter_uri"]
+    assert "gate: promoted" in registry.client.get_model_version(
+        registry.model_name, v1).description.lower()
+
+
+def test_a_version_registered_with_one_tag_per_field_is_still_read(
+        sqlite_registry, serving, storage, drafter_dirs):
+    """Versions registered before the compact layout: their lineage, decisions and standing
+    read as before, and a new decision takes the next number."""
+    registry = sqlite_registry
+    uri = publish_drafter(storage, 10, drafter_dirs[0])
+    fingerprint = read_manifest(storage, storage.key_of(uri)).meta["fingerprint"]
+    old = {**lineage_tags(lineage(fingerprint, uri, step=10)),
+           "gate.1.decision": "refused", "gate.1.reasons": '["worse than v7"]',
+           "gate.1.actor": "gate", "gate.1.decided_at": "t0", "gate.1.baseline": "champion",
+           "gate.1.relative_gain": "-0.2", "gate.1.champion": "7",
+           "gate.decision": "refused", "gate.decision_id": "1", "gate.reasons": '["x"]'}
+    registry.ensure_model()
+    v = str(registry.client.create_model_version(registry.model_name, uri, tags=old).version)
+    found = registry.get_version(v)
+    assert found.drafter_uri == uri and found.lineage["rl_step_window"] == [8, 9, 10]
+    assert "gate.1.decision" not in found.lineage and "gate.decision" not in found.lineage
+    (first,) = registry.decisions(v).values()
+    assert (first.decision, first.reasons, first.champion, first.relative_gain) == (
+        "refused", ("worse than v7",), "7", -0.2)
+    assert registry.standing(v) == first
+    assert promote(registry, serving, v, gate(v, 2.0, None)).action == "promoted"
+    assert sorted(registry.decisions(v)) == [1, 2] and registry.standing(v).decision == \
+        "promoted"

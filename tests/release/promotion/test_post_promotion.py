@@ -4,6 +4,7 @@ and serving), a healthy one left alone."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -11,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.evaluation.engine import evaluate
-from pipeline.monitor.stage import VERDICT_TAG, VERIFY_ACTOR, _settle
+from pipeline.monitor.stage import EVIDENCE_TAG, VERDICT_TAG, VERIFY_ACTOR, _settle
 from pipeline.monitor.verify import BROKEN, HEALTHY, UNDECIDED, VerifyPolicy, judge, probe
 from pipeline.release.mlflow_registry import CHAMPION
-from pipeline.release.promotion import force_promote
+from pipeline.release.promotion import ROLLED_BACK, force_promote
 from pipeline.sampling import GREEDY
 from tests.release.helpers import gate, register, served_version
 from tests.sglang_contract import fixtures
@@ -150,8 +151,9 @@ def test_a_broken_promotion_is_rolled_back_and_recorded(live, sqlite_registry, s
     assert checked.rollback is not None and checked.rollback.action == "rolled_back"
     assert sqlite_registry.alias(CHAMPION) == v1 and served_version(serving) == v1
     tags = sqlite_registry.get_version(v2).tags
-    assert tags[VERDICT_TAG] == BROKEN and tags["post_promotion.source"] == "live"
-    assert tags["rolled_back_by"] == VERIFY_ACTOR and "floor" in tags["rollback_reason"]
+    assert tags[VERDICT_TAG] == BROKEN and json.loads(tags[EVIDENCE_TAG])["source"] == "live"
+    rolled = json.loads(tags[ROLLED_BACK])
+    assert rolled["by"] == VERIFY_ACTOR and "floor" in rolled["reason"]
     assert "post-promotion check" in serving.current().reason
 
 

@@ -13,6 +13,7 @@ from pipeline.release.ledger import ServingLedger
 from pipeline.release.lock import LockTimeout
 from pipeline.release.mlflow_registry import CHAMPION
 from pipeline.release.promotion import (
+    ROLLED_BACK,
     PromotionError,
     force_promote,
     promote,
@@ -48,14 +49,14 @@ def test_promotions_move_alias_and_serving_and_record_lineage(sqlite_registry, s
     assert registry.alias(CHAMPION) == v1 and served_version(serving) == v1
     tags = registry.get_version(v1).tags
     assert tags["previous_champion"] == "none" and tags["gate.decision"] == "promoted"
-    assert "no drafter" in json.loads(tags["gate.reasons"])[0]
+    assert "no drafter" in registry.standing(v1).reasons[0]
 
     result = promote(registry, serving, v2, gate(2.5, summary(2.0, v1)),
                      dagster_run_id="run-9")
     assert result.action == "promoted" and result.previous_champion == v1
     assert registry.alias(CHAMPION) == v2 and served_version(serving) == v2
     tags = registry.get_version(v2).tags
-    assert tags["previous_champion"] == v1 and tags["promoted_in_run"] == "run-9"
+    assert tags["previous_champion"] == v1 and registry.standing(v2).run_id == "run-9"
     assert serving.current().previous_sequence == 1 and serving.current().sequence == 2
 
     launch = resolve_serving(storage, registry.model_name, tmp_path / "cache")
@@ -76,7 +77,7 @@ def test_a_worse_candidate_is_refused_and_nothing_moves(sqlite_registry, serving
     assert result.action == "refused" and not result.moved
     assert registry.alias(CHAMPION) == v1 and serving.current() == before
     tags = registry.get_version(v2).tags
-    assert tags["gate.decision"] == "refused" and "worse" in tags["gate.reasons"]
+    assert tags["gate.decision"] == "refused" and "worse" in registry.standing(v2).reasons[0]
     assert "previous_champion" not in tags
     described = registry.client.get_model_version(registry.model_name, v2).description
     assert "Gate: refused, gain: candidate τ 1.9000 is worse than champion" in described
@@ -131,8 +132,8 @@ def test_rollback_restores_the_previous_champion(sqlite_registry, serving, champ
     result = rollback(registry, serving, actor="alice", reason="τ regressed in prod")
     assert result.action == "rolled_back" and result.version == v1
     assert registry.alias(CHAMPION) == v1 and served_version(serving) == v1
-    assert registry.get_version(v2).tags["rolled_back_by"] == "alice"
-    assert registry.get_version(v2).tags["rollback_reason"] == "τ regressed in prod"
+    rolled = json.loads(registry.get_version(v2).tags[ROLLED_BACK])
+    assert (rolled["by"], rolled["reason"]) == ("alice", "τ regressed in prod")
 
     # v1 was promoted against no drafter: rolling back again serves no drafter
     result = rollback(registry, serving, actor="alice", reason="drafter off")
@@ -151,7 +152,8 @@ def test_force_promote_records_who_and_why(sqlite_registry, serving, champion_v1
     result = force_promote(registry, serving, v2, actor="bob", reason="hotfix for INC-42")
     assert result.action == "forced" and registry.alias(CHAMPION) == v2
     tags = registry.get_version(v2).tags
-    assert (tags["forced_by"], tags["force_reason"]) == ("bob", "hotfix for INC-42")
+    forced = registry.standing(v2)
+    assert (forced.actor, forced.reasons) == ("bob", ("forced by bob: hotfix for INC-42",))
     assert tags["gate.decision"] == "forced" and tags["previous_champion"] == v1
     assert served_version(serving) == v2
     assert rollback(registry, serving).version == v1
