@@ -18,6 +18,7 @@ from pydantic import Field
 
 from assets.charts import run_chart
 from assets.checks import result, spec
+from assets.details import details_table
 from assets.partitions import refresh_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
 from assets.versions import CODE_VERSIONS
@@ -110,12 +111,6 @@ class DrafterRunConfig(Config):
         return TrainConfig(**fields)
 
 
-def details_table(rows: dict) -> str:
-    """What a reader rarely needs, folded into one two-column table."""
-    return "\n".join(["| | |", "|---|---|",
-                      *(f"| {k} | {'–' if v is None else v} |" for k, v in rows.items())])
-
-
 def _md_table(rows: list[dict]) -> MetadataValue:
     lines = ["| depth | loss | accuracy | accept length | count |", "|---|---|---|---|---|"]
     lines += [f"| {r['depth']} | {r['loss']:.4f} | {r['accuracy']:.4f} | "
@@ -142,12 +137,14 @@ def vocab_mapping(context: AssetExecutionContext, config: VocabRunConfig,
     s = v.summary()
     context.log.info(f"window {list(v.window_steps)}: coverage {v.mapping.coverage:.4f}, "
                      f"cache {'hit' if v.cache_hit else 'miss'}")
-    return MaterializeResult(metadata={
-        "uri": MetadataValue.path(v.uri), "cache_key": v.cache_key, "cache_hit": v.cache_hit,
-        "window_steps": MetadataValue.json(list(v.window_steps)),
-        "coverage": s["coverage"], "draft_vocab_size": s["draft_vocab_size"],
+    return MaterializeResult(metadata={  # coverage and sizes first, the keys in details
+        "coverage": round(s["coverage"], 4), "draft_vocab_size": s["draft_vocab_size"],
         "target_vocab_size": s["target_vocab_size"], "masked_tokens": s["masked_tokens"],
-        "distinct_tokens": s["distinct_tokens"], "seconds": round(v.seconds, 3)},
+        "distinct_tokens": s["distinct_tokens"], "cache_hit": v.cache_hit,
+        "window_steps": MetadataValue.json(list(v.window_steps)),
+        "seconds": round(v.seconds, 3),
+        "details": MetadataValue.md(details_table({"stored at": v.uri,
+                                                   "cache key": v.cache_key}))},
         check_results=[result("vocab_coverage", vocab_coverage(v.mapping.coverage,
                                                                config.min_coverage),
                               AssetCheckSeverity.WARN)])

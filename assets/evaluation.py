@@ -14,6 +14,7 @@ from pydantic import Field
 
 from assets.charts import logged_chart
 from assets.checks import result, spec
+from assets.details import details_table
 from assets.drafter import WINDOW_NOTE
 from assets.partitions import refresh_steps, step_of
 from assets.retry import SERVICE_RETRY, fail_fast_on_permanent_errors
@@ -122,19 +123,20 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
         return logged_chart(mlflow, candidate_run, name, png,
                             publish_chart(store, step, short, png), context.log.warning)
 
-    return MaterializeResult(metadata={
-        **{k: _readable(v) for k, v in s.items()},
+    matches = {k: v for k, v in s.items() if k.endswith("_match")}
+    details = {**matches, "settings": r.settings, "sampler": r.sampler,
+               "sampler source": r.sampler_source, "sampler key": r.sampler_key,
+               "seed": r.seed, "held-out key": r.heldout_key, "settings key": r.settings_key}
+    return MaterializeResult(metadata={  # τ of each contestant first, rounded
+        **{k: _readable(v) for k, v in s.items() if k not in matches},
         "champion": champion_name(store, mlflow, champion),
         "evaluator": label(r.evaluator),
-        "settings": MetadataValue.json(r.settings),
-        "sampler": MetadataValue.json(r.sampler), "sampler_source": r.sampler_source,
-        "sampler_key": r.sampler_key, "seed": r.seed,
         "window_steps": MetadataValue.json(list(r.heldout["window_steps"])),
-        "heldout_key": r.heldout_key, "settings_key": r.settings_key,
         "acceptance_per_position": chart("acceptance_per_position", "alpha", alpha_png),
         "tau_over_rl_steps": chart("offline_tau_over_rl_steps", "tau", tau_png),  # the
         # run's tau_over_rl_steps.png is the loop chart (serving_drafter)
-        "seconds": round(r.seconds, 2)},
+        "seconds": round(r.seconds, 2),
+        "details": MetadataValue.md(details_table(details))},
         check_results=[result("acceptance_lossless", evaluation_sound(r))])
 
 

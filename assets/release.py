@@ -39,6 +39,7 @@ from pydantic import Field
 from assets.champion import PROMOTION_POOL, champion_metadata, staleness_now
 from assets.charts import logged_chart
 from assets.checks import established, spec
+from assets.details import details_table
 from assets.drafter import WINDOW_NOTE
 from assets.loop_chart import LOOP_CHART, publish_loop_chart
 from assets.partitions import DECISION_TAG, refresh_steps, step_of
@@ -101,11 +102,13 @@ def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
     if v.run_id:
         links["mlflow_run"] = MetadataValue.url(mlflow.run_link(
             registry.runs.experiment_id(), v.run_id))
+    details = {"model": v.model, "run id": v.run_id, "source": v.source,
+               "fingerprint": v.fingerprint, "already registered": r.registration.reused}
     return MaterializeResult(metadata={
-        "drafter": name, "model": v.model, "version": v.version, "run_id": v.run_id or "",
-        "source": v.source, "reused": r.registration.reused,
-        "window_steps": MetadataValue.json(v.lineage.get("rl_step_window", [])),
-        "candidate_tau": round(r.tau, 3), "fingerprint": v.fingerprint or "", **links})
+        "drafter": name, "version": v.version, "candidate_tau": round(r.tau, 3),
+        "algorithm": v.tags.get("algorithm", "–"),
+        "window_steps": MetadataValue.json(v.lineage.get("rl_step_window", [])), **links,
+        "details": MetadataValue.md(details_table(details))})
 
 
 @multi_asset(

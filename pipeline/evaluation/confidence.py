@@ -49,6 +49,43 @@ def gain_interval(candidate: Counts, baseline: Counts, level: float = LEVEL,
     return _percentiles(gains, level)
 
 
+def stratified_gain_interval(candidate: Sequence[Counts], baseline: Sequence[Counts] | None,
+                             level: float = LEVEL, resamples: int = RESAMPLES
+                             ) -> tuple[float, float]:
+    """The ``level`` interval of τ_candidate / τ_baseline − 1 when the two were measured on
+    different samples within the same strata (rollouts of the same RL steps, served by two
+    drafters side by side): each stratum's counts are resampled within it, separately per
+    drafter, and pooled over the strata. ``candidate[i]`` and ``baseline[i]`` are stratum
+    i's counts. ``baseline`` None: τ 1 (no drafter), so the gain is τ_candidate − 1."""
+    if baseline is not None and len(baseline) != len(candidate):
+        raise ValueError(f"stratified counts need the same strata: {len(candidate)} vs "
+                         f"{len(baseline)}")
+    rng = np.random.default_rng(SEED)
+    top = _pooled(candidate, rng, resamples)
+    bottom = _pooled(baseline, rng, resamples) if baseline is not None else None
+    if top is None or (baseline is not None and bottom is None):
+        return math.nan, math.nan
+    gains = top - 1.0 if bottom is None else top / bottom - 1.0
+    return _percentiles(gains, level)
+
+
+def _pooled(strata: Sequence[Counts], rng: np.random.Generator, resamples: int
+            ) -> np.ndarray | None:
+    """Σ emitted / Σ cycles over the strata, each resampled within itself (R,); None when
+    no stratum has a cycle."""
+    emitted, cycles = np.zeros(resamples), np.zeros(resamples)
+    for counts in strata:
+        table = _table(counts)
+        if not len(table):
+            continue
+        index = rng.integers(0, len(table), size=(resamples, len(table)))
+        emitted += table[index, 0].sum(axis=1)
+        cycles += table[index, 1].sum(axis=1)
+    if not cycles.any():
+        return None
+    return np.where(cycles > 0, emitted / np.maximum(cycles, 1), np.nan)
+
+
 def _table(counts: Counts) -> np.ndarray:
     table = np.asarray(counts, dtype=np.float64).reshape(-1, 2)  # (P, 2)
     if (table < 0).any():

@@ -82,12 +82,14 @@ def test_two_refreshes_train_publish_and_warm_start_with_lineage(storage, tmp_pa
     assert "drafters/step=000002" in d3["warm_start_source"]
     more = details(d3)  # the rest of the record, folded into one table
     assert more["stored at"] == storage.url(drafter_prefix(3)) and d3["window_steps"] == [2, 3]
-    assert more["vocab cache key"] == v3["cache_key"]
-    assert float(more["vocab coverage"]) == round(v3["coverage"], 4)
+    assert more["vocab cache key"] == details(v3)["cache key"]
+    assert float(more["vocab coverage"]) == v3["coverage"]  # both rounded to 4 places
+    assert more["fingerprint"].startswith(d3["fingerprint"]) and len(more["fingerprint"]) == 64
     assert d3["steps"] == 6 and d3["tokens_per_s"] > 0 and d3["seconds"] > 0
     assert (more["ZeRO stage"], more["world size"], more["dtype"]) == ("0", "1", "fp32")
     assert "| 2 |" in d3["per_depth"] and "accept length" in d3["per_depth"]
-    assert list(d3)[:3] == ["final_loss", "first_loss", "sim_accept_length"]  # leads
+    assert list(d3)[:4] == ["algorithm", "final_loss", "first_loss", "sim_accept_length"]
+    assert d3["algorithm"] == "eagle3"
     assert all(len(str(d3[k]).split(".")[-1]) <= 4 for k in ("final_loss", "first_loss"))
     manifest = read_manifest(storage, drafter_prefix(3))
     assert not verify_manifest(storage, drafter_prefix(3), manifest)
