@@ -17,7 +17,6 @@ from aerie import cli
 from jobs.release import promote_drafter_manually, rollback_drafter
 from pipeline.layout import drafter_prefix
 from pipeline.manifest import read_manifest, write_manifest
-from pipeline.release.lock import FileLock
 from pipeline.serving_now import read_serving
 from pipeline.storage import Storage
 from resources.mlflow import MlflowResource
@@ -172,7 +171,7 @@ def test_two_promotion_runs_are_serialised_by_the_pool(world, monkeypatch):
 
     monkeypatch.setattr(InstanceConcurrencyContext, "claim", claim)
     run_a, run_b = str(uuid.uuid4()), str(uuid.uuid4())
-    lock = FileLock(registry.lock_path, timeout_s=5)
+    lock = registry.promotion_lock()  # what A waits for: the file lock, or the lease
     with ThreadPoolExecutor(max_workers=2) as pool, lock:
         a = pool.submit(force, instance, resources, "3", run_a)
         assert claims.get(timeout=120) == (run_a, "promotion", True)

@@ -114,8 +114,9 @@ def test_the_mlflow_run_lasts_as_long_as_the_training(storage, tmp_path):
         assert result.success
     meta = metadata(result, "drafter_checkpoint")
     registry = MlflowResource(target_family=family).build()
+    fingerprint = details(meta)["fingerprint"]  # in full there; the headline shows 12
     (found,) = registry.client.search_runs(
-        [registry.runs.experiment_id()], f"tags.{FINGERPRINT} = '{meta['fingerprint']}'")
+        [registry.runs.experiment_id()], f"tags.{FINGERPRINT} = '{fingerprint}'")
     info, tags = found.info, found.data.tags
     assert info.status == "FINISHED"
     assert (info.end_time - info.start_time) / 1000 >= meta["seconds"]  # the whole training
