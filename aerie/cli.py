@@ -346,6 +346,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_canary(args: argparse.Namespace) -> int:
+    """Judge CANDIDATE against CHAMPION from the counters of the RL steps since ``--since``."""
+    import json
+
+    from aerie.canary import render
+    from pipeline.monitor.canary import CanaryPolicy, judge_canary
+    from pipeline.monitor.observed import observed_series
+    from pipeline.records import to_dict
+    from resources.storage import storage_from_environment
+
+    policy = CanaryPolicy(canary_steps=args.steps, min_verify_passes=args.min_passes,
+                          min_relative_gain=args.min_gain)
+    series = observed_series(storage_from_environment(), since=args.since)
+    verdict = judge_canary(series, args.candidate, args.champion, args.since, policy)
+    print(json.dumps(to_dict(verdict), indent=1) if args.json else render(verdict, series))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from pipeline.evaluation.any_drafter import measure_drafter, shard_steps
     from pipeline.evaluation.config import EvalConfig
@@ -553,6 +571,24 @@ def parser() -> argparse.ArgumentParser:
     ui.set_defaults(func=cmd_ui)
     sub.add_parser("status", help="what serves now, since when, its τ and staleness, and the "
                                   "last refresh").set_defaults(func=cmd_status)
+    canary = sub.add_parser(
+        "canary", help="judge two drafter versions served side by side on the same RL steps "
+                       "(say, on two halves of the rollout servers) from the RL engine's "
+                       "counters: promote, roll back or wait")
+    canary.add_argument("candidate", help="the registry version of the canary")
+    canary.add_argument("champion", help="the version it is compared with ('none': no "
+                                         "drafter)")
+    canary.add_argument("--since", type=int, required=True,
+                        help="the first RL step the canary served")
+    canary.add_argument("--steps", type=int, default=4,
+                        help="RL steps with both drafting before a verdict (default 4)")
+    canary.add_argument("--min-passes", type=int, default=200,
+                        help="verify passes per drafter before a verdict (default 200)")
+    canary.add_argument("--min-gain", type=float, default=0.0,
+                        help="the relative gain the interval's lower end must pass "
+                             "(default 0)")
+    canary.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    canary.set_defaults(func=cmd_canary)
     ev = sub.add_parser("eval", help="measure a drafter directory (or no drafter) against "
                                      "a committed RL step's policy on its held-out prompts")
     ev.add_argument("drafter", nargs="?", type=Path,

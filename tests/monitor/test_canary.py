@@ -111,3 +111,27 @@ def test_pairing_by_step_leaves_the_policy_movement_out():
     assert paired.gain_high - paired.gain_low < (pooled_high - pooled_low) / 2
     with pytest.raises(ValueError, match="same strata"):
         stratified_gain_interval([[(1, 1)]], [])
+
+
+def test_aerie_canary_judges_from_the_stored_counters(tmp_path, monkeypatch, capsys):
+    """``aerie canary`` reads the per-step summaries ``serving_acceptance`` stores and
+    prints the verdict, its reason and the steps it counted."""
+    import json
+
+    from aerie import cli
+    from pipeline.layout import observed_key
+    from pipeline.records import to_json
+    from pipeline.storage import Storage
+
+    storage = Storage((tmp_path / "storage").as_uri())
+    monkeypatch.setenv("AERIE_STORAGE_URL", storage.root_url)
+    for observed in series([{"5": 1.5, "4": 2.0}] + [{"5": 2.5, "4": 2.0}] * 3):
+        storage.write_bytes(observed_key(observed.step), to_json(observed).encode())
+    assert cli.main(["canary", "5", "4", "--since", "11", "--steps", "3",
+                     "--min-passes", "100"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("verdict:  promote\nwhy:      canary v5 beats v4: τ ")
+    assert "RL step 10" not in out and out.count("  RL step ") == 3  # from the start on
+    assert cli.main(["canary", "5", "4", "--since", "11", "--json"]) == 0  # 4 steps asked
+    verdict = json.loads(capsys.readouterr().out)
+    assert verdict["action"] == "wait" and verdict["evidence"] is None
