@@ -21,14 +21,15 @@ from resources.mlflow import MlflowResource
 
 
 def logged_chart(mlflow: MlflowResource, locate: Callable[[], tuple[Any, str | None]],
-                 name: str, png: bytes, stored_url: str, warn: Callable[[str], None]
-                 ) -> MetadataValue:
+                 name: str, png: bytes, stored_url: str, log: Any) -> MetadataValue:
     """Log ``png`` as ``charts/<name>.png`` of the run ``locate()`` finds (``(runs, run_id)``)
-    and link it (see the module)."""
+    and link it (see the module). ``log``: the step's logger; a run that holds no chart
+    (no drafter serves yet) is said at INFO, a failure to log one as a warning."""
+    warn = log.warning
     try:
         runs, run_id = locate()
-        if run_id is None:
-            warn(f"chart {name}: no MLflow run holds it; linking the stored copy")
+        if run_id is None:  # expected before the first promotion: nothing went wrong
+            log.info(f"chart {name}: no MLflow run holds it yet; linking the stored copy")
             return MetadataValue.path(stored_url)
         with tempfile.TemporaryDirectory(prefix="aerie-chart-") as tmp:
             path = Path(tmp) / f"{name}.png"

@@ -121,7 +121,7 @@ def acceptance_eval(context: AssetExecutionContext, config: EvalRunConfig,
 
     def chart(name: str, short: str, png: bytes) -> MetadataValue:
         return logged_chart(mlflow, candidate_run, name, png,
-                            publish_chart(store, step, short, png), context.log.warning)
+                            publish_chart(store, step, short, png), context.log)
 
     matches = {k: v for k, v in s.items() if k.endswith("_match")}
     details = {**matches, "settings": r.settings, "sampler": r.sampler,

@@ -68,7 +68,7 @@ def serving_acceptance(context: AssetExecutionContext, storage: StorageResource,
         _verify_serving(context, store, mlflow, serving, refresh)
     key = publish_loop_chart(store, name, step, context.instance)
     chart = logged_chart(mlflow, lambda: _serving_run(mlflow, store, name), LOOP_CHART,
-                         store.read_bytes(key), store.url(key), context.log.warning)
+                         store.read_bytes(key), store.url(key), context.log)
     per_version = {f"tau_v{v.drafter_version}": round(v.tau, 4) for v in observed.versions
                    if v.tau is not None}
     return MaterializeResult(metadata={

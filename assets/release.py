@@ -163,7 +163,7 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
         version = r.promotion.version
         chart = logged_chart(mlflow, lambda: (registry.runs, registry.get_version(
             version).run_id if version else None), LOOP_CHART, store.read_bytes(key),
-            store.url(key), context.log.warning)
+            store.url(key), context.log)
     metadata = {
         **_headline(r, p, registry),
         **champion_metadata(p, registry, actor=GATE_ACTOR, reason=f"refresh at step {step}"),

@@ -98,7 +98,7 @@ def loop_figure(observed: Sequence[StepAcceptance], offline: Mapping[int, float]
                         textcoords="offset points", color=color, fontsize=7)
     ax.set_xlabel("RL step")
     ax.set_ylabel("τ (tokens per verify pass)")
-    ax.set_ylim(bottom=1.0)
+    ax.set_ylim(bottom=1.0, top=max(ax.get_ylim()[1], 1.1))  # all τ 1: still a range
     ax.set_title(title or "acceptance over RL steps")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize=7)

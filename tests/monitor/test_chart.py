@@ -53,3 +53,18 @@ def test_nothing_observed_yet_draws_an_empty_frame():
     (ax,) = loop_figure([], {}, []).axes
     assert (len(ax.lines), len(ax.collections), ax.get_legend()) == (0, 0, None)
     assert ax.get_xlabel() == "RL step"
+
+
+def test_a_loop_of_no_drafter_yet_draws_without_a_warning():
+    """Before the first promotion every rollout is no drafter's (τ 1): the chart still has
+    a range, and matplotlib has nothing to warn about (a newcomer reads warnings as errors)."""
+    import warnings
+
+    observed = [summarise(s, [{"drafter_version": "none", "verify_ct": 0,
+                               "completion_tokens": 20}]) for s in (1, 2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = loop_figure(observed, {}, [])
+    (ax,) = fig.axes
+    low, high = ax.get_ylim()
+    assert low == 1.0 and high > low
