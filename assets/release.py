@@ -103,11 +103,12 @@ def registered_drafter(context: AssetExecutionContext, storage: StorageResource,
         links["mlflow_run"] = MetadataValue.url(mlflow.run_link(
             registry.runs.experiment_id(), v.run_id))
     details = {"model": v.model, "run id": v.run_id, "source": v.source,
-               "fingerprint": v.fingerprint, "already registered": r.registration.reused}
+               "already registered": r.registration.reused}
     return MaterializeResult(metadata={
         "drafter": name, "version": v.version, "candidate_tau": round(r.tau, 3),
         "algorithm": v.tags.get("algorithm", "–"),
         "window_steps": MetadataValue.json(v.lineage.get("rl_step_window", [])), **links,
+        "fingerprint": v.fingerprint or "",  # the drafter's identity (aerie demo, status)
         "details": MetadataValue.md(details_table(details))})
 
 
