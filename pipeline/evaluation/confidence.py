@@ -50,40 +50,41 @@ def gain_interval(candidate: Counts, baseline: Counts, level: float = LEVEL,
 
 
 def stratified_gain_interval(candidate: Sequence[Counts], baseline: Sequence[Counts] | None,
-                             level: float = LEVEL, resamples: int = RESAMPLES
-                             ) -> tuple[float, float]:
-    """The ``level`` interval of τ_candidate / τ_baseline − 1 when the two were measured on
-    different samples within the same strata (rollouts of the same RL steps, served by two
-    drafters side by side): each stratum's counts are resampled within it, separately per
-    drafter, and pooled over the strata. ``candidate[i]`` and ``baseline[i]`` are stratum
-    i's counts. ``baseline`` None: τ 1 (no drafter), so the gain is τ_candidate − 1."""
-    if baseline is not None and len(baseline) != len(candidate):
+                             weights: Sequence[float], level: float = LEVEL,
+                             resamples: int = RESAMPLES) -> tuple[float, float]:
+    """The ``level`` interval of the weighted gain Σ w_s τ_c,s / Σ w_s τ_b,s − 1 when the two
+    drafters were measured on different samples within the same strata (rollouts of the
+    same RL steps, served side by side): within each stratum each drafter's counts are
+    resampled on their own, and both drafters' per-stratum τ are combined with the SAME
+    weights ``w_s``, so a stratum where one of them served more rollouts than the other
+    does not tilt the comparison. ``candidate[i]``, ``baseline[i]`` and ``weights[i]``
+    belong to stratum i. ``baseline`` None: τ 1 in every stratum (no drafter)."""
+    if baseline is not None and len(baseline) != len(candidate) \
+            or len(weights) != len(candidate):
         raise ValueError(f"stratified counts need the same strata: {len(candidate)} vs "
-                         f"{len(baseline)}")
+                         f"{len(baseline) if baseline is not None else '-'} and "
+                         f"{len(weights)} weights")
     rng = np.random.default_rng(SEED)
-    top = _pooled(candidate, rng, resamples)
-    bottom = _pooled(baseline, rng, resamples) if baseline is not None else None
-    if top is None or (baseline is not None and bottom is None):
+    w = np.asarray(weights, dtype=np.float64)
+    top = _weighted(candidate, w, rng, resamples)
+    bottom = _weighted(baseline, w, rng, resamples) if baseline is not None else w.sum()
+    if top is None or bottom is None:
         return math.nan, math.nan
-    gains = top - 1.0 if bottom is None else top / bottom - 1.0
-    return _percentiles(gains, level)
+    return _percentiles(top / bottom - 1.0, level)
 
 
-def _pooled(strata: Sequence[Counts], rng: np.random.Generator, resamples: int
-            ) -> np.ndarray | None:
-    """Σ emitted / Σ cycles over the strata, each resampled within itself (R,); None when
-    no stratum has a cycle."""
-    emitted, cycles = np.zeros(resamples), np.zeros(resamples)
-    for counts in strata:
+def _weighted(strata: Sequence[Counts], weights: np.ndarray, rng: np.random.Generator,
+              resamples: int) -> np.ndarray | None:
+    """Σ_s w_s τ_s of each resample (R,), τ_s from stratum s's counts resampled within it;
+    None when a stratum has no cycle at all."""
+    total = np.zeros(resamples)
+    for counts, weight in zip(strata, weights, strict=True):
         table = _table(counts)
-        if not len(table):
-            continue
+        if not len(table) or table[:, 1].sum() == 0:
+            return None
         index = rng.integers(0, len(table), size=(resamples, len(table)))
-        emitted += table[index, 0].sum(axis=1)
-        cycles += table[index, 1].sum(axis=1)
-    if not cycles.any():
-        return None
-    return np.where(cycles > 0, emitted / np.maximum(cycles, 1), np.nan)
+        total += weight * _ratios(table, index)
+    return total
 
 
 def _table(counts: Counts) -> np.ndarray:

@@ -91,16 +91,28 @@ def lineage_tags(lineage: Mapping[str, Any], *,
     return tags
 
 
-def version_tags(tags: Mapping[str, str]) -> dict[str, str]:
-    """A registered version's tags for validated lineage ``tags``: the :data:`HEADLINE`
-    keys as they are, everything else in one ``lineage`` JSON object of parsed values."""
-    rest = {k: parse_tag(v) for k, v in sorted(tags.items()) if k not in HEADLINE}
+def version_tags(lineage: Mapping[str, Any]) -> dict[str, str]:
+    """A registered version's tags for a validated ``lineage`` record (its values as they
+    are, not tag strings): the :data:`HEADLINE` keys as tags, everything else in one
+    ``lineage`` JSON object (non-finite floats as null: strict JSON)."""
+    rest = {str(k): _finite_json(v) for k, v in sorted(lineage.items()) if k not in HEADLINE}
     record = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                        default=_jsonable)
+                        allow_nan=False, default=_jsonable)
     if len(record) > MAX_VERSION_TAG_VALUE:
         raise LineageError(f"the lineage record is {len(record)} characters, over a version "
                            f"tag's {MAX_VERSION_TAG_VALUE}")
-    return {**{k: tags[k] for k in HEADLINE if k in tags}, LINEAGE: record}
+    return {**{k: tag_value(lineage[k]) for k in HEADLINE if k in lineage}, LINEAGE: record}
+
+
+def _finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float (an α position never reached) as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_json(v) for v in value]
+    return value
 
 
 def read_lineage(tags: Mapping[str, str]) -> dict[str, Any]:
@@ -122,11 +134,12 @@ def _decision_or_promotion(key: str) -> bool:
 
 def lineage_from_manifest(meta: Mapping[str, Any], *, drafter_uri: str, policy_uri: str,
                           tau: float, alpha: tuple[float, ...] | list[float],
-                          dagster_run_id: str, **extra: Any) -> dict[str, str]:
-    """Lineage tags from a drafter manifest's ``meta`` (see ``pipeline.training.stage``)
-    plus what the manifest does not know: where it lives, the policy URI, its evaluation and
-    the Dagster run. ``extra`` adds more tags (e.g. ``heldout_key``, ``settings_key``)."""
-    return lineage_tags({
+                          dagster_run_id: str, **extra: Any) -> dict[str, Any]:
+    """The lineage record (validated: :func:`lineage_tags` accepts it) from a drafter
+    manifest's ``meta`` (see ``pipeline.training.stage``) plus what the manifest does not
+    know: where it lives, the policy URI, its evaluation and the Dagster run. ``extra`` adds
+    more keys (e.g. ``heldout_key``, ``settings_key``). Floats shown in tags are rounded."""
+    record = {
         FINGERPRINT: meta.get("fingerprint"),
         DRAFTER_URI: drafter_uri,
         "rl_step": meta.get("step"),
@@ -142,7 +155,9 @@ def lineage_from_manifest(meta: Mapping[str, Any], *, drafter_uri: str, policy_u
         "dagster_run_id": dagster_run_id,
         **({ALGORITHM: _algorithm(meta)} if _algorithm(meta) else {}),
         **extra,
-    })
+    }
+    lineage_tags(record)  # refuses a missing or empty key, or a value too long for a tag
+    return record
 
 
 def _algorithm(meta: Mapping[str, Any]) -> str | None:

@@ -77,6 +77,7 @@ PROMOTED, FORCED, REFUSED = "promoted", "forced", "refused"
 DECISIONS = (PROMOTED, FORCED, REFUSED)
 STANDING = "gate.decision"
 STANDING_ID = "gate.decision_id"
+_LEGACY_STANDING = ("gate.reasons", "gate.decided_at", "gate.baseline", "gate.relative_gain")
 _ENTRY = re.compile(r"^gate\.(\d+)(\.decision)?$")  # gate.<n>; gate.<n>.decision before it
 _CLIENT_WRITES = ("create_registered_model", "create_model_version", "update_model_version",
                   "set_model_version_tag", "delete_model_version_tag",
@@ -199,11 +200,12 @@ class DecisionRecord:
         out: dict[str, Any] = {
             "decision": self.decision, "reasons": _reasons(self.reasons), "actor": self.actor,
             "decided_at": self.decided_at, "baseline": self.baseline,
-            "relative_gain": None if math.isnan(self.relative_gain) else self.relative_gain,
+            "relative_gain": (self.relative_gain if math.isfinite(self.relative_gain)
+                              else None),
             "champion": self.champion or "none"}
         if self.run_id:
             out["run_id"] = self.run_id
-        return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+        return json.dumps(out, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
     @classmethod
     def from_tag(cls, text: str) -> DecisionRecord:
@@ -336,7 +338,7 @@ class DrafterRegistry:
                                     reused=True)
             registry.ensure_model()
             created = registry.client.create_model_version(
-                self.model_name, source, run_id=run_id, tags=version_tags(tags),
+                self.model_name, source, run_id=run_id, tags=version_tags(lineage),
                 description=describe_version(self.model_name, tags))
             version = str(created.version)
             registry.set_alias(CHALLENGER, version)
@@ -413,6 +415,9 @@ class DrafterRegistry:
         if record.decision == REFUSED and tags.get(STANDING) in (PROMOTED, FORCED):
             return False
         self.set_tags(version, {STANDING: record.decision, STANDING_ID: n})
+        for key in _LEGACY_STANDING:  # copies of an older standing would contradict it
+            if key in tags:
+                self.client.delete_model_version_tag(self.model_name, str(version), key)
         self.client.update_model_version(self.model_name, str(version),
                                          describe_version(self.model_name, tags, record))
         return True

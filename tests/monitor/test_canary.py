@@ -90,12 +90,39 @@ def test_against_no_drafter_the_baseline_is_tau_one():
         judge_canary([], "4", "4", 0)
 
 
+def test_a_canary_share_that_changes_between_steps_tilts_neither_side():
+    """The canary serves 10 of 100 rollouts in an easy step and 50 of 100 in a step where
+    the policy doubled τ; it is 5% better in both. Pooling each drafter's own rollouts
+    would credit the canary with the hard step's τ (about +48%); the per-step τ averaged
+    with the same weights for both gives the 5%."""
+    rng = np.random.default_rng(2)
+    observed = [
+        summarise(10, rollouts("5", 2.1, 10, 10, rng) + rollouts("4", 2.0, 90, 10, rng)),
+        summarise(11, rollouts("5", 4.2, 50, 10, rng) + rollouts("4", 4.0, 50, 10, rng))]
+    e = judge_canary(observed, "5", "4", 10, CanaryPolicy(canary_steps=2,
+                                                           min_verify_passes=100)).evidence
+    assert e.gain == pytest.approx(0.05, abs=0.02) and e.gain_low < 0.05 < e.gain_high
+    def pooled(v):
+        return sum(o.of(v).emitted for o in observed) / sum(o.of(v).verify_ct for o in observed)
+
+    assert pooled("5") / pooled("4") - 1 > 0.3  # what pooling each drafter's own would say
+
+
+def test_a_step_with_too_few_rollouts_of_a_drafter_does_not_count():
+    rng = np.random.default_rng(4)
+    observed = series([{"5": 2.5, "4": 2.0}] * 3)
+    observed.append(summarise(13, rollouts("5", 9.0, 1, 10, rng)
+                              + rollouts("4", 2.0, 12, 10, rng)))
+    verdict = judge_canary(observed, "5", "4", 10, POLICY)
+    assert verdict.evidence.steps == (10, 11, 12)  # one rollout of v5 in step 13
+
+
 def test_the_stratified_interval_is_the_plain_bootstrap_for_one_stratum():
     counts = [(23, 10), (19, 10), (31, 10), (25, 10), (18, 10)]
-    low, high = stratified_gain_interval([counts], None)
+    low, high = stratified_gain_interval([counts], None, [1.0])
     ref_low, ref_high = tau_interval(counts)
     assert (low, high) == (ref_low - 1, ref_high - 1)  # the same draws, τ 1 as baseline
-    assert all(math.isnan(x) for x in stratified_gain_interval([[]], None))  # no pass
+    assert all(math.isnan(x) for x in stratified_gain_interval([[]], None, [1.0]))
 
 
 def test_pairing_by_step_leaves_the_policy_movement_out():
@@ -106,11 +133,11 @@ def test_pairing_by_step_leaves_the_policy_movement_out():
     paired = judge_canary(observed, "5", "4", 10, POLICY).evidence
     pooled_low, pooled_high = stratified_gain_interval(
         [[c for o in observed for c in o.of("5").per_rollout]],
-        [[c for o in observed for c in o.of("4").per_rollout]])
+        [[c for o in observed for c in o.of("4").per_rollout]], [1.0])
     assert paired.gain_low > 0
     assert paired.gain_high - paired.gain_low < (pooled_high - pooled_low) / 2
     with pytest.raises(ValueError, match="same strata"):
-        stratified_gain_interval([[(1, 1)]], [])
+        stratified_gain_interval([[(1, 1)]], [], [1.0])
 
 
 def test_aerie_canary_judges_from_the_stored_counters(tmp_path, monkeypatch, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -51,9 +52,9 @@ def test_lineage_from_a_drafter_manifest():
             "shard_manifest_sha256": {"10": "a", "11": "b", "12": "c"},
             "vocab_cache_key": "v", "coverage": 0.971234567, "policy_sha256": "p",
             "aux_layer_ids": [1, 3, 4]}
-    tags = lineage_from_manifest(meta, drafter_uri="s3://b/drafters/step=000012",
-                                 policy_uri="s3://b/policies/step=000012", tau=3.123456789,
-                                 alpha=(0.9, 0.654321), dagster_run_id="r1", heldout_key="h")
+    tags = lineage_tags(lineage_from_manifest(
+        meta, drafter_uri="s3://b/drafters/step=000012", policy_uri="s3://b/policies/step=000012",
+        tau=3.123456789, alpha=(0.9, 0.654321), dagster_run_id="r1", heldout_key="h"))
     assert tags["vocab_mapping_key"] == "v" and tags["alpha"] == "[0.9,0.6543]"
     assert (tags["tau"], tags["coverage"]) == ("3.1235", "0.9712")  # shown rounded
     assert tags["heldout_key"] == "h" and tags["rl_step"] == "12"
@@ -67,13 +68,19 @@ def test_a_version_shows_the_headline_and_one_lineage_record():
             "shard_manifest_sha256": {"10": "a"}, "vocab_cache_key": "v", "coverage": 0.5,
             "policy_sha256": "p", "aux_layer_ids": [1, 3, 4],
             "config": {"drafter_algorithm": "dflash"}}
-    tags = lineage_from_manifest(meta, drafter_uri="drafters/step=000012", policy_uri="p",
-                                 tau=3.123456789, alpha=(0.9,), dagster_run_id="r1")
-    shown = version_tags(tags)
+    record = lineage_from_manifest(meta, drafter_uri="drafters/step=000012", policy_uri="p",
+                                   tau=3.123456789, alpha=(0.9, math.nan), dagster_run_id="r1",
+                                   heldout_key="1234")  # a string that reads as a number
+    tags = lineage_tags(record)  # the training run's: one tag per key
+    shown = version_tags(record)
     assert set(shown) == {"fingerprint", "algorithm", "rl_step", "tau", "lineage"}
     assert shown["algorithm"] == "dflash" and shown["tau"] == "3.1235"
     back = read_lineage(shown)
-    assert back == read_lineage(tags)  # the old layout (a tag per key) reads the same
+    assert back["heldout_key"] == "1234" and back["alpha"] == [0.9, None]  # strict JSON
+    assert json.loads(shown["lineage"])  # no NaN in it
+    old = read_lineage(tags)  # the old layout, a tag per key, reads the same otherwise
+    assert {k: v for k, v in old.items() if k not in ("heldout_key", "alpha")} == \
+        {k: v for k, v in back.items() if k not in ("heldout_key", "alpha")}
     assert back["rl_step_window"] == [10, 11, 12]
     assert back["shard_manifest_sha256"] == {"10": "a"}
     assert back["rl_step"] == 12 and back["drafter_uri"] == "drafters/step=000012"
@@ -81,4 +88,4 @@ def test_a_version_shows_the_headline_and_one_lineage_record():
               "previous_champion": "none", "promoted_at": "t", "post_promotion.verdict": "ok"}
     assert read_lineage(legacy) == read_lineage(tags)  # decisions are not lineage
     with pytest.raises(LineageError, match="over a version tag"):
-        version_tags({**tags, "note": "x" * 100_001})
+        version_tags({**record, "note": "x" * 100_001})

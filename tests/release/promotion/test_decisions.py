@@ -232,6 +232,7 @@ def test_a_version_shows_a_few_rounded_tags(sqlite_registry, serving, storage, d
     tags = registry.get_version(v1).tags
     assert set(tags) == {"fingerprint", "rl_step", "tau", "lineage", "gate.1", "gate.decision",
                          "gate.decision_id", "previous_champion"}, sorted(tags)
+    assert len(tags["tau"].split(".")[-1]) <= 4  # rounded: the run keeps every digit
     lineage = registry.get_version(v1).lineage
     assert lineage["rl_step_window"] == [8, 9, 10] and lineage["alpha"] == [0.8, 0.6, 0.4]
     assert registry.get_version(v1).drafter_uri == lineage["drafter_uri"]
@@ -260,6 +261,8 @@ def test_a_version_registered_with_one_tag_per_field_is_still_read(
     assert (first.decision, first.reasons, first.champion, first.relative_gain) == (
         "refused", ("worse than v7",), "7", -0.2)
     assert registry.standing(v) == first
+    assert "gate.reasons" in registry.get_version(v).tags  # the old standing's copy
     assert promote(registry, serving, v, gate(v, 2.0, None)).action == "promoted"
     assert sorted(registry.decisions(v)) == [1, 2] and registry.standing(v).decision == \
         "promoted"
+    assert "gate.reasons" not in registry.get_version(v).tags  # no stale copy beside it
