@@ -132,7 +132,7 @@ def judge_canary(series: Sequence[StepAcceptance], candidate: str, champion: str
 
 def _drafted(version: VersionAcceptance | None, policy: CanaryPolicy) -> bool:
     """Whether a drafter's rollouts in one step count: enough of them, and verify passes."""
-    return version is not None and bool(version.verify_ct) and version.tau is not None \
+    return version is not None and version.verify_ct > 0 \
         and version.rollouts >= policy.min_rollouts
 
 

@@ -18,8 +18,9 @@ sqlite database or a server URL) and knows Aerie's conventions:
 - decisions about a version (the gate's, a manual override's) are tags too: decision ``n``
   as one JSON tag ``gate.<n>`` (:meth:`DrafterRegistry.record_decision`), and its standing,
   the decision that counts, as ``gate.decision`` with ``gate.decision_id`` = n
-  (:meth:`DrafterRegistry.set_standing`). Versions registered before this layout keep one tag
-  per field (``gate.<n>.decision``, …, and one tag per lineage key); both are read.
+  (:meth:`DrafterRegistry.set_standing`; the records: :mod:`pipeline.release.decisions`).
+  Versions registered before this layout keep one tag per field (``gate.<n>.decision``, …,
+  and one tag per lineage key); both are read.
 
 Invariants:
 
@@ -40,9 +41,7 @@ Invariants:
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import math
 import re
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -51,13 +50,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.algorithms import ALGORITHMS
+from pipeline.release.decisions import (
+    FORCED,
+    LEGACY_STANDING,
+    PROMOTED,
+    REFUSED,
+    STANDING,
+    STANDING_ID,
+    DecisionRecord,
+    decision_in,
+    decision_numbers,
+)
 from pipeline.release.lease import PostgresLease, fenced, redacted
 from pipeline.release.lineage import (
     DRAFTER_URI,
     FINGERPRINT,
-    MAX_TAG_VALUE,
     lineage_tags,
-    parse_tag,
     read_lineage,
     tag_value,
     version_tags,
@@ -73,12 +81,6 @@ log = logging.getLogger(__name__)
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 _FAMILY = re.compile(r"^[a-z0-9][a-z0-9._-]{0,99}$")
-PROMOTED, FORCED, REFUSED = "promoted", "forced", "refused"
-DECISIONS = (PROMOTED, FORCED, REFUSED)
-STANDING = "gate.decision"
-STANDING_ID = "gate.decision_id"
-_LEGACY_STANDING = ("gate.reasons", "gate.decided_at", "gate.baseline", "gate.relative_gain")
-_ENTRY = re.compile(r"^gate\.(\d+)(\.decision)?$")  # gate.<n>; gate.<n>.decision before it
 _CLIENT_WRITES = ("create_registered_model", "create_model_version", "update_model_version",
                   "set_model_version_tag", "delete_model_version_tag",
                   "set_registered_model_alias", "delete_registered_model_alias")
@@ -169,67 +171,6 @@ def describe_version(model: str, tags: Mapping[str, str],
     lines.append(f"Gate: {standing.decision}, {standing.reasons[0]}" if standing and
                  standing.reasons else "Gate: not decided yet.")
     return " ".join(lines)
-
-
-@dataclass(frozen=True)
-class DecisionRecord:
-    """One decision about a registered version: what, why, by whom, against which champion.
-
-    ``baseline``: ``champion`` | ``no-drafter`` for the gate's decisions, ``override`` for a
-    forced promotion; ``champion``: the version serving when it was decided (None: none).
-    """
-
-    decision: str  # promoted | forced | refused
-    reasons: tuple[str, ...]
-    actor: str
-    decided_at: str
-    baseline: str
-    relative_gain: float  # NaN when not measured (a forced promotion) or not comparable
-    champion: str | None = None
-    run_id: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.decision not in DECISIONS:
-            raise ValueError(f"decision {self.decision!r} is not one of {DECISIONS}")
-        object.__setattr__(self, "reasons", tuple(self.reasons))
-
-    def to_tag(self) -> str:
-        """The record as one tag value: compact JSON (``relative_gain`` NaN is null,
-        ``champion`` None is ``none``, no ``run_id``: absent; reasons cut to
-        :data:`MAX_TAG_VALUE` characters)."""
-        out: dict[str, Any] = {
-            "decision": self.decision, "reasons": _reasons(self.reasons), "actor": self.actor,
-            "decided_at": self.decided_at, "baseline": self.baseline,
-            "relative_gain": (self.relative_gain if math.isfinite(self.relative_gain)
-                              else None),
-            "champion": self.champion or "none"}
-        if self.run_id:
-            out["run_id"] = self.run_id
-        return json.dumps(out, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-    @classmethod
-    def from_tag(cls, text: str) -> DecisionRecord:
-        entry = json.loads(text)
-        gain = entry.get("relative_gain")
-        return cls._of(entry, [str(r) for r in entry.get("reasons", [])],
-                       math.nan if gain is None else float(gain))
-
-    @classmethod
-    def _of(cls, entry: Mapping[str, Any], reasons: Sequence[str], gain: float
-            ) -> DecisionRecord:
-        champion = entry.get("champion", "none")
-        return cls(decision=entry["decision"], reasons=tuple(reasons),
-                   actor=entry.get("actor", ""), decided_at=entry.get("decided_at", ""),
-                   baseline=entry.get("baseline", ""), relative_gain=gain,
-                   champion=None if champion == "none" else champion,
-                   run_id=entry.get("run_id"))
-
-    @classmethod
-    def from_tags(cls, tags: Mapping[str, str]) -> DecisionRecord:
-        """A decision kept one tag per field (``gate.<n>.*``, before :meth:`to_tag`)."""
-        reasons = parse_tag(tags.get("reasons", "[]"))
-        return cls._of(tags, reasons if isinstance(reasons, list) else [str(reasons)],
-                       float(parse_tag(tags.get("relative_gain", "nan"))))
 
 
 class DrafterRegistry:
@@ -411,11 +352,11 @@ class DrafterRegistry:
         ``gate.decision_id``); a ``refused`` never replaces a ``promoted`` or ``forced``
         standing. Returns whether the standing changed."""
         tags = self.get_version(version).tags
-        record = _decision(tags, n)
+        record = decision_in(tags, n)
         if record.decision == REFUSED and tags.get(STANDING) in (PROMOTED, FORCED):
             return False
         self.set_tags(version, {STANDING: record.decision, STANDING_ID: n})
-        for key in _LEGACY_STANDING:  # copies of an older standing would contradict it
+        for key in LEGACY_STANDING:  # copies of an older standing would contradict it
             if key in tags:
                 self.client.delete_model_version_tag(self.model_name, str(version), key)
         self.client.update_model_version(self.model_name, str(version),
@@ -425,14 +366,13 @@ class DrafterRegistry:
     def decisions(self, version: str) -> dict[int, DecisionRecord]:
         """Every recorded decision of ``version`` by its number."""
         tags = self.get_version(version).tags
-        numbers = sorted({int(m.group(1)) for k in tags if (m := _ENTRY.match(k))})
-        return {n: _decision(tags, n) for n in numbers}
+        return {n: decision_in(tags, n) for n in decision_numbers(tags)}
 
     def standing(self, version: str) -> DecisionRecord | None:
         """The decision that stands for ``version`` (None: none recorded yet)."""
         tags = self.get_version(version).tags
         n = tags.get(STANDING_ID)
-        return _decision(tags, int(n)) if n and n.isdigit() else None
+        return decision_in(tags, int(n)) if n and n.isdigit() else None
 
     # -- aliases ----------------------------------------------------------------------
     def alias(self, alias: str) -> str | None:
@@ -471,29 +411,6 @@ def _title(name: Any) -> str:
     if isinstance(name, str) and name in ALGORITHMS:
         return ALGORITHMS[name].title
     return "Speculative-decoding"
-
-
-def _decision(tags: Mapping[str, str], n: int) -> DecisionRecord:
-    """Decision ``n`` of a version's ``tags``, in either layout (module docstring)."""
-    if f"gate.{n}" in tags:
-        return DecisionRecord.from_tag(tags[f"gate.{n}"])
-    prefix = f"gate.{n}."
-    return DecisionRecord.from_tags({k[len(prefix):]: v for k, v in tags.items()
-                                     if k.startswith(prefix)})
-
-
-def _reasons(reasons: Sequence[str]) -> list[str]:
-    """``reasons`` cut so that their JSON stays within :data:`MAX_TAG_VALUE` characters."""
-    out: list[str] = []
-    used = 2
-    for reason in reasons:
-        room = MAX_TAG_VALUE - used - 4
-        if room <= 3:
-            break
-        text = reason if len(reason) <= room else reason[:room - 3] + "..."
-        out.append(text)
-        used += len(json.dumps(text, ensure_ascii=False)) + 1
-    return out
 
 
 def _step_of(lineage: Mapping[str, Any]) -> int:

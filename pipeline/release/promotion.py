@@ -46,18 +46,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pipeline.release.backend import ServingBackend
+from pipeline.release.decisions import FORCED, PROMOTED, REFUSED, DecisionRecord
 from pipeline.release.gate import ALREADY_CHAMPION, Decision
 from pipeline.release.lease import fenced
 from pipeline.release.lineage import MAX_TAG_VALUE
-from pipeline.release.mlflow_registry import (
-    CHAMPION,
-    FORCED,
-    PROMOTED,
-    REFUSED,
-    DecisionRecord,
-    DrafterRegistry,
-    DrafterVersion,
-)
+from pipeline.release.mlflow_registry import CHAMPION, DrafterRegistry, DrafterVersion
 from pipeline.serving_now import ServingManifest, ServingTarget
 
 log = logging.getLogger(__name__)

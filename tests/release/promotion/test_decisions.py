@@ -11,14 +11,11 @@ import pytest
 
 from pipeline.manifest import read_manifest
 from pipeline.release.backend import LedgerBackend, ServingError
+from pipeline.release.decisions import DecisionRecord
 from pipeline.release.gate import ALREADY_CHAMPION, Candidate, EvalSummary, decide
 from pipeline.release.ledger import ServingLedger
 from pipeline.release.lineage import lineage_tags
-from pipeline.release.mlflow_registry import (
-    CHAMPION,
-    DecisionRecord,
-    DrafterRegistry,
-)
+from pipeline.release.mlflow_registry import CHAMPION, DrafterRegistry
 from pipeline.release.promotion import (
     PromotionError,
     PromotionNotApplied,
