@@ -20,13 +20,19 @@ Invariants:
 - ``sglang_args`` hold the literal placeholder ``{drafter_dir}`` for the draft-model path:
   where the drafter lands is decided by whoever launches the server
   (:func:`ServingManifest.launch_args`).
+- A manifest may carry a :class:`Canary`: a candidate that some of the rollout servers serve
+  while the rest serve ``target`` (the champion). :meth:`ServingManifest.on` is what one
+  server serves; every reader that launches one server asks it. Such a manifest is written
+  with schema 3, which older readers refuse rather than serve the champion everywhere; one
+  without a canary stays schema 2.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeline.algorithms import DEFAULT_ALGORITHM
@@ -39,6 +45,7 @@ from pipeline.storage import Storage
 from pipeline.verified import DEFAULT_CACHE_BYTES, DatasetCache, IntegrityError, committed
 
 SERVING_SCHEMA_VERSION = 2  # 2: the drafter's algorithm (1 served EAGLE-3 only)
+CANARY_SCHEMA_VERSION = 3  # 3: a canary on part of the servers
 DRAFTER_DIR = "{drafter_dir}"
 
 
@@ -106,6 +113,39 @@ class ServingTarget:
 
 
 @dataclass(frozen=True)
+class Canary:
+    """A candidate serving part of the rollout servers, beside the manifest's champion.
+
+    ``servers`` names them; empty, a ``share`` of whichever servers a reader launches
+    (:func:`canary_servers`). ``started_at``: the first RL step whose rollouts may carry it
+    (the canary is judged on the steps from there on)."""
+
+    target: ServingTarget
+    settings: SpecParams
+    sglang_args: tuple[str, ...]
+    algorithm: str
+    started_at: int
+    servers: tuple[str, ...] = ()
+    share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.servers and not 0 < self.share < 1:
+            raise ValueError("a canary needs its servers or a share between 0 and 1")
+
+
+def canary_servers(canary: Canary, fleet: Sequence[str]) -> tuple[str, ...]:
+    """The servers of ``fleet`` that serve ``canary``: the ones it names, or the first
+    ``share`` of them in sorted order (at least one, never all: the champion keeps one)."""
+    if canary.servers:
+        return tuple(s for s in fleet if s in canary.servers)
+    ordered = sorted(set(fleet))
+    if len(ordered) < 2:
+        return ()
+    count = min(len(ordered) - 1, max(1, round(canary.share * len(ordered))))
+    return tuple(ordered[:count])
+
+
+@dataclass(frozen=True)
 class ServingManifest:
     """What the servers of ``name`` run, as of manifest number ``sequence``.
 
@@ -127,12 +167,24 @@ class ServingManifest:
     details: dict[str, str] = field(default_factory=dict, hash=False)
     algorithm: str = DEFAULT_ALGORITHM  # the drafter's (pipeline.algorithms), whose flags
     # sglang_args are and whose settings ``settings`` are
+    canary: Canary | None = None  # a candidate on part of the servers
     schema_version: int = SERVING_SCHEMA_VERSION
-    READABLE_SCHEMA_VERSIONS = (1, SERVING_SCHEMA_VERSION)
+    READABLE_SCHEMA_VERSIONS = (1, SERVING_SCHEMA_VERSION, CANARY_SCHEMA_VERSION)
 
     def launch_args(self, drafter_dir: str) -> list[str]:
         """The SGLang arguments with the local drafter directory filled in ([] without one)."""
         return [drafter_dir if a == DRAFTER_DIR else a for a in self.sglang_args]
+
+    def on(self, server: str, fleet: Sequence[str]) -> ServingManifest:
+        """What ``server`` of the rollout servers ``fleet`` serves: this manifest as one
+        server sees it, without a canary (the canary's drafter where it serves it)."""
+        if self.canary is None:
+            return self
+        c = self.canary
+        if server in canary_servers(c, fleet):
+            return replace(self, target=c.target, settings=c.settings,
+                           sglang_args=c.sglang_args, algorithm=c.algorithm, canary=None)
+        return replace(self, canary=None)
 
 
 # -- reading the ledger (release writes it: pipeline.release.ledger) -------------------------
@@ -207,14 +259,18 @@ class ServingLaunch:
 
 
 def resolve_serving(storage: Storage, name: str, cache_dir: str | Path,
-                    known_sequence: int | None = None) -> ServingLaunch | None:
+                    known_sequence: int | None = None, *, server: str | None = None,
+                    fleet: Sequence[str] = ()) -> ServingLaunch | None:
     """For the RL trainer at weight sync: the current manifest with its drafter on local
     disk and the SGLang arguments filled in. None when nothing was published, or when the
-    current manifest is ``known_sequence`` (nothing changed since the last sync)."""
+    current manifest is ``known_sequence`` (nothing changed since the last sync).
+    ``server`` of the rollout servers ``fleet``: what that one serves (a canary's drafter
+    where it serves one); without it, the champion."""
     manifest = read_serving(storage, name)
     if manifest is None or manifest.sequence == known_sequence:
         return None
-    return launch_of(storage, manifest, cache_dir)
+    return launch_of(storage, manifest.on(server, fleet) if server else
+                     replace(manifest, canary=None), cache_dir)
 
 
 def launch_of(storage: Storage, manifest: ServingManifest, cache_dir: str | Path

@@ -24,8 +24,10 @@ module.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +59,9 @@ class VerlReplicaReload:
 
     def __init__(self, replicas: list[Any], settings: SpecParams, *,
                  timeout_s: float = 600.0):
-        self.servers = [s for r in replicas for s in r.servers]
+        self.actors = [s for r in replicas for s in r.servers]
+        self.servers = tuple(f"replica-{i}/server-{j}" for i, r in enumerate(replicas)
+                             for j in range(len(r.servers)))  # a canary's names them so
         self.settings = settings
         self.timeout_s = timeout_s
         self._current: Path | None = None
@@ -65,7 +69,7 @@ class VerlReplicaReload:
     def check(self, new_dir: Path, current_dir: Path | None) -> None:
         refuse_unreloadable(self.settings, new_dir, current_dir,
                             "launch verl with it (aerie serving-args verl)")
-        for server in self.servers:
+        for server in self.actors:
             try:
                 self._call(server, PROBE, require_drafter=True)
             except ray.exceptions.RayTaskError as e:  # the worker ran it and failed
@@ -82,7 +86,7 @@ class VerlReplicaReload:
             self._current = new_dir
         reached = []
         try:
-            for server in self.servers:
+            for server in self.actors:
                 reached.append(server)
                 self._load(server, new_dir)
         except Exception as e:
@@ -93,6 +97,15 @@ class VerlReplicaReload:
                                    "drafter back and run an unrecorded one" if stuck else
                                    "; the previous drafter was reloaded")) from e
         return {"servers": str(len(reached))}
+
+    def on(self, servers: Sequence[str]) -> VerlReplicaReload:
+        """The same reload on the named server actors only (a canary's, or the rest)."""
+        part = copy.copy(self)
+        part.actors = [a for n, a in zip(self.servers, self.actors, strict=True)
+                       if n in servers]
+        part.servers = tuple(n for n in self.servers if n in servers)
+        part._current = None
+        return part
 
     def _call(self, server: Any, method: str, **kwargs: Any) -> None:
         ray.get(server.collective_rpc.remote(method=method, kwargs=kwargs),

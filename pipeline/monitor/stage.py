@@ -7,6 +7,11 @@ summarising an RL step (:func:`.observed.observe_step`).
   :func:`after_promotion` decides, for ``serving_drafter``, whether and how a promotion is
   verified, and what the promotion and its ``promotion_verified`` check then say.
 - :func:`outcome_of` is the ``promotion_verified`` outcome of any verdict.
+- :func:`settle_canary` judges a canary serving part of the servers
+  (:func:`.canary.judge_canary`) and, once decided, promotes it to every server or rolls it
+  back (:func:`pipeline.release.canary.conclude_canary`). A promoted canary's
+  post-promotion verdict is reached on its canary rollouts at once (they are what it served
+  after promotion would have served); a rolled-back one gets none (it was never champion).
 
 A verdict is recorded on the registry version (tags ``post_promotion.*``) and is final: a
 ``broken`` one rolls the promotion back first (:func:`pipeline.release.promotion.rollback`:
@@ -18,11 +23,12 @@ judged only while it is the drafter serving now.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Literal
 
 from pipeline.checks import CheckOutcome, serving_state
+from pipeline.monitor.canary import PROMOTE, WAIT, CanaryPolicy, CanaryVerdict, judge_canary
 from pipeline.monitor.observed import observed_series
 from pipeline.monitor.verify import (
     BROKEN,
@@ -34,11 +40,15 @@ from pipeline.monitor.verify import (
     verify_reported,
 )
 from pipeline.release.backend import ServingBackend
+from pipeline.release.canary import conclude_canary
+from pipeline.release.lineage import read_lineage
 from pipeline.release.mlflow_registry import DrafterRegistry
 from pipeline.release.promotion import PromotionNotApplied, PromotionResult, rollback
+from pipeline.serving_now import read_serving
 from pipeline.storage import Storage
 
 VERIFY_ACTOR = "aerie (post-promotion check)"
+CANARY_ACTOR = "aerie (canary)"
 VERDICT_TAG = "post_promotion.verdict"
 EVIDENCE_TAG = "post_promotion.evidence"  # JSON {source, reason, at} of the verdict
 
@@ -180,3 +190,53 @@ def _settle(registry: DrafterRegistry, serving: ServingBackend, verification: Ve
         record_verdict()
         return Checked(verification, None, str(e))
     return Checked(verification, result)
+
+
+@dataclass(frozen=True)
+class CanaryCheck:
+    """A canary's verdict now (None: no canary serves), the change it made (the canary
+    promoted, or rolled back), the promoted canary's post-promotion verdict, and why a
+    decided canary was not concluded (``note``)."""
+
+    verdict: CanaryVerdict | None
+    result: PromotionResult | None = None
+    verified: Checked | None = None  # the promoted canary's post-promotion check
+    note: str = ""
+
+
+def settle_canary(storage: Storage, name: str,
+                  connect: Callable[[], tuple[DrafterRegistry, ServingBackend]],
+                  policy: CanaryPolicy, verify_policy: VerifyPolicy, *,
+                  on_applied: Callable[[CanaryVerdict, PromotionResult], None] | None = None
+                  ) -> CanaryCheck:
+    """Judge the canary serving ``name`` on the RL steps since it started and act on a
+    decided verdict; ``connect`` is called only then. ``on_applied(verdict, result)`` runs
+    under the promotion lock."""
+    manifest = read_serving(storage, name)
+    canary = manifest.canary if manifest is not None else None
+    if canary is None:
+        return CanaryCheck(None, note="no canary serves")
+    candidate = canary.target.registry_version
+    champion = manifest.target.registry_version if manifest.target else "none"
+    series = observed_series(storage, since=canary.started_at)
+    verdict = judge_canary(series, candidate, champion, canary.started_at, policy)
+    if verdict.action == WAIT:
+        return CanaryCheck(verdict)
+    registry, serving = connect()
+    evidence = asdict(verdict.evidence) if verdict.evidence else {}
+    try:
+        result = conclude_canary(
+            registry, serving, candidate, verdict.action == PROMOTE, verdict.reason,
+            evidence, actor=CANARY_ACTOR,
+            on_applied=(lambda r: on_applied(verdict, r)) if on_applied else None)
+    except PromotionNotApplied as e:  # another change came first: nothing to conclude
+        return CanaryCheck(verdict, note=str(e))
+    if verdict.action != PROMOTE:
+        return CanaryCheck(verdict, result)
+    gated = read_lineage(registry.get_version(candidate).tags).get("tau")
+    if not isinstance(gated, int | float):
+        return CanaryCheck(verdict, result, note=f"v{candidate} has no gated τ to verify "
+                                                 f"against")
+    checked = _settle(registry, serving, verify_reported(series, candidate, float(gated),
+                                                         verify_policy))
+    return CanaryCheck(verdict, result, checked)

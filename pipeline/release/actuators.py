@@ -30,7 +30,8 @@ class ActuatorSettings:
     restart_command: tuple[str, ...] = ()  # argv of the restart hook (no shell)
     no_drafter_command: tuple[str, ...] = ()  # argv that restarts without a drafter
     restart_timeout_s: float = 900.0
-    server_urls: tuple[str, ...] = ()  # vllm-reload: the servers' base URLs
+    server_urls: tuple[str, ...] = ()  # vllm-reload: the servers' base URLs; restart
+    # commands with {server}: the servers they run for
     reload_timeout_s: float = 120.0  # vllm-reload: per request
 
 
@@ -49,7 +50,7 @@ def _restart(mode: str, settings: ActuatorSettings,
 
     def build(spec: SpecParams) -> Actuator:
         return RestartHook(argv, spec, timeout_s=settings.restart_timeout_s,
-                           no_drafter_argv=undo, mode=mode)
+                           no_drafter_argv=undo, mode=mode, servers=settings.server_urls)
 
     build(SpecParams(1, 1, 2))  # the commands' placeholders are checked now
     return build

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -36,7 +37,14 @@ from pipeline.algorithms import DEFAULT_ALGORITHM, serving_of
 from pipeline.eagle3.spec import SpecParams
 from pipeline.manifest import read_manifest
 from pipeline.release.ledger import ServingLedger
-from pipeline.serving_now import ServingManifest, ServingTarget, materialize_drafter
+from pipeline.serving_now import (
+    Canary,
+    ServingManifest,
+    ServingTarget,
+    canary_servers,
+    materialize_drafter,
+    serving_args,
+)
 from pipeline.storage import StorageError
 from pipeline.verified import read_verified
 
@@ -90,6 +98,10 @@ class Actuator(Protocol):
         """Make the servers run ``new_dir`` (None: no drafter); returns details to record."""
         ...
 
+    # A mode that can serve a canary on part of its servers also has ``servers`` (the names
+    # of the servers it addresses one by one) and ``on(servers)``: the same actuator on those
+    # servers only. Without them, a canary is refused.
+
 
 class LedgerBackend:
     """A serving backend: an optional :class:`Actuator` plus the ledger that records it."""
@@ -120,36 +132,111 @@ class LedgerBackend:
         return self._switch(target, reason=reason,
                             restored_from=previous.sequence if previous else None, token=token)
 
+    def start_canary(self, target: ServingTarget, *, started_at: int, share: float = 0.0,
+                     servers: tuple[str, ...] = (), reason: str, token: int | None = None
+                     ) -> ServingManifest:
+        """Serve ``target`` on part of the servers (``servers``, or a ``share`` of them)
+        while the rest keep the champion; one canary at a time. A mode with an actuator
+        names the servers it chose in the manifest; in ``manifest`` mode each launcher
+        applies ``share`` to its own servers (:func:`~pipeline.serving_now.canary_servers`).
+        Ending it is :meth:`apply` (the canary to every server) or :meth:`restore` of the
+        champion (the canary's servers back to it)."""
+        before = self.ledger.current()
+        if token is not None:
+            self.ledger.check_token(token, before)
+        if before is not None and before.canary is not None:
+            raise ServingRefused(f"serving {self.ledger.name}: canary "
+                                 f"{before.canary.target.name} is in progress; one canary "
+                                 f"at a time")
+        algorithm, settings = self._served_as(target)
+        canary = Canary(target, settings, serving_args(settings, algorithm=algorithm),
+                        algorithm, started_at, tuple(servers), share)
+        if self.actuator is not None:
+            fleet = _servers_of(self.actuator)
+            chosen = canary_servers(canary, fleet) if fleet else ()
+            if not chosen:
+                raise ServingRefused(
+                    f"serving {self.ledger.name}: mode {self.mode} cannot serve a canary on "
+                    + (f"part of its servers {list(fleet)} (servers {list(servers)}, share "
+                       f"{share})" if fleet else "part of its servers (it addresses them all "
+                       "at once)"))
+            canary = replace(canary, servers=chosen, share=0.0)
+        champion = before if before is not None and before.target is not None else None
+        return self._publish(
+            before, champion.target if champion else None, reason=reason, token=token,
+            restored_from=None, canary=canary,
+            served=(champion.algorithm, champion.settings) if champion
+            else (DEFAULT_ALGORITHM, self.settings))
+
     def _switch(self, target: ServingTarget | None, *, reason: str,
                 restored_from: int | None, token: int | None) -> ServingManifest:
         before = self.ledger.current()
         if token is not None:  # before the servers change, not only before the record does
             self.ledger.check_token(token, before)
-        algorithm, settings = DEFAULT_ALGORITHM, self.settings
-        if target is not None:
-            algorithm, settings = self._served_as(target)
+        served = (DEFAULT_ALGORITHM, self.settings) if target is None else \
+            self._served_as(target)
+        return self._publish(before, target, reason=reason, token=token,
+                             restored_from=restored_from, canary=None, served=served)
+
+    def _publish(self, before: ServingManifest | None, target: ServingTarget | None, *,
+                 reason: str, token: int | None, restored_from: int | None,
+                 canary: Canary | None, served: tuple[str, SpecParams]) -> ServingManifest:
+        """Activate the change from ``before`` on the servers it concerns, then record it;
+        a record that fails re-activates ``before``."""
+        algorithm, settings = served
         details: dict[str, str] = {}
         if self.actuator is not None:
-            new_dir = self._local(target)
-            if new_dir is not None:
-                current_dir = self._local(before.target if before else None) \
-                    if self.actuator.compares_with_current else None
-                self.actuator.check(new_dir, current_dir)
-            details = self.actuator.activate(new_dir, target)
+            after = (target, canary)
+            details = self._activate(_layout(before, self.actuator),
+                                     _layout_of(after, self.actuator), before, after)
         try:
             return self.ledger.publish(target, settings, mode=self.mode, reason=reason,
                                        restored_from=restored_from, details=details,
-                                       token=token, algorithm=algorithm)
+                                       token=token, algorithm=algorithm, canary=canary)
         except Exception as e:
             if self.actuator is not None:
-                self._reactivate(before, e)
+                self._reactivate(before, (target, canary), e)
             raise ServingError(f"serving {self.ledger.name}: the update could not be "
                                f"recorded ({e}); the previous drafter was re-activated") from e
 
-    def _reactivate(self, before: ServingManifest | None, error: Exception) -> None:
-        target = before.target if before else None
+    def _activate(self, now: dict[str, ServingTarget | None],
+                  then: dict[str, ServingTarget | None], before: ServingManifest | None,
+                  after: tuple[ServingTarget | None, Canary | None]) -> dict[str, str]:
+        """Hand each server what ``then`` says it serves. Without a canary before or after,
+        every server gets the new drafter (as every update always did); with one, only the
+        servers whose drafter changes, each group through the actuator of its servers."""
+        involved = (before is not None and before.canary is not None) or \
+            after[1] is not None
+        groups: dict[tuple[str | None, str | None], list[str]] = {}
+        for server, new in then.items():
+            old = now.get(server)
+            if involved and _same(old, new):
+                continue
+            groups.setdefault((_fp(old), _fp(new)), []).append(server)
+        targets = {_fp(t): t for t in (*now.values(), *then.values())}
+        fleet = set(then)
+        details: dict[str, str] = {}
+        for (old_fp, new_fp), servers in groups.items():
+            actuator = self.actuator if set(servers) == fleet else \
+                self.actuator.on(tuple(servers))
+            new_target, old_target = targets[new_fp], targets[old_fp]
+            new_dir = self._local(new_target)
+            if new_dir is not None:
+                current_dir = self._local(old_target) \
+                    if actuator.compares_with_current else None
+                actuator.check(new_dir, current_dir)
+            done = actuator.activate(new_dir, new_target)
+            details.update(done if len(groups) == 1 else
+                           {f"{k} ({new_target.name if new_target else 'none'})": v
+                            for k, v in done.items()})
+        return details
+
+    def _reactivate(self, before: ServingManifest | None,
+                    after: tuple[ServingTarget | None, Canary | None],
+                    error: Exception) -> None:
         try:
-            self.actuator.activate(self._local(target), target)
+            self._activate(_layout_of(after, self.actuator), _layout(before, self.actuator),
+                           before, after)
         except Exception as again:
             raise ServingError(f"serving {self.ledger.name}: recording the update failed "
                                f"({error}) and re-activating the previous drafter failed too "
@@ -180,3 +267,35 @@ class LedgerBackend:
             return None
         return materialize_drafter(self.ledger.storage, target.drafter_uri, self.cache_dir,
                                    fingerprint=target.fingerprint)
+
+
+ALL = "*"  # the one "server" of an actuator that addresses all of them at once
+
+
+def _servers_of(actuator: Actuator) -> tuple[str, ...]:
+    """The servers an actuator can address one by one (``servers``; () when it cannot)."""
+    return tuple(getattr(actuator, "servers", ()) or ())
+
+
+def _layout_of(state: tuple[ServingTarget | None, Canary | None], actuator: Actuator
+               ) -> dict[str, ServingTarget | None]:
+    """Which drafter each server runs in ``state`` (target, canary)."""
+    target, canary = state
+    fleet = _servers_of(actuator) or (ALL,)
+    on_canary = set(canary_servers(canary, fleet)) if canary is not None else set()
+    return {s: canary.target if s in on_canary else target for s in fleet}
+
+
+def _layout(manifest: ServingManifest | None, actuator: Actuator
+            ) -> dict[str, ServingTarget | None]:
+    if manifest is None:
+        return _layout_of((None, None), actuator)
+    return _layout_of((manifest.target, manifest.canary), actuator)
+
+
+def _fp(target: ServingTarget | None) -> str | None:
+    return target.fingerprint if target is not None else None
+
+
+def _same(a: ServingTarget | None, b: ServingTarget | None) -> bool:
+    return _fp(a) == _fp(b)

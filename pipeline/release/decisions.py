@@ -3,7 +3,7 @@
 A decision (the gate's, or a manual override's) is a :class:`DecisionRecord`: what, why, by
 whom, when, against which champion and in which Dagster run. Decision ``n`` of a version is
 one JSON tag ``gate.<n>``, written once and never rewritten; the decision that counts, its
-standing, is ``gate.decision`` (promoted | forced | refused) with ``gate.decision_id`` = n.
+standing, is ``gate.decision`` (promoted | forced | refused | canary) with ``gate.decision_id`` = n.
 
 Versions registered before this layout kept one tag per field (``gate.<n>.decision``,
 ``gate.<n>.reasons``, …) and copies of the standing's fields (``gate.reasons``, …):
@@ -22,7 +22,8 @@ from typing import Any
 from pipeline.release.lineage import MAX_TAG_VALUE, parse_tag
 
 PROMOTED, FORCED, REFUSED = "promoted", "forced", "refused"
-DECISIONS = (PROMOTED, FORCED, REFUSED)
+CANARY = "canary"  # the gate passed it to serve part of the servers first (release.canary)
+DECISIONS = (PROMOTED, FORCED, REFUSED, CANARY)
 STANDING = "gate.decision"
 STANDING_ID = "gate.decision_id"
 LEGACY_STANDING = ("gate.reasons", "gate.decided_at", "gate.baseline", "gate.relative_gain")
@@ -37,7 +38,7 @@ class DecisionRecord:
     forced promotion; ``champion``: the version serving when it was decided (None: none).
     """
 
-    decision: str  # promoted | forced | refused
+    decision: str  # promoted | forced | refused | canary
     reasons: tuple[str, ...]
     actor: str
     decided_at: str

@@ -36,6 +36,9 @@ from pipeline.eagle3.spec import SpecParams
 from pipeline.layout import serving_prefix
 from pipeline.records import to_json
 from pipeline.serving_now import (
+    CANARY_SCHEMA_VERSION,
+    SERVING_SCHEMA_VERSION,
+    Canary,
     ServingManifest,
     ServingTarget,
     current_key,
@@ -81,10 +84,11 @@ class ServingLedger:
     def publish(self, target: ServingTarget | None, settings: SpecParams, *,
                 mode: str, reason: str, restored_from: int | None = None,
                 details: dict[str, str] | None = None,
-                token: int | None = None, algorithm: str = DEFAULT_ALGORITHM
-                ) -> ServingManifest:
-        """Record ``target`` as what is served now; returns the manifest written. ``token``:
-        the writer's fencing token (refused when lower than the current manifest's)."""
+                token: int | None = None, algorithm: str = DEFAULT_ALGORITHM,
+                canary: Canary | None = None) -> ServingManifest:
+        """Record ``target`` as what is served now (``canary`` on part of the servers);
+        returns the manifest written. ``token``: the writer's fencing token (refused when
+        lower than the current manifest's)."""
         previous = self.current()
         details = dict(details or {})
         if token is not None:
@@ -98,12 +102,14 @@ class ServingLedger:
             else (), algorithm=algorithm,
             written_at=datetime.now(UTC).isoformat(timespec="milliseconds"), reason=reason,
             previous_sequence=previous.sequence if previous else None,
-            restored_from=restored_from, details=details)
+            restored_from=restored_from, details=details, canary=canary,
+            schema_version=CANARY_SCHEMA_VERSION if canary else SERVING_SCHEMA_VERSION)
         data = to_json(manifest).encode()
         self.storage.write_bytes(self._key(manifest.sequence), data)
         self.storage.write_bytes(current_key(self.name), data)  # the commit point
-        log.info("serving %s: manifest %d (%s) -> %s", self.name, manifest.sequence, reason,
-                 target.drafter_uri if target else "no drafter")
+        log.info("serving %s: manifest %d (%s) -> %s%s", self.name, manifest.sequence, reason,
+                 target.drafter_uri if target else "no drafter",
+                 f", canary {canary.target.drafter_uri}" if canary else "")
         return manifest
 
     def check_token(self, token: int, current: ServingManifest | None) -> None:

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.algorithms import ALGORITHMS
 from pipeline.release.decisions import (
+    CANARY,
     FORCED,
     LEGACY_STANDING,
     PROMOTED,
@@ -349,11 +350,11 @@ class DrafterRegistry:
 
     def set_standing(self, version: str, n: int) -> bool:
         """Make decision ``n`` of ``version`` its standing (``gate.decision``,
-        ``gate.decision_id``); a ``refused`` never replaces a ``promoted`` or ``forced``
-        standing. Returns whether the standing changed."""
+        ``gate.decision_id``); a ``refused`` or ``canary`` never replaces a ``promoted`` or
+        ``forced`` standing. Returns whether the standing changed."""
         tags = self.get_version(version).tags
         record = decision_in(tags, n)
-        if record.decision == REFUSED and tags.get(STANDING) in (PROMOTED, FORCED):
+        if record.decision in (REFUSED, CANARY) and tags.get(STANDING) in (PROMOTED, FORCED):
             return False
         self.set_tags(version, {STANDING: record.decision, STANDING_ID: n})
         for key in LEGACY_STANDING:  # copies of an older standing would contradict it

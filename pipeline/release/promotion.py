@@ -102,34 +102,47 @@ def promote(registry: DrafterRegistry, serving: ServingBackend, candidate_versio
             lock: AbstractContextManager[Any] | None = None) -> PromotionResult:
     """Make ``candidate_version`` the champion if ``decision`` says so (see module doc)."""
     candidate_version = str(candidate_version)
-    with _held(registry, serving, lock) as (registry, serving):
-        served = _served_target(registry, serving)
-        candidate = registry.get_version(candidate_version)
-        if served is not None and _is_served(candidate, served):  # e.g. a re-run
-            return _already_champion(registry, serving, candidate, served)
-        if decision.verdict == ALREADY_CHAMPION:
-            return _refuse(registry, serving, candidate_version, decision, actor,
-                           dagster_run_id, served, (
-                               f"stale decision: made when the candidate was champion "
-                               f"v{decision.champion_version}, but the serving record serves "
-                               f"{_v(served.registry_version if served else None)} now; "
-                               f"evaluate again",))
-        if not decision.promote:
-            return _refuse(registry, serving, candidate_version, decision, actor,
-                           dagster_run_id, served, decision.reasons)
-        current = serving_champion(registry, serving)
-        stale = _staleness(decision, current)
-        if stale:
-            return _refuse(registry, serving, candidate_version, decision, actor,
-                           dagster_run_id, served, (stale,))
-        record = DecisionRecord(PROMOTED, decision.reasons, actor, _now(), decision.baseline,
+    with held(registry, serving, lock) as (registry, serving):
+        refused, current = screen(registry, serving, candidate_version, decision, actor,
+                                  dagster_run_id)
+        if refused is not None:
+            return refused
+        record = DecisionRecord(PROMOTED, decision.reasons, actor, now(), decision.baseline,
                                 decision.relative_gain, current, dagster_run_id)
-        manifest = _make_champion(registry, serving, candidate_version,
+        manifest = make_champion(registry, serving, candidate_version,
                                   {PREVIOUS_CHAMPION: current or NONE},
                                   reason=f"promoted v{candidate_version} by the gate: "
                                   f"{decision.reasons[0]}", decision=record)
         return PromotionResult("promoted", registry.model_name, candidate_version, current,
                                manifest, decision.reasons)
+
+
+def screen(registry: DrafterRegistry, serving: ServingBackend, candidate_version: str,
+           decision: Decision, actor: str, dagster_run_id: str | None
+           ) -> tuple[PromotionResult | None, str | None]:
+    """What a gate decision must pass before anything serves the candidate, under the
+    promotion lock: ``(result, None)`` when it stops here (already champion, a stale or
+    refusing decision: the refusal recorded), else ``(None, the champion)``."""
+    served = _served_target(registry, serving)
+    candidate = registry.get_version(candidate_version)
+    if served is not None and _is_served(candidate, served):  # e.g. a re-run
+        return _already_champion(registry, serving, candidate, served), None
+    if decision.verdict == ALREADY_CHAMPION:
+        return refuse(registry, serving, candidate_version, decision, actor,
+                       dagster_run_id, served, (
+                           f"stale decision: made when the candidate was champion "
+                           f"v{decision.champion_version}, but the serving record serves "
+                           f"{_v(served.registry_version if served else None)} now; "
+                           f"evaluate again",)), None
+    if not decision.promote:
+        return refuse(registry, serving, candidate_version, decision, actor,
+                       dagster_run_id, served, decision.reasons), None
+    current = serving_champion(registry, serving)
+    stale = _staleness(decision, current)
+    if stale:
+        return refuse(registry, serving, candidate_version, decision, actor,
+                       dagster_run_id, served, (stale,)), None
+    return None, current
 
 
 def force_promote(registry: DrafterRegistry, serving: ServingBackend, candidate_version: str,
@@ -140,7 +153,7 @@ def force_promote(registry: DrafterRegistry, serving: ServingBackend, candidate_
     candidate_version = str(candidate_version)
     if not actor.strip() or not reason.strip():
         raise ValueError("force_promote needs a non-empty actor and reason")
-    with _held(registry, serving, lock) as (registry, serving):
+    with held(registry, serving, lock) as (registry, serving):
         _require_version(registry, candidate_version)
         current = serving_champion(registry, serving, reconcile=True)
         if current == candidate_version:  # served already: at most the alias lags behind
@@ -151,14 +164,14 @@ def force_promote(registry: DrafterRegistry, serving: ServingBackend, candidate_
                                        (f"v{current} is the champion already",))
             why = (f"alias {CHAMPION} moved from {_v(alias)} to the served v{current} by "
                    f"{actor}: {reason}")
-            registry.set_tags(current, {RECONCILED: {"at": _now(), "by": actor,
+            registry.set_tags(current, {RECONCILED: {"at": now(), "by": actor,
                                                      "reason": reason}})
             registry.set_alias(CHAMPION, current)  # previous_champion stays as it was
             return PromotionResult("forced", registry.model_name, current, alias,
                                    serving.current(), (why,))
-        record = DecisionRecord(FORCED, (f"forced by {actor}: {reason}",), actor, _now(),
+        record = DecisionRecord(FORCED, (f"forced by {actor}: {reason}",), actor, now(),
                                 "override", math.nan, current, dagster_run_id)
-        manifest = _make_champion(registry, serving, candidate_version,
+        manifest = make_champion(registry, serving, candidate_version,
                                   {PREVIOUS_CHAMPION: current or NONE},
                                   reason=f"force v{candidate_version} by {actor}: {reason}",
                                   decision=record)
@@ -167,7 +180,7 @@ def force_promote(registry: DrafterRegistry, serving: ServingBackend, candidate_
 
 
 @contextmanager
-def _held(registry: DrafterRegistry, serving: ServingBackend,
+def held(registry: DrafterRegistry, serving: ServingBackend,
           lock: AbstractContextManager[Any] | None
           ) -> Iterator[tuple[DrafterRegistry, ServingBackend]]:
     """Hold ``lock`` (default: the registry's promotion lock) and give the registry and the
@@ -178,7 +191,8 @@ def _held(registry: DrafterRegistry, serving: ServingBackend,
             yield registry, serving
         else:
             yield (registry.fenced_by(held),
-                   fenced(serving, held, ("apply", "restore"), token=held.token))
+                   fenced(serving, held, ("apply", "restore", "start_canary"),
+                          token=held.token))
 
 
 def _require_version(registry: DrafterRegistry, version: str) -> None:
@@ -201,7 +215,7 @@ def rollback(registry: DrafterRegistry, serving: ServingBackend, *, actor: str =
     ``on_applied(result)`` runs while the promotion lock is still held (a caller outside
     the promotion pool records the change there, so no promotion's record can come
     between)."""
-    with _held(registry, serving, lock) as (registry, serving):
+    with held(registry, serving, lock) as (registry, serving):
         result = _rollback(registry, serving, actor, reason, dagster_run_id, expected)
         if on_applied is not None:
             on_applied(result)
@@ -225,14 +239,14 @@ def _rollback(registry: DrafterRegistry, serving: ServingBackend, actor: str, re
         raise PromotionError(f"{registry.model_name} v{current.version} has no "
                              f"{PREVIOUS_CHAMPION} tag; nothing to roll back to")
     registry.set_tags(current.version, {ROLLED_BACK: {
-        "at": _now(), "by": actor, "reason": reason,
+        "at": now(), "by": actor, "reason": reason,
         **({"run_id": dagster_run_id} if dagster_run_id else {})}})
     why = f"rollback v{current.version} -> {previous} by {actor}: {reason}"
     if previous == NONE:
         manifest = _clear_champion(registry, serving, reason=why)
         return PromotionResult("rolled_back", registry.model_name, None, current.version,
                                manifest, (why,))
-    manifest = _make_champion(registry, serving, previous, {}, reason=why)
+    manifest = make_champion(registry, serving, previous, {}, reason=why)
     return PromotionResult("rolled_back", registry.model_name, previous, current.version,
                            manifest, (why,))
 
@@ -283,14 +297,14 @@ def _already_champion(registry: DrafterRegistry, serving: ServingBackend,
                            served.registry_version, manifest, (why,))
 
 
-def _refuse(registry: DrafterRegistry, serving: ServingBackend, version: str,
+def refuse(registry: DrafterRegistry, serving: ServingBackend, version: str,
             decision: Decision, actor: str, dagster_run_id: str | None,
             served: ServingTarget | None, reasons: tuple[str, ...]) -> PromotionResult:
     """Record a refusal of ``version`` (its own decision tags; the standing only if the
     version was never promoted); nothing else moves."""
     champion = served.registry_version if served else None
     n = registry.record_decision(version, DecisionRecord(
-        REFUSED, reasons, actor, _now(), decision.baseline, decision.relative_gain, champion,
+        REFUSED, reasons, actor, now(), decision.baseline, decision.relative_gain, champion,
         dagster_run_id))
     registry.set_standing(version, n)
     log.info("%s v%s refused: %s", registry.model_name, version, "; ".join(reasons))
@@ -302,7 +316,7 @@ def _v(version: str | None) -> str:
     return f"v{version}" if version else "no drafter"
 
 
-def _make_champion(registry: DrafterRegistry, serving: ServingBackend, version: str,
+def make_champion(registry: DrafterRegistry, serving: ServingBackend, version: str,
                    tags: Mapping[str, Any], *, reason: str,
                    decision: DecisionRecord | None = None) -> ServingManifest:
     """Tags (``decision`` as the version's next decision), then serving, then the alias
@@ -426,5 +440,5 @@ def _best_effort_tag(registry: DrafterRegistry, version: str, error: str,
         log.warning("could not tag v%s with its promotion error: %s", version, e)
 
 
-def _now() -> str:
+def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")

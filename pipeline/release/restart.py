@@ -10,6 +10,8 @@ The command is an argv list (no shell) whose items may contain placeholders:
     {registry_version} {fingerprint}         which registered drafter it is
     {speculative_config}  vLLM's --speculative-config JSON for the drafter (vllm-restart;
                           chains only, so an EAGLE-3 drafter's topk must be 1)
+    {server}             one of the configured servers (``server_urls``): the command is
+                         then run once per server, and a canary can restart only its own
 
 e.g. ``["systemctl", "restart", "sglang@{registry_version}"]`` or
 ``["/opt/aerie/restart-sglang.sh", "{drafter_dir}"]``, where the script relaunches
@@ -29,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import signal
@@ -47,7 +50,7 @@ from pipeline.serving_now import ServingTarget
 log = logging.getLogger(__name__)
 
 PLACEHOLDERS = frozenset({"drafter_dir", "num_steps", "topk", "num_draft_tokens", "algorithm",
-                          "registry_version", "fingerprint", "speculative_config"})
+                          "registry_version", "fingerprint", "speculative_config", "server"})
 RESTART_MODES = ("sglang-restart", "vllm-restart")
 _TAIL = 2000
 
@@ -60,7 +63,7 @@ class RestartHook:
     def __init__(self, argv: Sequence[str], settings: SpecParams, *,
                  timeout_s: float = 600.0, no_drafter_argv: Sequence[str] | None = None,
                  cwd: str | Path | None = None, env: Mapping[str, str] | None = None,
-                 mode: str = "sglang-restart"):
+                 mode: str = "sglang-restart", servers: Sequence[str] = ()):
         if not argv:
             raise ValueError("the restart command must not be empty")
         if mode not in RESTART_MODES:
@@ -76,6 +79,11 @@ class RestartHook:
             raise ValueError("no_drafter_argv cannot name a drafter")
         if timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
+        per_server = "server" in placeholders(argv) | placeholders(no_drafter_argv or ())
+        if per_server and not servers:
+            raise ValueError("a restart command with {server} needs the servers "
+                             "(server_urls)")
+        self.servers = tuple(servers) if per_server else ()  # () : one run for all
         self.argv = tuple(argv)
         self.no_drafter_argv = tuple(no_drafter_argv) if no_drafter_argv else None
         self.settings = settings
@@ -106,8 +114,8 @@ class RestartHook:
     def activate(self, new_dir: Path | None, target: ServingTarget | None) -> dict[str, str]:
         algorithm, settings = (None, self.settings) if new_dir is None else \
             self._served_as(new_dir)
-        values = {"num_steps": settings.num_steps, "topk": settings.eagle_topk,
-                  "num_draft_tokens": settings.num_draft_tokens,
+        values = {"server": "{server}", "num_steps": settings.num_steps,
+                  "topk": settings.eagle_topk, "num_draft_tokens": settings.num_draft_tokens,
                   "algorithm": algorithm.sglang_algorithm if algorithm else ""}
         if new_dir is None:
             if self.no_drafter_argv is None:
@@ -121,7 +129,20 @@ class RestartHook:
             if "speculative_config" in placeholders(self.argv):
                 values["speculative_config"] = self._speculative_config(new_dir)
             argv = [a.format_map(values) for a in self.argv]
-        return run_hook(argv, timeout_s=self.timeout_s, cwd=self.cwd, env=self.env)
+        if not self.servers:
+            return run_hook(argv, timeout_s=self.timeout_s, cwd=self.cwd, env=self.env)
+        details: dict[str, str] = {}
+        for server in self.servers:  # argv was formatted with {server} left as it was
+            done = run_hook([a.replace("{server}", server) for a in argv],
+                            timeout_s=self.timeout_s, cwd=self.cwd, env=self.env)
+            details = {**done, "servers": str(len(self.servers))}
+        return details
+
+    def on(self, servers: Sequence[str]) -> RestartHook:
+        """The same hook run for ``servers`` only (a canary's, or the rest of them)."""
+        part = copy.copy(self)
+        part.servers = tuple(s for s in self.servers if s in servers)
+        return part
 
 
 def run_hook(argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,

@@ -1,7 +1,8 @@
 """Stage 7b, ``serving_drafter``: the gate's decision on a refresh step, and promotion.
 
 ``run`` turns the step's acceptance report into gate inputs
-(:func:`pipeline.release.gate.decide`) and calls :func:`pipeline.release.promotion.promote`.
+(:func:`pipeline.release.gate.decide`) and calls :func:`pipeline.release.promotion.promote`,
+or :func:`pipeline.release.canary.start_canary` when canaries are configured.
 
 Invariant: the champion the gate compares against is the version the report measured
 (found by its fingerprint); promotion refuses a decision whose champion has since changed,
@@ -16,6 +17,7 @@ from pipeline.algorithms import format_errors
 from pipeline.evaluation.stage import NO_DRAFTER, AcceptanceReport, Contestant
 from pipeline.layout import drafter_prefix
 from pipeline.release.backend import ServingBackend
+from pipeline.release.canary import CanaryPlan, start_canary
 from pipeline.release.gate import Candidate, Decision, EvalSummary, GatePolicy, decide
 from pipeline.release.mlflow_registry import DrafterRegistry
 from pipeline.release.promotion import PromotionResult, promote
@@ -32,9 +34,10 @@ class Released:
 
 
 def run(storage: Storage, registry: DrafterRegistry, serving: ServingBackend,
-        step: int, policy: GatePolicy, *, dagster_run_id: str | None = None
-        ) -> Released:
-    """Ask the gate about the drafter of ``step`` and promote it if the gate says so."""
+        step: int, policy: GatePolicy, *, dagster_run_id: str | None = None,
+        canary: CanaryPlan | None = None) -> Released:
+    """Ask the gate about the drafter of ``step`` and promote it if the gate says so: to
+    every server, or first as a canary on ``canary``'s servers from RL step ``step + 1``."""
     report = read_refresh_report(storage, step)
     cand = report.contestants["candidate"]
     version = registry.find_version(cand.fingerprint)
@@ -50,8 +53,12 @@ def run(storage: Storage, registry: DrafterRegistry, serving: ServingBackend,
         champion = _summary(report, measured, found.version if found else None)
     decision = decide(Candidate(_summary(report, cand, version.version), not errors, errors),
                       champion, _summary(report, report.contestants[NO_DRAFTER], None), policy)
-    result = promote(registry, serving, version.version, decision,
-                     dagster_run_id=dagster_run_id)
+    if canary is not None and canary.enabled:
+        result = start_canary(registry, serving, version.version, decision, canary,
+                              started_at=step + 1, dagster_run_id=dagster_run_id)
+    else:
+        result = promote(registry, serving, version.version, decision,
+                         dagster_run_id=dagster_run_id)
     return Released(decision, result)
 
 

@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -167,8 +168,18 @@ class VllmDraftReload:
             raise ValueError("vllm-reload needs the vLLM servers' base URLs")
         self.clients = [VllmReloadClient(u, timeout_s=timeout_s, session=session)
                         for u in server_urls]
+        self.servers = tuple(server_urls)  # as configured: a canary's servers name them so
         self.settings = settings
         self._current: Path | None = None
+
+    def on(self, servers: Sequence[str]) -> VllmDraftReload:
+        """The same reload on ``servers`` only (a canary's, or the rest of them)."""
+        part = copy.copy(self)
+        part.clients = [c for u, c in zip(self.servers, self.clients, strict=True)
+                        if u in servers]
+        part.servers = tuple(u for u in self.servers if u in servers)
+        part._current = None
+        return part
 
     def check(self, new_dir: Path, current_dir: Path | None) -> None:
         refuse_unreloadable(self.settings, new_dir, current_dir,
