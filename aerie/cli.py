@@ -107,14 +107,15 @@ def generate_demo_world(force: bool = False, config=None, after_step=None,
     if report_path.exists() and not force:
         log.info("demo world already generated (%s)", report_path)
         return json.loads(report_path.read_text())
-    from aerie.demo import reported_records
+    from aerie.demo import DEMO_REPORTED_PROMPTS, reported_records
 
     config = config or DemoConfig()
     storage = storage_from_environment()
     writer = SnapshotWriter(storage)
 
     def publish(out) -> None:
-        records = reported_records(out, storage, config.max_new_tokens)
+        records = reported_records(out, storage, config.max_new_tokens,
+                                   DEMO_REPORTED_PROMPTS)
         writer.write_step(out.step, records, out.policy_dir, out.policy_version,
                           sampling=out.sampling)
         if after_step is not None:
@@ -193,10 +194,13 @@ def run_demo(world_config, policy, *, regenerate: bool = False, verbose: bool = 
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from aerie.status import refresh_table, staleness_lines
+    from aerie.demo import DEMO_SERVING
+    from aerie.status import canary_lines, canary_records, refresh_table, staleness_lines
     from pipeline.demo.config import DemoConfig
     from resources.refresh import refresh_policy_from_env
 
+    for variable, value in DEMO_SERVING.items():  # the user's own settings win
+        os.environ.setdefault(variable, value)
     home = prepare_dagster_home()
     world_config, policy = DemoConfig(), refresh_policy_from_env()
     print(f"Aerie demo: the demo RL trainer writes {world_config.num_steps} RL steps; after "
@@ -214,7 +218,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     bad = bad_refresh_step(world_config.num_steps, policy.every)
     notes = {f"step-{bad:06d}": "(the demo's deliberately bad refresh)"} if bad else {}
     print(refresh_table(outcomes, notes))
-    stale = staleness_lines(outcomes)
+    records = canary_records(_registry_and_storage()[0], outcomes)
+    canaries = canary_lines(records)
+    if canaries:
+        print("\nCanaries (half of the rollout servers first, judged on the RL engine's "
+              "counters):")
+        print("\n".join(f"  {line}" for line in canaries))
+    stale = staleness_lines(outcomes, frozenset(
+        v for v, r in records.items() if r.get("state") == "promoted"))
     if stale:
         print("\nThe serving drafter goes stale as the policy drifts (its τ on each later "
               "window):")
@@ -331,6 +342,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from aerie.launch import fail_orphaned_runs
     from aerie.status import render, serving_status
     from resources.refresh import refresh_policy_from_env
+    from resources.serving import serving_from_env
 
     prepare_dagster_home()
     registry, storage = _registry_and_storage()
@@ -341,7 +353,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     status = serving_status(instance, storage, registry.model_name,
                             stale_after_steps=policy.stale_after_steps,
                             max_tau_drop=policy.max_tau_drop_percent / 100,
-                            drift_window=policy.drift_window)
+                            drift_window=policy.drift_window,
+                            canary_policy=serving_from_env().canary_policy())
     print(render(status))
     return 0
 

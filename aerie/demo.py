@@ -87,6 +87,15 @@ def execute_requests(instance: DagsterInstance, job_name: str, requests,
     return runs
 
 
+# The demo's serving: a drafter the gate passes serves first as a canary on half of the
+# demo trainer's four rollout servers, and is judged on its next three RL steps
+# (AERIE_SERVING_CANARY_SHARE=0 promotes at once); the trainer reports counters for
+# DEMO_REPORTED_PROMPTS prompts per step, two per server.
+DEMO_SERVING = {"AERIE_SERVING_CANARY_SHARE": "0.5", "AERIE_SERVING_CANARY_STEPS": "3",
+                "AERIE_SERVING_CANARY_MIN_VERIFY_PASSES": "100"}
+DEMO_REPORTED_PROMPTS = 8
+
+
 def reported_records(out, storage, max_new_tokens: int, prompts: int = 4) -> list[dict]:
     """Step ``out``'s records as the demo trainer reports them: with the speculative counters
     its engine would have had with the drafter serving now (:mod:`pipeline.demo.speculation`;

@@ -10,6 +10,7 @@ from dagster import DagsterInstance, RunsFilter
 
 from aerie.demo import RefreshOutcome
 from pipeline.checks import serving_staleness
+from pipeline.monitor.canary import CanaryPolicy
 from pipeline.serving_now import drafter_name, read_serving
 from pipeline.storage import Storage
 
@@ -50,16 +51,18 @@ def _main_reason(reasons: list[str]) -> str:
     return (reasons or [""])[0]
 
 
-def staleness_lines(outcomes: list[RefreshOutcome]) -> list[str]:
+def staleness_lines(outcomes: list[RefreshOutcome], canaries_promoted: frozenset[str] =
+                    frozenset()) -> list[str]:
     """How each champion's τ fell on the windows after its promotion (the drift that makes
-    refreshes worth it): one line per champion measured on a later window."""
+    refreshes worth it): one line per champion measured on a later window. A refresh whose
+    canary was promoted later (``canaries_promoted``) counts as its promotion."""
     promoted: dict[str, tuple[RefreshOutcome, list[str]]] = {}
     serving = None
     for o in outcomes:
         if serving is not None and o.champion_tau is not None \
                 and o.regime == promoted[serving][0].regime:  # τ of one regime only
             promoted[serving][1].append(f"{o.champion_tau:.2f} on steps {_steps(o.window)}")
-        if o.action == "promoted":
+        if o.action == "promoted" or (o.action == "canary" and o.version in canaries_promoted):
             serving = o.version
             promoted[serving] = (o, [])
     return [f"v{version}: τ {first.candidate_tau:.2f} at promotion (steps "
@@ -77,12 +80,14 @@ class ServingStatus:
     stale: bool
     last_refresh: str
     observed: str = ""  # the serving drafter's τ as the RL engine reported it
+    canary: str = ""  # a canary serving part of the servers, and where its verdict stands
 
 
 def serving_status(instance: DagsterInstance, storage: Storage, model: str, *,
-                   stale_after_steps: int, max_tau_drop: float, drift_window: int = 2
-                   ) -> ServingStatus:
-    """The drafter serving ``model`` now and the newest refresh run."""
+                   stale_after_steps: int, max_tau_drop: float, drift_window: int = 2,
+                   canary_policy: CanaryPolicy | None = None) -> ServingStatus:
+    """The drafter serving ``model`` now (and a canary beside it) and the newest refresh
+    run."""
     from assets.partitions import ingested_steps
 
     record = read_serving(storage, model)
@@ -96,7 +101,43 @@ def serving_status(instance: DagsterInstance, storage: Storage, model: str, *,
         reason=record.reason if record else "",
         staleness=stale.description if stale else f"newest ingested RL step: {newest}",
         stale=bool(stale and not stale.passed), last_refresh=_last_refresh(instance),
-        observed=_observed(storage, model, drift_window) if target else "")
+        observed=_observed(storage, model, drift_window) if target else "",
+        canary=_canary(storage, record, canary_policy or CanaryPolicy()) if record else "")
+
+
+def _canary(storage: Storage, record, policy: CanaryPolicy) -> str:
+    """A canary in progress: which drafter, where, since when, and its verdict so far."""
+    from pipeline.monitor.canary import judge_canary
+    from pipeline.monitor.observed import observed_series
+
+    c = record.canary
+    if c is None:
+        return ""
+    where = ", ".join(c.servers) if c.servers else f"{c.share:.0%} of the servers"
+    champion = record.target.registry_version if record.target else "none"
+    verdict = judge_canary(observed_series(storage, since=c.started_at),
+                           c.target.registry_version, champion, c.started_at, policy)
+    return f"{c.target.name} on {where} from RL step {c.started_at}; {verdict.reason}"
+
+
+def canary_records(registry, outcomes: list[RefreshOutcome]) -> dict[str, dict]:
+    """The ``canary`` tag of each refresh's drafter that started one, by version."""
+    import json
+
+    return {o.version: json.loads(registry.get_version(o.version).tags.get("canary", "{}"))
+            for o in outcomes if o.action == "canary"}
+
+
+def canary_lines(records: dict[str, dict]) -> list[str]:
+    """What became of each canary (:func:`canary_records`): promoted or rolled back on the
+    RL engine's counters, or still serving."""
+    lines = []
+    for version, record in records.items():
+        state = record.get("state", "?")
+        lines.append(f"v{version}: canary from RL step {record.get('started_at', '?')}: "
+                     + (f"{state.replace('_', ' ')}: {record['reason']}" if "reason" in record
+                        else "still serving part of the servers"))
+    return lines
 
 
 def _observed(storage: Storage, model: str, window: int) -> str:
@@ -138,5 +179,6 @@ def render(s: ServingStatus) -> str:
         *([f"why:          {s.reason}"] if s.reason else []),
         f"staleness:    {'STALE: ' if s.stale else ''}{s.staleness}",
         *([f"observed:     {s.observed}"] if s.observed else []),
+        *([f"canary:       {s.canary}"] if s.canary else []),
         f"last refresh: {s.last_refresh}",
     ])

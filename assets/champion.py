@@ -1,6 +1,6 @@
 """Changes of champion as Dagster sees them: the pool every promotion path runs in, what a
 ``serving_drafter`` event says, and how a change made outside that asset (manual override,
-rollback, a post-promotion check's rollback) is recorded as one.
+rollback, a post-promotion check's rollback, a canary's verdict) is recorded as one.
 
 Invariant: the newest ``serving_drafter`` materialization names the drafter serving now,
 whoever moved it: the gate, the override and the manual rollback run in
@@ -15,6 +15,7 @@ from dagster import (
     AssetCheckSeverity,
     AssetKey,
     AssetMaterialization,
+    AssetObservation,
     MetadataValue,
     OpExecutionContext,
 )
@@ -40,9 +41,13 @@ def champion_metadata(p: PromotionResult, registry: DrafterRegistry, *, actor: s
         return drafter_name(version, registry.get_version(version).fingerprint if version
                             else None)
 
+    canary = p.serving.canary if p.serving is not None else None
     return {"action": p.action, "promoted": p.moved,
             "champion": name(champion), "previous_champion": name(p.previous_champion),
             "champion_version": champion or "none",
+            **({"canary": canary.target.name, "canary_from_step": canary.started_at,
+                "canary_servers": ", ".join(canary.servers) or f"{canary.share:.0%} of them"}
+               if canary is not None else {}),
             "actor": actor, "reason": reason,
             "reasons": MetadataValue.md("\n".join(f"- {x}" for x in p.reasons)),
             "serving_sequence": p.serving.sequence if p.serving else -1}
@@ -59,7 +64,8 @@ def staleness_now(instance, store: Storage, name: str, refresh: RefreshPolicyRes
 
 def record_champion_change(context: OpExecutionContext, registry: DrafterRegistry,
                            p: PromotionResult, *, actor: str, reason: str, store: Storage,
-                           refresh: RefreshPolicyResource) -> str | None:
+                           refresh: RefreshPolicyResource, extra: dict | None = None
+                           ) -> str | None:
     """Log a ``serving_drafter`` materialization for a change of champion made outside the
     asset (manual override, rollback), on the refresh partition of the new champion (of the
     one rolled back, when no drafter is left), so the UI shows who serves now and why; and
@@ -72,13 +78,32 @@ def record_champion_change(context: OpExecutionContext, registry: DrafterRegistr
     ensure_partition(context.instance, refresh_steps, key)
     context.log_event(AssetMaterialization(
         "serving_drafter", partition=key,
-        metadata=champion_metadata(p, registry, actor=actor, reason=reason)))
+        metadata=champion_metadata(p, registry, actor=actor, reason=reason) | (extra or {})))
     stale = staleness_now(context.instance, store, registry.model_name, refresh)
     context.log_event(AssetCheckEvaluation(
         asset_key=AssetKey("serving_drafter"), check_name="serving_staleness",
         passed=stale.passed, severity=AssetCheckSeverity.WARN, description=stale.description,
         metadata=stale.metadata, partition=key))
     return key
+
+
+def record_canary_verdict(context: OpExecutionContext, registry: DrafterRegistry,
+                          candidate: str, p: PromotionResult, *, actor: str, reason: str,
+                          evidence: dict, store: Storage, refresh: RefreshPolicyResource
+                          ) -> None:
+    """A canary's verdict as a ``serving_drafter`` event on the candidate's refresh
+    partition, with its evidence: a materialization when it was promoted (the champion
+    changed), an observation when it was rolled back (the champion serves on)."""
+    extra = {"canary_verdict": "promoted" if p.moved else "rolled_back",
+             "canary_evidence": MetadataValue.json(evidence)}
+    if p.moved:
+        record_champion_change(context, registry, p, actor=actor, reason=reason, store=store,
+                               refresh=refresh, extra=extra)
+        return
+    key = step_key(int(registry.get_version(candidate).tags["rl_step"]))
+    context.log_event(AssetObservation(
+        "serving_drafter", partition=key,
+        metadata=champion_metadata(p, registry, actor=actor, reason=reason) | extra))
 
 
 def report_promotion_verified(context: OpExecutionContext, registry: DrafterRegistry,

@@ -31,7 +31,11 @@ from dagster import (
     asset,
 )
 
-from assets.champion import record_champion_change, report_promotion_verified
+from assets.champion import (
+    record_canary_verdict,
+    record_champion_change,
+    report_promotion_verified,
+)
 from assets.charts import logged_chart
 from assets.loop_chart import LOOP_CHART, publish_loop_chart
 from assets.partitions import rl_steps, step_of
@@ -65,6 +69,7 @@ def serving_acceptance(context: AssetExecutionContext, storage: StorageResource,
     name = model_name(mlflow.target_family)
     with fail_fast_on_permanent_errors():
         observed = observe_step(store, step, name)
+        canary = _settle_canary(context, store, mlflow, serving, refresh)
         _verify_serving(context, store, mlflow, serving, refresh)
     key = publish_loop_chart(store, name, step, context.instance)
     chart = logged_chart(mlflow, lambda: _serving_run(mlflow, store, name), LOOP_CHART,
@@ -75,6 +80,7 @@ def serving_acceptance(context: AssetExecutionContext, storage: StorageResource,
         "rollouts": observed.rollouts, "with_counters": observed.with_counters,
         "impossible_counters": sum(v.impossible for v in observed.versions),
         **per_version,
+        **({"canary": canary} if canary else {}),
         "versions": MetadataValue.md(_table(observed)),
         "chart": chart})
 
@@ -87,6 +93,42 @@ def _serving_run(mlflow: MlflowResource, store, name: str):
         return None, None  # no MLflow connection needed
     registry = mlflow.build()
     return registry.runs, registry.get_version(serving.target.registry_version).run_id
+
+
+def _settle_canary(context, store, mlflow: MlflowResource, serving: ServingResource,
+                   refresh: RefreshPolicyResource) -> str | None:
+    """Judge the canary serving now, if one does, and act on its verdict: promoted to every
+    server or rolled back, each a ``serving_drafter`` event recorded under the promotion
+    lock; a promoted canary's ``promotion_verified`` result too. Returns the verdict's
+    sentence (None: no canary serves)."""
+    from dataclasses import asdict
+
+    from pipeline.monitor import stage as monitor_stage
+
+    @functools.cache
+    def connect():
+        registry = mlflow.build()
+        return registry, serving.build(store, registry.model_name)
+
+    def applied(verdict, result) -> None:  # under the promotion lock
+        evidence = asdict(verdict.evidence) if verdict.evidence else {}
+        record_canary_verdict(context, connect()[0], verdict.candidate, result,
+                              actor=monitor_stage.CANARY_ACTOR, reason=verdict.reason,
+                              evidence=evidence, store=store, refresh=refresh)
+
+    checked = monitor_stage.settle_canary(store, model_name(mlflow.target_family), connect,
+                                          serving.canary_policy(), serving.verify_policy(),
+                                          on_applied=applied)
+    if checked.verdict is None:
+        return None
+    context.log.info(f"canary: {checked.verdict.action}: {checked.verdict.reason}"
+                     + (f" ({checked.note})" if checked.note else ""))
+    if checked.verified is not None:
+        outcome = monitor_stage.outcome_of(checked.verified)
+        if outcome.established:
+            report_promotion_verified(context, connect()[0], checked.verdict.candidate,
+                                      outcome)
+    return checked.verdict.reason
 
 
 def _verify_serving(context, store, mlflow: MlflowResource, serving: ServingResource,

@@ -148,7 +148,8 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
     step = step_of(context.partition_key)
     with fail_fast_on_permanent_errors():
         r = serve_stage.run(store, registry, serving.build(store, registry.model_name), step,
-                            config.to_core(), dagster_run_id=context.run.run_id)
+                            config.to_core(), dagster_run_id=context.run.run_id,
+                            canary=serving.canary_plan())
     p = r.promotion
     context.log.info(f"step {step}: {p.action} ({'; '.join(p.reasons)})")
     p, verified = _verify(context, store, registry, serving, step, p)
@@ -161,10 +162,9 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
                             f"{type(e).__name__}: {e}")
         chart = f"not drawn: {type(e).__name__}: {e}"
     else:  # on the run of the drafter this refresh decided on
-        version = r.promotion.version
         chart = logged_chart(mlflow, lambda: (registry.runs, registry.get_version(
-            version).run_id if version else None), LOOP_CHART, store.read_bytes(key),
-            store.url(key), context.log)
+            r.candidate).run_id), LOOP_CHART, store.read_bytes(key), store.url(key),
+            context.log)
     metadata = {
         **_headline(r, p, registry),
         **champion_metadata(p, registry, actor=GATE_ACTOR, reason=f"refresh at step {step}"),
@@ -185,7 +185,7 @@ def serving_drafter(context: AssetExecutionContext, config: GateConfig,
 def _headline(r, p: PromotionResult, registry: DrafterRegistry) -> dict:
     """What a reader needs first: the decision, the candidate against its baseline (τ
     rounded, the gain), and the reason that decided."""
-    d, candidate = r.decision, r.promotion.version
+    d, candidate = r.decision, r.candidate
     baseline = (f"champion v{d.champion_version}" if d.baseline == "champion"
                 else "no drafter")
     gain = f"{d.relative_gain:+.1%}" if math.isfinite(d.relative_gain) else "not comparable"

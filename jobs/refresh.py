@@ -50,6 +50,7 @@ from assets.partitions import (
 )
 from jobs.drafter import DEFAULT_RUN_CONFIG, drafter_refresh
 from pipeline.release.mlflow_registry import model_name
+from pipeline.serving_now import read_serving
 from resources.mlflow import MlflowResource
 from resources.refresh import RefreshPolicyResource
 from resources.run_config import deep_merge
@@ -214,6 +215,10 @@ def drift_sensor(context: SensorEvaluationContext, refresh: RefreshPolicyResourc
     after = json.dumps({"version": version, "armed": verdict.armed})
     if not verdict.trigger:
         return SensorResult(skip_reason=verdict.reason, cursor=after)
+    canary = read_serving(storage.build(), model_name(mlflow.target_family))
+    if canary is not None and canary.canary is not None:  # fire on a later tick, still armed
+        return SkipReason(f"{verdict.reason}; waiting: canary {canary.canary.target.name} "
+                          f"serves part of the servers, and its verdict comes first")
     at = newest_complete(steps, set(steps), refresh.window)  # a window that can train
     if at is None:  # fire on a later tick, still armed
         return SkipReason(f"{verdict.reason}; waiting: no ingested step has its whole "

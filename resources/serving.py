@@ -79,6 +79,27 @@ class ServingResource(ConfigurableResource):
     cache_dir: str | None = Field(
         default=None, description="local drafter copies for restart/reload; unset: "
                                   "$AERIE_HOME/serving-cache")
+    canary_share: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="a drafter the gate passes first serves this "
+                                                 "share of the rollout servers (a canary) "
+                                                 "beside the champion; 0: every server at "
+                                                 "once (docs/concepts/promotion.md, Canaries)")
+    canary_servers: list[str] = Field(
+        default_factory=list, description="the servers a canary serves, by name (server_urls "
+                                          "in vllm-reload and restart modes with {server}, "
+                                          "the launcher's names in manifest mode); instead of "
+                                          "canary_share")
+    canary_steps: int = Field(default=4, ge=1, description="canary: RL steps with both "
+                                                           "drafters drafting before a verdict")
+    canary_min_verify_passes: int = Field(default=200, ge=1, description="canary: verify "
+                                                                         "passes per drafter "
+                                                                         "before a verdict")
+    canary_min_rollouts: int = Field(default=2, ge=1, description="canary: rollouts per "
+                                                                  "drafter for a step to "
+                                                                  "count")
+    canary_min_gain: float = Field(default=0.0, description="canary: the lower end of the "
+                                                            "95% interval of its τ gain over "
+                                                            "the champion must exceed this")
 
     def settings(self) -> SpecParams:
         return SpecParams(num_steps=self.num_steps, eagle_topk=self.topk,
@@ -91,6 +112,22 @@ class ServingResource(ConfigurableResource):
         return VerifyPolicy(min_tau=self.verify_min_tau, min_share=self.verify_min_share,
                             min_cycles=self.verify_min_cycles,
                             min_samples=self.verify_min_samples)
+
+    def canary_plan(self):
+        """Where the gate's next drafter serves first
+        (:class:`~pipeline.release.canary.CanaryPlan`; not enabled: every server at once)."""
+        from pipeline.release.canary import CanaryPlan
+
+        return CanaryPlan(share=self.canary_share, servers=tuple(self.canary_servers))
+
+    def canary_policy(self):
+        """How a canary is judged (:class:`~pipeline.monitor.canary.CanaryPolicy`)."""
+        from pipeline.monitor.canary import CanaryPolicy
+
+        return CanaryPolicy(canary_steps=self.canary_steps,
+                            min_verify_passes=self.canary_min_verify_passes,
+                            min_rollouts=self.canary_min_rollouts,
+                            min_relative_gain=self.canary_min_gain)
 
     def verification(self) -> Literal["live", "reported", "off"]:
         """How promotions are verified (:func:`pipeline.monitor.stage.after_promotion`): on

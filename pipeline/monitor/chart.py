@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LoopEvent:
-    step: int  # the refresh step of the drafter concerned
-    kind: str  # promoted | rolled_back
+    step: int  # the refresh step of the drafter concerned (a canary's: its first RL step)
+    kind: str  # promoted | rolled_back | canary | canary_promoted | canary_rolled_back
     version: str
 
 
@@ -39,6 +39,18 @@ def loop_events(storage: Storage, name: str) -> list[LoopEvent]:
         version = m.target.registry_version if m.target is not None else None
         before = by_sequence.get(m.previous_sequence)
         replaced = before.target if before is not None else None
+        if m.canary is not None and (before is None or before.canary is None):
+            events.append(LoopEvent(m.canary.started_at, "canary",
+                                    m.canary.target.registry_version))
+            continue
+        if before is not None and before.canary is not None:  # a canary's end
+            ended = before.canary.target
+            promoted = m.target is not None and m.target.fingerprint == ended.fingerprint
+            events.append(LoopEvent(before.canary.started_at, "canary_promoted" if promoted
+                                    else "canary_rolled_back", ended.registry_version))
+            if promoted or m.target == replaced:
+                seen.add(version)
+                continue
         back = m.restored_from is not None or version in seen or (
             version is None and replaced is not None)
         if back and replaced is not None:
@@ -89,6 +101,7 @@ def loop_figure(observed: Sequence[StepAcceptance], offline: Mapping[int, float]
             if trigger is not None:
                 ax.annotate(trigger, (s, offline[s]), xytext=(4, 4), textcoords="offset points",
                             fontsize=7, color="#d62728" if trigger == "drift" else "black")
+    _canaries(ax, observed, events)
     for kind, color in (("promoted", "#2ca02c"), ("rolled_back", "#d62728")):
         for i, e in enumerate(x for x in events if x.kind == kind):
             ax.axvline(e.step, color=color, linestyle="--", linewidth=1,
@@ -103,6 +116,24 @@ def loop_figure(observed: Sequence[StepAcceptance], offline: Mapping[int, float]
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize=7)
     return fig
+
+
+def _canaries(ax, observed: Sequence[StepAcceptance], events: Sequence[LoopEvent]) -> None:
+    """Each canary as a shaded span over the RL steps it drafted beside another drafter,
+    ended by its verdict (green: promoted to every server, red: rolled back)."""
+    ends = {e.version: e.kind for e in events if e.kind.startswith("canary_")}
+    for i, e in enumerate(x for x in events if x.kind == "canary"):
+        shared = [o.step for o in observed if o.step >= e.step and o.of(e.version) is not None
+                  and sum(v.tau is not None for v in o.versions) >= 2]
+        end = max(shared, default=e.step)
+        ax.axvspan(e.step - 0.5, end + 0.5, color="#ff7f0e", alpha=0.12,
+                   label="canary" if i == 0 else None)
+        kind = ends.get(e.version)
+        if kind is not None:
+            color = "#2ca02c" if kind == "canary_promoted" else "#d62728"
+            verdict = "promoted" if kind == "canary_promoted" else "rolled back"
+            ax.annotate(f"v{e.version} {verdict}", (end + 0.5, 1.0), xytext=(2, 22),
+                        textcoords="offset points", color=color, fontsize=7)
 
 
 def _version_order(version: str) -> tuple[int, str]:

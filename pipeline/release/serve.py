@@ -31,6 +31,7 @@ from pipeline.verified import fetch
 class Released:
     decision: Decision
     promotion: PromotionResult
+    candidate: str  # the registry version the gate decided on
 
 
 def run(storage: Storage, registry: DrafterRegistry, serving: ServingBackend,
@@ -59,7 +60,7 @@ def run(storage: Storage, registry: DrafterRegistry, serving: ServingBackend,
     else:
         result = promote(registry, serving, version.version, decision,
                          dagster_run_id=dagster_run_id)
-    return Released(decision, result)
+    return Released(decision, result, version.version)
 
 
 def _summary(report: AcceptanceReport, c: Contestant, version: str | None) -> EvalSummary:
