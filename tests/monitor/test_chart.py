@@ -68,3 +68,24 @@ def test_a_loop_of_no_drafter_yet_draws_without_a_warning():
     (ax,) = fig.axes
     low, high = ax.get_ylim()
     assert low == 1.0 and high > low
+
+
+def test_a_canary_is_one_event_when_it_starts_and_one_when_it_is_decided(tmp_path):
+    d = Drafters(tmp_path, NAME)
+    serving = d.manifest
+    serving.apply(d.targets["1"], reason="promote v1")
+    serving.start_canary(d.targets["2"], started_at=5, share=0.5, reason="canary v2")
+    serving.apply(d.targets["2"], reason="canary v2 promoted")
+    serving.start_canary(d.targets["3"], started_at=9, share=0.5, reason="canary v3")
+    serving.restore(serving.current(), reason="canary v3 rolled back")
+    assert loop_events(d.storage, NAME) == [
+        LoopEvent(1, "promoted", "1"), LoopEvent(5, "canary", "2"),
+        LoopEvent(5, "canary_promoted", "2"), LoopEvent(9, "canary", "3"),
+        LoopEvent(9, "canary_rolled_back", "3")]
+    observed = [summarise(s, [{"drafter_version": v, "verify_ct": 10,
+                               "completion_tokens": 25} for v in ("1", "2")])
+                for s in (5, 6, 7)]
+    figure = loop_figure(observed, {}, loop_events(d.storage, NAME))
+    texts = [t.get_text() for t in figure.axes[0].texts]
+    assert "v2 promoted" in texts and "v3 rolled back" in texts
+    assert "canary" in figure.axes[0].get_legend_handles_labels()[1]

@@ -119,3 +119,18 @@ def test_a_rerun_of_the_served_drafter_changes_nothing_and_says_so(world, rerun)
     assert serving_history(storage, registry.model_name) == ledger
     assert read_serving(storage, registry.model_name) == ledger[-1]
     assert registry.champion().version == "1"
+
+
+def test_with_canary_share_the_gate_starts_a_canary_and_the_champion_serves_on(world):
+    instance, storage, registry, resources, drafter = world
+    write_report(storage, drafter, with_champion=False)
+    resources = {**resources, "serving": ServingResource(canary_share=0.5)}
+    event = serve(instance, resources)
+    assert (event["action"], event["promoted"], event["event"]) == (
+        "canary", False, "observation")  # the champion (none) serves on
+    assert (ver(event["canary"]), event["canary_from_step"]) == ("1", STEP + 1)
+    assert event["canary_servers"] == "50% of them" and event["candidate"].startswith("v1")
+    current = read_serving(storage, registry.model_name)
+    assert current.target is None and current.canary.target.registry_version == "1"
+    assert registry.get_version("1").tags["gate.decision"] == "canary"
+    assert registry.champion() is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -111,3 +112,27 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_command_with_server_runs_once_per_server_and_a_canary_restarts_its_own(
+        published, tmp_path):
+    storage, target = published
+    out = tmp_path / "restarted"
+    out.mkdir()
+    hook = RestartHook([PY, "-c", "import sys, pathlib; pathlib.Path(sys.argv[1], "
+                        "sys.argv[2]).write_text(sys.argv[3])", str(out), "{server}",
+                        "v{registry_version}"], SETTINGS, timeout_s=30,
+                       servers=("s0", "s1", "s2", "s3"))
+    backend = LedgerBackend(ServingLedger(storage, "demo"), SETTINGS, hook,
+                            cache_dir=tmp_path / "cache")
+    backend.apply(target, reason="promote v3")
+    assert {p.name: p.read_text() for p in out.iterdir()} == {f"s{i}": "v3" for i in range(4)}
+    other = replace(target, fingerprint="fp4", registry_version="4")
+    publish_drafter(storage, 4, make_drafter_dir(tmp_path / "d4", seed=4), fingerprint="fp4")
+    other = replace(other, drafter_uri=storage.url("drafters/step=000004"))
+    manifest = backend.start_canary(other, started_at=5, share=0.5, reason="canary v4")
+    assert manifest.canary.servers == ("s0", "s1")
+    assert {p.name: p.read_text() for p in out.iterdir()} == {
+        "s0": "v4", "s1": "v4", "s2": "v3", "s3": "v3"}
+    with pytest.raises(ValueError, match="needs the servers"):
+        RestartHook([PY, "{server}"], SETTINGS)
