@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.layout import DRAFTERS, step_of_prefix
 from pipeline.monitor.observed import StepAcceptance
+from pipeline.release.canary import DECIDED_AT
 from pipeline.serving_now import serving_history
 from pipeline.storage import Storage
 
@@ -23,7 +24,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LoopEvent:
-    step: int  # the refresh step of the drafter concerned (a canary's: its first RL step)
+    step: int  # the refresh step of the drafter concerned (a canary's: its first RL step,
+    # its verdict's: the RL step that decided it)
     kind: str  # promoted | rolled_back | canary | canary_promoted | canary_rolled_back
     version: str
 
@@ -46,7 +48,8 @@ def loop_events(storage: Storage, name: str) -> list[LoopEvent]:
         if before is not None and before.canary is not None:  # a canary's end
             ended = before.canary.target
             promoted = m.target is not None and m.target.fingerprint == ended.fingerprint
-            events.append(LoopEvent(before.canary.started_at, "canary_promoted" if promoted
+            decided = int(m.details.get(DECIDED_AT, before.canary.started_at))
+            events.append(LoopEvent(decided, "canary_promoted" if promoted
                                     else "canary_rolled_back", ended.registry_version))
             if promoted or m.target == replaced:
                 seen.add(version)
@@ -121,19 +124,17 @@ def loop_figure(observed: Sequence[StepAcceptance], offline: Mapping[int, float]
 def _canaries(ax, observed: Sequence[StepAcceptance], events: Sequence[LoopEvent]) -> None:
     """Each canary as a shaded span over the RL steps it drafted beside another drafter,
     ended by its verdict (green: promoted to every server, red: rolled back)."""
-    ends = {e.version: e.kind for e in events if e.kind.startswith("canary_")}
+    ends = {e.version: e for e in events if e.kind.startswith("canary_")}
+    last = max((o.step for o in observed), default=0)
     for i, e in enumerate(x for x in events if x.kind == "canary"):
-        shared = [o.step for o in observed if o.step >= e.step and o.of(e.version) is not None
-                  and sum(v.tau is not None for v in o.versions) >= 2]
-        end = max(shared, default=e.step)
-        ax.axvspan(e.step - 0.5, end + 0.5, color="#ff7f0e", alpha=0.12,
-                   label="canary" if i == 0 else None)
-        kind = ends.get(e.version)
-        if kind is not None:
-            color = "#2ca02c" if kind == "canary_promoted" else "#d62728"
-            verdict = "promoted" if kind == "canary_promoted" else "rolled back"
-            ax.annotate(f"v{e.version} {verdict}", (end + 0.5, 1.0), xytext=(2, 22),
-                        textcoords="offset points", color=color, fontsize=7)
+        end = ends.get(e.version)
+        ax.axvspan(e.step - 0.5, (end.step if end else max(last, e.step)) + 0.5,
+                   color="#ff7f0e", alpha=0.12, label="canary" if i == 0 else None)
+        if end is not None:
+            promoted = end.kind == "canary_promoted"
+            ax.annotate(f"v{e.version} {'promoted' if promoted else 'rolled back'}",
+                        (end.step + 0.5, 1.0), xytext=(2, 22), textcoords="offset points",
+                        color="#2ca02c" if promoted else "#d62728", fontsize=7)
 
 
 def _version_order(version: str) -> tuple[int, str]:

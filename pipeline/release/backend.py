@@ -71,14 +71,16 @@ class ServingBackend(Protocol):
         """What is served now (None: nothing was ever published)."""
         ...
 
-    def apply(self, target: ServingTarget, *, reason: str, token: int | None = None
-              ) -> ServingManifest:
-        """Serve ``target``; raise :class:`ServingError` (old drafter still served) if not.
+    def apply(self, target: ServingTarget, *, reason: str, token: int | None = None,
+              details: dict[str, str] | None = None) -> ServingManifest:
+        """Serve ``target`` (``details`` recorded with it); raise :class:`ServingError`
+        (old drafter still served) if not.
         ``token``: the promotion lease's fencing token (see the ledger)."""
         ...
 
     def restore(self, previous: ServingManifest | None, *, reason: str,
-                token: int | None = None) -> ServingManifest:
+                token: int | None = None, details: dict[str, str] | None = None
+                ) -> ServingManifest:
         """Serve again what ``previous`` served (None or no target: no drafter)."""
         ...
 
@@ -122,15 +124,18 @@ class LedgerBackend:
     def current(self) -> ServingManifest | None:
         return self.ledger.current()
 
-    def apply(self, target: ServingTarget, *, reason: str, token: int | None = None
-              ) -> ServingManifest:
-        return self._switch(target, reason=reason, restored_from=None, token=token)
+    def apply(self, target: ServingTarget, *, reason: str, token: int | None = None,
+              details: dict[str, str] | None = None) -> ServingManifest:
+        return self._switch(target, reason=reason, restored_from=None, token=token,
+                            details=details)
 
     def restore(self, previous: ServingManifest | None, *, reason: str,
-                token: int | None = None) -> ServingManifest:
+                token: int | None = None, details: dict[str, str] | None = None
+                ) -> ServingManifest:
         target = previous.target if previous is not None else None
         return self._switch(target, reason=reason,
-                            restored_from=previous.sequence if previous else None, token=token)
+                            restored_from=previous.sequence if previous else None, token=token,
+                            details=details)
 
     def start_canary(self, target: ServingTarget, *, started_at: int, share: float = 0.0,
                      servers: tuple[str, ...] = (), reason: str, token: int | None = None
@@ -169,26 +174,30 @@ class LedgerBackend:
             else (DEFAULT_ALGORITHM, self.settings))
 
     def _switch(self, target: ServingTarget | None, *, reason: str,
-                restored_from: int | None, token: int | None) -> ServingManifest:
+                restored_from: int | None, token: int | None,
+                details: dict[str, str] | None = None) -> ServingManifest:
         before = self.ledger.current()
         if token is not None:  # before the servers change, not only before the record does
             self.ledger.check_token(token, before)
         served = (DEFAULT_ALGORITHM, self.settings) if target is None else \
             self._served_as(target)
         return self._publish(before, target, reason=reason, token=token,
-                             restored_from=restored_from, canary=None, served=served)
+                             restored_from=restored_from, canary=None, served=served,
+                             recorded=details)
 
     def _publish(self, before: ServingManifest | None, target: ServingTarget | None, *,
                  reason: str, token: int | None, restored_from: int | None,
-                 canary: Canary | None, served: tuple[str, SpecParams]) -> ServingManifest:
-        """Activate the change from ``before`` on the servers it concerns, then record it;
-        a record that fails re-activates ``before``."""
+                 canary: Canary | None, served: tuple[str, SpecParams],
+                 recorded: dict[str, str] | None = None) -> ServingManifest:
+        """Activate the change from ``before`` on the servers it concerns, then record it
+        (with the caller's ``recorded`` details); a record that fails re-activates
+        ``before``."""
         algorithm, settings = served
-        details: dict[str, str] = {}
+        details: dict[str, str] = dict(recorded or {})
         if self.actuator is not None:
             after = (target, canary)
-            details = self._activate(_layout(before, self.actuator),
-                                     _layout_of(after, self.actuator), before, after)
+            details |= self._activate(_layout(before, self.actuator),
+                                      _layout_of(after, self.actuator), before, after)
         try:
             return self.ledger.publish(target, settings, mode=self.mode, reason=reason,
                                        restored_from=restored_from, details=details,

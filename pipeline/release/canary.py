@@ -50,6 +50,7 @@ from pipeline.release.promotion import (
 CANARY_TAG = "canary"  # JSON: the version's canary, started and then decided
 SERVING, PROMOTED_STATE, ROLLED_BACK_STATE = "serving", "promoted", "rolled_back"
 CANARY_STARTED, CANARY_ROLLED_BACK = "canary", "canary_rolled_back"  # PromotionResult.action
+DECIDED_AT = "canary_decided_at_step"  # serving details: the RL step whose counters decided
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ def conclude_canary(registry: DrafterRegistry, serving: ServingBackend, candidat
         started = json.loads(tags.get(CANARY_TAG, "{}"))
         outcome = {**started, "state": PROMOTED_STATE if promote else ROLLED_BACK_STATE,
                    "reason": reason, "evidence": dict(evidence), "decided_at": now()}
+        decided = {DECIDED_AT: str(max(evidence.get("steps") or [canary.started_at]))}
         record = DecisionRecord(PROMOTED if promote else REFUSED, (reason,), actor, now(),
                                 "champion" if champion else "no-drafter",
                                 float(evidence.get("gain", float("nan"))), champion)
@@ -138,12 +140,12 @@ def conclude_canary(registry: DrafterRegistry, serving: ServingBackend, candidat
                                      {PREVIOUS_CHAMPION: champion or NONE,
                                       CANARY_TAG: outcome},
                                      reason=f"canary v{candidate} promoted to every server: "
-                                            f"{reason}", decision=record)
+                                            f"{reason}", decision=record, details=decided)
             result = PromotionResult("promoted", registry.model_name, candidate, champion,
                                      manifest, (reason,))
         else:
             manifest = serving.restore(current, reason=f"canary v{candidate} rolled back: "
-                                                       f"{reason}")
+                                                       f"{reason}", details=decided)
             n = registry.record_decision(candidate, record)
             registry.set_tags(candidate, {CANARY_TAG: outcome})
             registry.set_standing(candidate, n)

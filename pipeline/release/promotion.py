@@ -318,7 +318,8 @@ def _v(version: str | None) -> str:
 
 def make_champion(registry: DrafterRegistry, serving: ServingBackend, version: str,
                    tags: Mapping[str, Any], *, reason: str,
-                   decision: DecisionRecord | None = None) -> ServingManifest:
+                   decision: DecisionRecord | None = None,
+                   details: dict[str, str] | None = None) -> ServingManifest:
     """Tags (``decision`` as the version's next decision), then serving, then the alias
     (read back); undo serving if the alias fails. The decision becomes the version's
     standing once the switch succeeded."""
@@ -331,7 +332,8 @@ def make_champion(registry: DrafterRegistry, serving: ServingBackend, version: s
         registry.set_tags(version, tags)
     before = serving.current()
     try:
-        manifest = serving.apply(target, reason=reason)
+        manifest = serving.apply(target, reason=reason, **({"details": details} if details
+                                                           else {}))
     except Exception as e:
         _best_effort_tag(registry, version, f"serving update failed: {e}", decision_id)
         raise PromotionNotApplied(f"{registry.model_name} v{version}: serving update "

@@ -110,6 +110,7 @@ def test_a_canary_waits_then_is_promoted_to_every_server(sqlite_registry, storag
     assert applied == [("promote", "promoted")]
     now = serving.current()
     assert now.canary is None and served_version(serving) == v2
+    assert now.details["canary_decided_at_step"] == "23"  # where the loop chart marks it
     assert sqlite_registry.alias(CHAMPION) == v2
     tags = sqlite_registry.get_version(v2).tags
     assert tags["gate.decision"] == "promoted" and tags["previous_champion"] == v1
