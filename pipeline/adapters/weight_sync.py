@@ -30,6 +30,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from pipeline.release.actuators import (
@@ -41,6 +42,7 @@ from pipeline.release.actuators import actuator_factory as serving_actuator
 from pipeline.release.backend import ServingRefused
 from pipeline.serving_now import (
     ServingLaunch,
+    canary_servers,
     launch_of,
     read_serving,
     read_serving_entry,
@@ -96,7 +98,7 @@ class DrafterSync:
             sequence = current.sequence if current else None
             if current is None or sequence in (self.sequence, self._refused):
                 return None
-            new = launch_of(self.storage, current, self.cache_dir)
+            new = launch_of(self.storage, replace(current, canary=None), self.cache_dir)
             self._hand_over(new)
         except Exception as e:  # never stops the RL run; see the class docstring
             self.last_error = f"serving manifest {sequence}: {type(e).__name__}: {e}"
@@ -132,11 +134,38 @@ class DrafterSync:
         if self.actuator_for is None:
             return
         actuator = self.actuator_for(new.manifest.settings)
-        if new.drafter_dir is not None:
-            current = self.launch.drafter_dir if self.launch else None
-            actuator.check(new.drafter_dir, current if actuator.compares_with_current
+        current = self.launch.drafter_dir if self.launch else None
+        canary = self._canary(new)
+        if canary is not None:  # the champion's servers first, then the canary's
+            servers, launch = canary
+            rest = tuple(s for s in actuator.servers if s not in servers)
+            self._activate(actuator.on(rest), new, current)
+            part = self.actuator_for(launch.manifest.settings).on(servers)
+            self._activate(part, launch, current)
+            return
+        self._activate(actuator, new, current)
+
+    def _canary(self, new: ServingLaunch) -> tuple[tuple[str, ...], ServingLaunch] | None:
+        """The canary's servers and its launch, when the manifest carries a canary; a mode
+        that cannot address servers one by one refuses it (the champion serves on)."""
+        current = read_serving_entry(self.storage, self.name, new.manifest.sequence)
+        if current.canary is None:
+            return None
+        actuator = self.actuator_for(current.settings)
+        fleet = tuple(getattr(actuator, "servers", ()) or ())
+        servers = canary_servers(current.canary, fleet)
+        if not servers:
+            raise ServingRefused(f"canary {current.canary.target.name}: this sync's mode "
+                                 f"cannot serve it on part of its servers {list(fleet)}")
+        return servers, launch_of(self.storage, current.on(servers[0], fleet),
+                                  self.cache_dir)
+
+    @staticmethod
+    def _activate(actuator, launch: ServingLaunch, current: Path | None) -> None:
+        if launch.drafter_dir is not None:
+            actuator.check(launch.drafter_dir, current if actuator.compares_with_current
                            else None)
-        actuator.activate(new.drafter_dir, new.manifest.target)
+        actuator.activate(launch.drafter_dir, launch.manifest.target)
 
 
 def actuator_factory(mode: str, *, server_urls: list[str] | None = None,

@@ -255,3 +255,18 @@ def test_slimes_post_write_hook_syncs_on_rank_zero(deployment, monkeypatch, tmp_
     monkeypatch.setattr(slime_hook, "_rank", lambda: 0)
     slime_hook.post_write(object(), str(tmp_path / "weight_v000002"), [])
     assert served(url)["digest"] == drafters.digest("2")
+
+
+def test_a_canary_reaches_only_its_verl_servers_and_its_promotion_the_rest(
+        deployment, monkeypatch):
+    drafters, _ = deployment
+    servers = [_ServerActor(drafters.dirs["1"]), _ServerActor(drafters.dirs["1"])]
+    manager = _verl_manager(drafters, monkeypatch, *servers)
+    drafters.manifest.start_canary(drafters.targets["2"], started_at=5,
+                                   servers=("replica-1/server-0",), reason="canary v2")
+    manager.update_weights(5)
+    assert manager.drafter_sync.last_error is None
+    assert [s.digest() for s in servers] == [{drafters.digest("1")}, {drafters.digest("2")}]
+    drafters.manifest.apply(drafters.targets["2"], reason="canary v2 promoted")
+    manager.update_weights(8)
+    assert [s.digest() for s in servers] == [{drafters.digest("2")}] * 2
