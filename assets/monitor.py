@@ -10,6 +10,11 @@ floor, the promotion is rolled back. A verdict, once reached, is the result of
 promoted the drafter (one check, one meaning, wherever the verdict comes from); until then
 that check stays not evaluated.
 
+A canary serving part of the servers (``canary_share``) is judged here after every step
+(:func:`pipeline.monitor.stage.settle_canary`): promoted to every server or rolled back once
+decided, each verdict a ``serving_drafter`` event with its evidence, recorded under the
+promotion lock like the rollback below.
+
 It runs outside the pool ``promotion``, so that ingesting an RL step never waits for a
 promotion: judging reads only. A rollback takes the promotion lock, as every change of
 champion does (:func:`pipeline.release.promotion.rollback`; it waits for a promotion in
