@@ -42,6 +42,7 @@ from pipeline.release.actuators import actuator_factory as serving_actuator
 from pipeline.release.backend import ServingRefused
 from pipeline.serving_now import (
     ServingLaunch,
+    ServingManifest,
     canary_servers,
     launch_of,
     read_serving,
@@ -99,7 +100,7 @@ class DrafterSync:
             if current is None or sequence in (self.sequence, self._refused):
                 return None
             new = launch_of(self.storage, replace(current, canary=None), self.cache_dir)
-            self._hand_over(new)
+            self._hand_over(new, current)
         except Exception as e:  # never stops the RL run; see the class docstring
             self.last_error = f"serving manifest {sequence}: {type(e).__name__}: {e}"
             if isinstance(e, ServingRefused | IntegrityError) and sequence is not None:
@@ -130,12 +131,12 @@ class DrafterSync:
             return False
         return True
 
-    def _hand_over(self, new: ServingLaunch) -> None:
+    def _hand_over(self, new: ServingLaunch, current_manifest: ServingManifest) -> None:
         if self.actuator_for is None:
             return
         actuator = self.actuator_for(new.manifest.settings)
         current = self.launch.drafter_dir if self.launch else None
-        canary = self._canary(new)
+        canary = self._canary(current_manifest, actuator)
         if canary is not None:  # the champion's servers first, then the canary's
             servers, launch = canary
             rest = tuple(s for s in actuator.servers if s not in servers)
@@ -145,13 +146,12 @@ class DrafterSync:
             return
         self._activate(actuator, new, current)
 
-    def _canary(self, new: ServingLaunch) -> tuple[tuple[str, ...], ServingLaunch] | None:
+    def _canary(self, current: ServingManifest, actuator
+                ) -> tuple[tuple[str, ...], ServingLaunch] | None:
         """The canary's servers and its launch, when the manifest carries a canary; a mode
         that cannot address servers one by one refuses it (the champion serves on)."""
-        current = read_serving_entry(self.storage, self.name, new.manifest.sequence)
         if current.canary is None:
             return None
-        actuator = self.actuator_for(current.settings)
         fleet = tuple(getattr(actuator, "servers", ()) or ())
         servers = canary_servers(current.canary, fleet)
         if not servers:

@@ -332,8 +332,7 @@ def make_champion(registry: DrafterRegistry, serving: ServingBackend, version: s
         registry.set_tags(version, tags)
     before = serving.current()
     try:
-        manifest = serving.apply(target, reason=reason, **({"details": details} if details
-                                                           else {}))
+        manifest = serving.apply(target, reason=reason, details=details)
     except Exception as e:
         _best_effort_tag(registry, version, f"serving update failed: {e}", decision_id)
         raise PromotionNotApplied(f"{registry.model_name} v{version}: serving update "

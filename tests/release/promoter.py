@@ -45,15 +45,15 @@ class CountingServing:
     def current(self):
         return self.inner.current()
 
-    def apply(self, target, *, reason, token=None):
+    def apply(self, target, *, reason, token=None, details=None):
         if self.hold is not None:
             self.hold()
-        manifest = self.inner.apply(target, reason=reason, token=token)
+        manifest = self.inner.apply(target, reason=reason, token=token, details=details)
         self.applied += 1
         return manifest
 
-    def restore(self, previous, *, reason, token=None):
-        return self.inner.restore(previous, reason=reason, token=token)
+    def restore(self, previous, *, reason, token=None, details=None):
+        return self.inner.restore(previous, reason=reason, token=token, details=details)
 
 
 def main(job: dict) -> None:

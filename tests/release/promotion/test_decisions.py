@@ -161,7 +161,7 @@ def test_a_forced_promotion_is_a_decision_too(sqlite_registry, serving, storage,
 class _FailingApply(LedgerBackend):
     """Serving that refuses every update (a restart hook that keeps failing)."""
 
-    def apply(self, target, *, reason):
+    def apply(self, target, *, reason, details=None):
         raise ServingError("restart hook timed out")
 
 
